@@ -1,0 +1,149 @@
+// Package contract defines the message contract between outbox-relay and the
+// services that consume its events: the NATS headers the relay sets on every
+// event and on every dead-letter record, and a parser that turns the headers of
+// a received message back into a typed [Event].
+//
+// The relay (router package) writes these headers and the consumer library
+// reads them; both import this package so the two sides cannot drift apart.
+// The contract is documented for other languages in the README ("Header
+// contract").
+package contract
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// Event headers, set by the relay on every event it publishes.
+const (
+	// MsgID is JetStream's de-duplication header; the relay sets it to the
+	// event id so a re-publish after a crash is dropped by the stream.
+	MsgID = "Nats-Msg-Id"
+	// EventID is the outbox row's event id (a UUID in the default schema).
+	EventID = "Outbox-Event-Id"
+	// EventType is the outbox row's event type, e.g. RegistrationConfirmed.
+	EventType = "Outbox-Event-Type"
+	// AggregateType is the aggregate type: the row's aggregate_type column,
+	// the table's configured constant, or the table name.
+	AggregateType = "Outbox-Aggregate-Type"
+	// AggregateID is the aggregate id, unescaped (the subject holds the
+	// escaped form).
+	AggregateID = "Outbox-Aggregate-Id"
+	// AggregateVersion is the aggregate version as a decimal int64.
+	AggregateVersion = "Outbox-Aggregate-Version"
+	// OccurredAt is the row's occurred_at in RFC 3339 with nanoseconds, UTC.
+	// Absent when the table maps no occurred_at column.
+	OccurredAt = "Outbox-Occurred-At"
+	// CommitLSN is the commit LSN of the transaction that inserted the row,
+	// in PostgreSQL's text form (e.g. 0/16B3748).
+	CommitLSN = "Outbox-Commit-LSN"
+	// CommitTime is the commit time of that transaction, RFC 3339 UTC.
+	CommitTime = "Outbox-Commit-Time"
+	// Table is the schema-qualified outbox table, e.g. public.outbox, or
+	// "message:<prefix>" for a table-less event.
+	Table = "Outbox-Table"
+	// ContentType is always application/json for events.
+	ContentType = "Content-Type"
+	// ExtraPrefix starts the name of headers mapped from extra columns when
+	// the configuration does not name them explicitly.
+	ExtraPrefix = "Outbox-Extra-"
+)
+
+// Dead-letter headers, set by the relay on records of its dead-letter stream.
+const (
+	// DLQReason is the human-readable reason the row could not be relayed.
+	DLQReason = "Outbox-DLQ-Reason"
+	// DLQReasonClass is a stable machine-readable class of the reason, e.g.
+	// missing_field, invalid_field, too_large, rejected_by_broker.
+	DLQReasonClass = "Outbox-DLQ-Reason-Class"
+	// DLQLSN is the WAL position of the row's change.
+	DLQLSN = "Outbox-DLQ-LSN"
+)
+
+// JSONContentType is the value of the Content-Type header of events.
+const JSONContentType = "application/json"
+
+// Event is the typed form of an event message's headers and payload.
+type Event struct {
+	ID               string
+	Type             string
+	AggregateType    string
+	AggregateID      string
+	AggregateVersion int64
+	OccurredAt       time.Time // zero when absent
+	CommitLSN        string
+	CommitTime       time.Time // zero when absent
+	Table            string
+	Payload          []byte
+}
+
+// ErrInvalidEvent reports a message that does not follow the contract: a
+// required header is missing or malformed. It is permanent: redelivering the
+// same message cannot fix it.
+var ErrInvalidEvent = errors.New("invalid outbox event")
+
+// FieldError names the header that broke the contract.
+type FieldError struct {
+	Header string
+	Reason string
+}
+
+func (e *FieldError) Error() string {
+	return fmt.Sprintf("%s: header %s %s", ErrInvalidEvent, e.Header, e.Reason)
+}
+
+// Unwrap lets errors.Is(err, ErrInvalidEvent) match.
+func (e *FieldError) Unwrap() error { return ErrInvalidEvent }
+
+// Parse reads an event from a message's headers and data. It requires the
+// event id, type, aggregate type, aggregate id and aggregate version headers;
+// the time headers are parsed when present.
+func Parse(h nats.Header, data []byte) (Event, error) {
+	ev := Event{
+		ID:            h.Get(EventID),
+		Type:          h.Get(EventType),
+		AggregateType: h.Get(AggregateType),
+		CommitLSN:     h.Get(CommitLSN),
+		Table:         h.Get(Table),
+		Payload:       data,
+	}
+	if ev.ID == "" {
+		ev.ID = h.Get(MsgID)
+	}
+	// Values() keeps an empty aggregate id apart from a missing header: the
+	// relay escapes empty ids in subjects, so they are legal.
+	ids := h.Values(AggregateID)
+	switch {
+	case ev.ID == "":
+		return ev, &FieldError{Header: EventID, Reason: "is missing"}
+	case ev.Type == "":
+		return ev, &FieldError{Header: EventType, Reason: "is missing"}
+	case len(ids) == 0:
+		return ev, &FieldError{Header: AggregateID, Reason: "is missing"}
+	}
+	ev.AggregateID = ids[0]
+	v := h.Get(AggregateVersion)
+	if v == "" {
+		return ev, &FieldError{Header: AggregateVersion, Reason: "is missing"}
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return ev, &FieldError{Header: AggregateVersion, Reason: fmt.Sprintf("is not an int64: %q", v)}
+	}
+	ev.AggregateVersion = n
+	if s := h.Get(OccurredAt); s != "" {
+		if ev.OccurredAt, err = time.Parse(time.RFC3339Nano, s); err != nil {
+			return ev, &FieldError{Header: OccurredAt, Reason: fmt.Sprintf("is not RFC 3339: %q", s)}
+		}
+	}
+	if s := h.Get(CommitTime); s != "" {
+		if ev.CommitTime, err = time.Parse(time.RFC3339Nano, s); err != nil {
+			return ev, &FieldError{Header: CommitTime, Reason: fmt.Sprintf("is not RFC 3339: %q", s)}
+		}
+	}
+	return ev, nil
+}
