@@ -1,0 +1,12 @@
+-- The publication outbox-relay reads. publish = 'insert' keeps UPDATEs and
+-- DELETEs of outbox rows (cleanup, publish_state changes, the
+-- insert-then-delete pattern) out of the WAL stream the relay sees: only the
+-- INSERT is an event. `outbox-relay setup` creates the same publication for
+-- the tables in its configuration.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = 'outbox_relay') THEN
+        CREATE PUBLICATION outbox_relay FOR TABLE outbox WITH (publish = 'insert');
+    END IF;
+END
+$$;
