@@ -1,0 +1,71 @@
+package replication
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Errors that need an operator: each one stops the relay with a message that
+// says what to fix. Callers branch on them with errors.Is.
+var (
+	// ErrWalLevel means the server's wal_level is not logical.
+	ErrWalLevel = errors.New("wal_level is not logical")
+	// ErrNoReplicationRole means the role lacks the REPLICATION attribute.
+	ErrNoReplicationRole = errors.New("role lacks the REPLICATION attribute")
+	// ErrSlotInUse means another process streams from the slot. With
+	// several relay instances this is the normal state of the standbys.
+	ErrSlotInUse = errors.New("replication slot is in use by another process")
+	// ErrSlotLost means the slot's WAL was removed before the relay read it
+	// (wal_status = 'lost'): events committed in that WAL were never relayed.
+	ErrSlotLost = errors.New("replication slot was invalidated: events were lost")
+	// ErrSlotMissing means the slot does not exist and the relay was told
+	// not to create it.
+	ErrSlotMissing = errors.New("replication slot does not exist")
+	// ErrSlotMismatch means a slot of that name exists but belongs to
+	// another database or output plugin.
+	ErrSlotMismatch = errors.New("replication slot belongs to another database or plugin")
+	// ErrPublicationMissing means the publication does not exist and the
+	// relay was told not to create it.
+	ErrPublicationMissing = errors.New("publication does not exist")
+	// ErrTableMissing means a configured outbox table does not exist.
+	ErrTableMissing = errors.New("outbox table does not exist")
+	// ErrProtocol reports a replication message the relay cannot decode or
+	// that breaks the protocol's rules; it is not retryable by reconnecting.
+	ErrProtocol = errors.New("replication protocol error")
+)
+
+// ActionableError adds an operator hint to one of the sentinel errors above.
+type ActionableError struct {
+	Err    error  // one of the sentinels
+	Detail string // what was observed
+	Hint   string // what to do
+}
+
+func (e *ActionableError) Error() string {
+	s := e.Err.Error()
+	if e.Detail != "" {
+		s += ": " + e.Detail
+	}
+	if e.Hint != "" {
+		s += " (" + e.Hint + ")"
+	}
+	return s
+}
+
+// Unwrap returns the sentinel.
+func (e *ActionableError) Unwrap() error { return e.Err }
+
+func actionable(err error, hint string, detailFormat string, args ...any) error {
+	return &ActionableError{Err: err, Detail: fmt.Sprintf(detailFormat, args...), Hint: hint}
+}
+
+// IsPermanent reports whether err needs an operator rather than a
+// reconnect: bad settings, a lost or foreign slot, an undecodable stream.
+func IsPermanent(err error) bool {
+	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrTableMissing, ErrProtocol} {
+		if errors.Is(err, p) {
+			return true
+		}
+	}
+	return false
+}

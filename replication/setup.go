@@ -1,0 +1,309 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// SetupReport lists what Setup did, in order, for people to read.
+type SetupReport struct {
+	Actions []string
+}
+
+func (r *SetupReport) add(format string, args ...any) {
+	r.Actions = append(r.Actions, fmt.Sprintf(format, args...))
+}
+
+// SlotStatus is a row of pg_replication_slots.
+type SlotStatus struct {
+	Exists    bool
+	Plugin    string
+	Database  string
+	Active    bool
+	ActivePID int32
+	// WALStatus is reserved, extended, unreserved or lost.
+	WALStatus         string
+	ConfirmedFlushLSN LSN
+	RestartLSN        LSN
+	// RetainedBytes is pg_current_wal_lsn() - restart_lsn: the WAL the slot
+	// keeps on the server's disk.
+	RetainedBytes int64
+	// LagBytes is pg_current_wal_lsn() - confirmed_flush_lsn.
+	LagBytes int64
+}
+
+// Setup creates the publication and the slot if they do not exist and checks
+// that the server can run the relay. It is idempotent: a second call reports
+// that everything already exists.
+func Setup(ctx context.Context, cfg Config) (*SetupReport, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	conn, err := connectSQL(ctx, cfg.URL)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(ctx)
+	rep := &SetupReport{}
+	if err := checkServer(ctx, conn); err != nil {
+		return nil, err
+	}
+	if err := ensurePublication(ctx, conn, cfg, rep, true); err != nil {
+		return nil, err
+	}
+	if err := ensureSlot(ctx, conn, cfg, rep, true); err != nil {
+		return nil, err
+	}
+	return rep, nil
+}
+
+// Check verifies, without changing anything, that the server, publication
+// and slot are ready for streaming.
+func Check(ctx context.Context, cfg Config) error {
+	if err := cfg.setDefaults(); err != nil {
+		return err
+	}
+	conn, err := connectSQL(ctx, cfg.URL)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if err := checkServer(ctx, conn); err != nil {
+		return err
+	}
+	if err := ensurePublication(ctx, conn, cfg, &SetupReport{}, false); err != nil {
+		return err
+	}
+	return ensureSlot(ctx, conn, cfg, &SetupReport{}, false)
+}
+
+// DropSlot drops the slot. The publication is left alone: it holds no WAL.
+func DropSlot(ctx context.Context, cfg Config) (bool, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return false, err
+	}
+	conn, err := connectSQL(ctx, cfg.URL)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close(ctx)
+	st, err := slotStatus(ctx, conn, cfg.Slot)
+	if err != nil {
+		return false, err
+	}
+	if !st.Exists {
+		return false, nil
+	}
+	if st.Active {
+		return false, actionable(ErrSlotInUse, "stop the relay before dropping its slot", "slot %q is streaming to pid %d", cfg.Slot, st.ActivePID)
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_drop_replication_slot($1)", cfg.Slot); err != nil {
+		return false, fmt.Errorf("drop slot %q: %w", cfg.Slot, err)
+	}
+	return true, nil
+}
+
+// Status reads the slot's row of pg_replication_slots.
+func Status(ctx context.Context, url, slot string) (SlotStatus, error) {
+	conn, err := connectSQL(ctx, url)
+	if err != nil {
+		return SlotStatus{}, err
+	}
+	defer conn.Close(ctx)
+	return slotStatus(ctx, conn, slot)
+}
+
+func connectSQL(ctx context.Context, url string) (*pgx.Conn, error) {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("parse postgres URL: %w", redactErr(err))
+	}
+	delete(cfg.RuntimeParams, "replication")
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to postgres %s: %w", describe(cfg.Config), err)
+	}
+	return conn, nil
+}
+
+func describe(c pgconn.Config) string {
+	return fmt.Sprintf("%s@%s:%d/%s", c.User, c.Host, c.Port, c.Database)
+}
+
+func checkServer(ctx context.Context, conn *pgx.Conn) error {
+	var level string
+	if err := conn.QueryRow(ctx, "SHOW wal_level").Scan(&level); err != nil {
+		return fmt.Errorf("read wal_level: %w", err)
+	}
+	if level != "logical" {
+		return actionable(ErrWalLevel, "set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL", "wal_level is %q", level)
+	}
+	var canReplicate bool
+	if err := conn.QueryRow(ctx, "SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user").Scan(&canReplicate); err != nil {
+		return fmt.Errorf("read role attributes: %w", err)
+	}
+	if !canReplicate {
+		var user string
+		_ = conn.QueryRow(ctx, "SELECT current_user").Scan(&user)
+		return actionable(ErrNoReplicationRole, fmt.Sprintf("run ALTER ROLE %s WITH REPLICATION as a superuser", pgx.Identifier{user}.Sanitize()), "role %q", user)
+	}
+	return nil
+}
+
+func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport, create bool) error {
+	var quoted []string
+	for _, t := range cfg.Tables {
+		ident := splitQualified(t)
+		var ok bool
+		if err := conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", ident.Sanitize()).Scan(&ok); err != nil {
+			return fmt.Errorf("look up table %s: %w", t, err)
+		}
+		if !ok {
+			return actionable(ErrTableMissing, "create it (see sql/outbox.sql) or fix the table name in the configuration", "table %s", t)
+		}
+		quoted = append(quoted, ident.Sanitize())
+	}
+	var exists, pubInsert bool
+	err := conn.QueryRow(ctx, "SELECT true, pubinsert FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&exists, &pubInsert)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("look up publication %q: %w", cfg.Publication, err)
+	}
+	name := pgx.Identifier{cfg.Publication}.Sanitize()
+	if !exists {
+		if !create {
+			return actionable(ErrPublicationMissing, "run `outbox-relay setup`", "publication %q", cfg.Publication)
+		}
+		sql := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')", name, strings.Join(quoted, ", "))
+		if _, err := conn.Exec(ctx, sql); err != nil {
+			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
+		}
+		rep.add("created publication %s for %s (publish = 'insert')", cfg.Publication, strings.Join(cfg.Tables, ", "))
+		return nil
+	}
+	if !pubInsert {
+		return actionable(ErrPublicationMissing, fmt.Sprintf("run ALTER PUBLICATION %s SET (publish = 'insert')", name), "publication %q does not publish inserts", cfg.Publication)
+	}
+	for i, t := range cfg.Tables {
+		ident := splitQualified(t)
+		var in bool
+		if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)", cfg.Publication, ident[0], ident[1]).Scan(&in); err != nil {
+			return fmt.Errorf("look up publication tables: %w", err)
+		}
+		if in {
+			continue
+		}
+		if !create {
+			return actionable(ErrPublicationMissing, "run `outbox-relay setup`", "publication %q does not include table %s", cfg.Publication, t)
+		}
+		if _, err := conn.Exec(ctx, fmt.Sprintf("ALTER PUBLICATION %s ADD TABLE %s", name, quoted[i])); err != nil {
+			return fmt.Errorf("add %s to publication %q: %w", t, cfg.Publication, err)
+		}
+		rep.add("added table %s to publication %s", t, cfg.Publication)
+	}
+	if len(rep.Actions) == 0 {
+		rep.add("publication %s already exists", cfg.Publication)
+	}
+	return nil
+}
+
+func ensureSlot(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport, create bool) error {
+	st, err := slotStatus(ctx, conn, cfg.Slot)
+	if err != nil {
+		return err
+	}
+	if !st.Exists {
+		if !create {
+			return actionable(ErrSlotMissing, "run `outbox-relay setup`", "slot %q", cfg.Slot)
+		}
+		_, err := conn.Exec(ctx, "SELECT pg_create_logical_replication_slot($1, 'pgoutput')", cfg.Slot)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateObject {
+			// Another instance created it between our look-up and now.
+			return ensureSlot(ctx, conn, cfg, rep, false)
+		}
+		if err != nil {
+			return fmt.Errorf("create slot %q: %w", cfg.Slot, err)
+		}
+		rep.add("created logical replication slot %s (pgoutput)", cfg.Slot)
+		return nil
+	}
+	var db string
+	if err := conn.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		return err
+	}
+	if st.Plugin != "pgoutput" || st.Database != db {
+		return actionable(ErrSlotMismatch, "choose another slot name in the configuration", "slot %q uses plugin %q in database %q, want pgoutput in %q", cfg.Slot, st.Plugin, st.Database, db)
+	}
+	if st.WALStatus == "lost" {
+		return slotLostError(cfg.Slot)
+	}
+	rep.add("slot %s already exists (confirmed_flush_lsn %s)", cfg.Slot, st.ConfirmedFlushLSN)
+	return nil
+}
+
+func slotLostError(slot string) error {
+	return actionable(ErrSlotLost,
+		"the WAL of events committed after the slot's confirmed position was removed, so they were never relayed; "+
+			"run `outbox-relay teardown --yes` and `outbox-relay setup` to start a new slot, then `outbox-relay reconcile --repair` "+
+			"to republish the missing events, and raise max_slot_wal_keep_size",
+		"slot %q has wal_status = 'lost'", slot)
+}
+
+func slotStatus(ctx context.Context, conn *pgx.Conn, slot string) (SlotStatus, error) {
+	var st SlotStatus
+	var plugin, database, walStatus *string
+	var pid *int32
+	var confirmed, restart *string
+	var retained, lag *int64
+	err := conn.QueryRow(ctx, `
+SELECT plugin, database, active, active_pid, wal_status,
+       confirmed_flush_lsn::text, restart_lsn::text,
+       (pg_current_wal_lsn() - restart_lsn)::bigint,
+       (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
+FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&plugin, &database, &st.Active, &pid, &walStatus, &confirmed, &restart, &retained, &lag)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return st, nil
+	}
+	if err != nil {
+		return st, fmt.Errorf("read slot %q: %w", slot, err)
+	}
+	st.Exists = true
+	st.Plugin, st.Database, st.WALStatus = deref(plugin), deref(database), deref(walStatus)
+	if pid != nil {
+		st.ActivePID = *pid
+	}
+	if confirmed != nil {
+		st.ConfirmedFlushLSN, _ = parseLSN(*confirmed)
+	}
+	if restart != nil {
+		st.RestartLSN, _ = parseLSN(*restart)
+	}
+	if retained != nil {
+		st.RetainedBytes = *retained
+	}
+	if lag != nil {
+		st.LagBytes = *lag
+	}
+	return st, nil
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// splitQualified splits "schema.table" (or "table", meaning public.table).
+func splitQualified(t string) pgx.Identifier {
+	if i := strings.IndexByte(t, '.'); i >= 0 {
+		return pgx.Identifier{t[:i], t[i+1:]}
+	}
+	return pgx.Identifier{"public", t}
+}

@@ -1,0 +1,383 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/replication/internal/pgoutput"
+)
+
+// Watermark tells the stream which position it may confirm to PostgreSQL.
+// The publisher's ack tracker implements it; the stream never confirms a
+// position on its own.
+type Watermark interface {
+	// Confirmed returns the end LSN of the newest transaction that, with
+	// every earlier one, is fully acknowledged or dead-lettered.
+	Confirmed() LSN
+	// Idle reports that no transaction is open or waiting for acks: every
+	// change handed out by Next so far is settled.
+	Idle() bool
+}
+
+// Option configures a Stream.
+type Option func(*Stream)
+
+// WithLogger sets the logger (default: no logging).
+func WithLogger(l *zap.Logger) Option { return func(s *Stream) { s.log = l } }
+
+// Stream reads decoded changes from a replication slot. One goroutine owns
+// it: Next, SendStatus and Close must not be called concurrently.
+type Stream struct {
+	cfg  Config
+	wm   Watermark
+	log  *zap.Logger
+	conn *pgconn.PgConn
+
+	start      LSN // slot's confirmed_flush_lsn at START_REPLICATION
+	received   LSN // newest WAL position received
+	serverEnd  LSN // server's sent position from the last keepalive
+	sentFlush  LSN // flush position of the last status update
+	nextStatus time.Time
+
+	relations map[uint32]*Relation
+
+	// Reused decode targets: the values Next returns are valid until the
+	// next call.
+	rawInsert pgoutput.Insert
+	rawBegin  pgoutput.Begin
+	rawCommit pgoutput.Commit
+	rawMsg    pgoutput.Message
+	rawTrunc  pgoutput.Truncate
+	begin     Begin
+	commit    Commit
+	insert    Insert
+	message   Message
+	truncate  Truncate
+	inTx      bool
+}
+
+// Open connects with replication=database, checks the slot and starts
+// streaming from the slot's confirmed position. It fails with ErrSlotInUse
+// while another process streams from the slot, and with ErrSlotLost when the
+// slot's WAL was removed.
+func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Stream, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	s := &Stream{cfg: cfg, wm: wm, log: zap.NewNop(), relations: map[uint32]*Relation{}}
+	for _, o := range opts {
+		o(s)
+	}
+	// Check over a plain connection first: it gives precise errors (lost,
+	// in use, missing) that START_REPLICATION reports only vaguely.
+	sql, err := connectSQL(ctx, cfg.URL)
+	if err != nil {
+		return nil, err
+	}
+	st, err := slotStatus(ctx, sql, cfg.Slot)
+	sql.Close(ctx)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case !st.Exists:
+		return nil, actionable(ErrSlotMissing, "run `outbox-relay setup`", "slot %q", cfg.Slot)
+	case st.WALStatus == "lost":
+		return nil, slotLostError(cfg.Slot)
+	case st.Active:
+		return nil, actionable(ErrSlotInUse, "another relay instance is streaming; this one waits and retries", "slot %q is active for pid %d", cfg.Slot, st.ActivePID)
+	}
+	pcfg, err := pgconn.ParseConfig(cfg.URL)
+	if err != nil {
+		return nil, fmt.Errorf("parse postgres URL: %w", redactErr(err))
+	}
+	pcfg.RuntimeParams["replication"] = "database"
+	pcfg.RuntimeParams["application_name"] = cfg.ApplicationName
+	// The router parses timestamps in pgoutput's text output: fix its form.
+	pcfg.RuntimeParams["DateStyle"] = "ISO"
+	pcfg.RuntimeParams["TimeZone"] = "UTC"
+	conn, err := pgconn.ConnectConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect for replication to %s: %w", describe(*pcfg), err)
+	}
+	s.conn = conn
+	args := []string{"proto_version '1'", "publication_names '" + cfg.Publication + "'"}
+	if cfg.Messages {
+		args = append(args, "messages 'true'")
+	}
+	// Start at 0/0: the server resumes from the slot's confirmed_flush_lsn,
+	// which is the only position the relay ever vouched for.
+	err = pglogrepl.StartReplication(ctx, conn, cfg.Slot, 0, pglogrepl.StartReplicationOptions{Mode: pglogrepl.LogicalReplication, PluginArgs: args})
+	if err != nil {
+		conn.Close(context.Background())
+		return nil, classifyStartError(cfg.Slot, err)
+	}
+	s.start = st.ConfirmedFlushLSN
+	s.sentFlush = st.ConfirmedFlushLSN
+	s.received = st.ConfirmedFlushLSN
+	s.nextStatus = time.Now().Add(cfg.StatusInterval)
+	s.log.Info("replication started", zap.String("slot", cfg.Slot), zap.String("publication", cfg.Publication), zap.Stringer("lsn", s.start))
+	return s, nil
+}
+
+func classifyStartError(slot string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case pgerrcode.ObjectInUse:
+			return actionable(ErrSlotInUse, "another relay instance is streaming; this one waits and retries", "%s", pgErr.Message)
+		case pgerrcode.ObjectNotInPrerequisiteState:
+			if strings.Contains(pgErr.Message, "invalidated") || strings.Contains(pgErr.Detail, "wal_status") {
+				return slotLostError(slot)
+			}
+		case pgerrcode.UndefinedObject:
+			return actionable(ErrPublicationMissing, "run `outbox-relay setup`", "%s", pgErr.Message)
+		}
+	}
+	return fmt.Errorf("start replication from slot %q: %w", slot, err)
+}
+
+// StartLSN returns the slot's confirmed position when streaming started.
+func (s *Stream) StartLSN() LSN { return s.start }
+
+// Received returns the newest WAL position received.
+func (s *Stream) Received() LSN { return s.received }
+
+// Next returns the next change: *Begin, *Insert, *Message, *Commit or
+// *Truncate. The value is reused: it is valid until the next call. Next
+// answers keepalives and sends periodic status updates while it waits.
+func (s *Stream) Next(ctx context.Context) (any, error) {
+	for {
+		if err := s.maybeSendStatus(ctx); err != nil {
+			return nil, err
+		}
+		rctx, cancel := context.WithDeadline(ctx, s.nextStatus)
+		raw, err := s.conn.ReceiveMessage(rctx)
+		cancel()
+		if err != nil {
+			if pgconn.Timeout(err) && ctx.Err() == nil {
+				continue // time for a status update
+			}
+			return nil, fmt.Errorf("receive replication message: %w", err)
+		}
+		switch msg := raw.(type) {
+		case *pgproto3.CopyData:
+			if len(msg.Data) == 0 {
+				return nil, fmt.Errorf("%w: empty CopyData", ErrProtocol)
+			}
+			switch msg.Data[0] {
+			case pglogrepl.PrimaryKeepaliveMessageByteID:
+				ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
+				if err != nil {
+					return nil, fmt.Errorf("%w: keepalive: %v", ErrProtocol, err)
+				}
+				if ka.ServerWALEnd > s.serverEnd {
+					s.serverEnd = ka.ServerWALEnd
+				}
+				if ka.ReplyRequested {
+					// The server is about to time us out: answer now.
+					if err := s.SendStatus(ctx); err != nil {
+						return nil, err
+					}
+				}
+			case pglogrepl.XLogDataByteID:
+				ev, err := s.decodeXLogData(msg.Data[1:])
+				if err != nil {
+					return nil, err
+				}
+				if ev != nil {
+					return ev, nil
+				}
+			}
+		case *pgproto3.CopyDone:
+			return nil, fmt.Errorf("replication stream ended by the server")
+		case *pgproto3.ErrorResponse:
+			return nil, fmt.Errorf("replication stream: %w", pgconn.ErrorResponseToPgError(msg))
+		}
+	}
+}
+
+// xlogHeader is WALStart, ServerWALEnd and ServerTime, 8 bytes each.
+const xlogHeader = 24
+
+func (s *Stream) decodeXLogData(b []byte) (any, error) {
+	if len(b) < xlogHeader+1 {
+		return nil, fmt.Errorf("%w: XLogData of %d bytes", ErrProtocol, len(b))
+	}
+	walStart := LSN(be64(b))
+	if walStart > s.received {
+		s.received = walStart
+	}
+	data := b[xlogHeader:]
+	typ, body := data[0], data[1:]
+	switch typ {
+	case pgoutput.TypeBegin:
+		if err := pgoutput.DecodeBegin(body, &s.rawBegin); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		s.begin = Begin{XID: s.rawBegin.XID, FinalLSN: LSN(s.rawBegin.FinalLSN), CommitTime: s.rawBegin.CommitTime}
+		s.inTx = true
+		return &s.begin, nil
+	case pgoutput.TypeCommit:
+		if err := pgoutput.DecodeCommit(body, &s.rawCommit); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		s.commit = Commit{CommitLSN: LSN(s.rawCommit.CommitLSN), EndLSN: LSN(s.rawCommit.EndLSN), CommitTime: s.rawCommit.CommitTime}
+		s.inTx = false
+		return &s.commit, nil
+	case pgoutput.TypeRelation:
+		var r pgoutput.Relation
+		if err := pgoutput.DecodeRelation(body, &r); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		rel := &Relation{ID: r.ID, Namespace: r.Namespace, Name: r.Name, Columns: make([]Column, len(r.Columns))}
+		for i, c := range r.Columns {
+			rel.Columns[i] = Column{Name: c.Name, TypeOID: c.TypeOID}
+		}
+		// A new pointer on every Relation message: plans cached by the
+		// router for the old shape are not reused after ALTER TABLE.
+		s.relations[r.ID] = rel
+		s.log.Debug("relation", zap.String("table", rel.QualifiedName()), zap.Int("columns", len(rel.Columns)))
+		return nil, nil
+	case pgoutput.TypeInsert:
+		if err := pgoutput.DecodeInsert(body, &s.rawInsert); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		rel, ok := s.relations[s.rawInsert.RelationID]
+		if !ok {
+			return nil, fmt.Errorf("%w: insert into relation %d before its Relation message", ErrProtocol, s.rawInsert.RelationID)
+		}
+		vals := s.insert.Values[:0]
+		for _, c := range s.rawInsert.Columns {
+			vals = append(vals, Value{Kind: valueKind(c.Kind), Data: c.Data})
+		}
+		s.insert = Insert{Relation: rel, Values: vals, LSN: walStart, Tx: &s.begin}
+		return &s.insert, nil
+	case pgoutput.TypeMessage:
+		if err := pgoutput.DecodeMessage(body, &s.rawMsg); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		s.message = Message{Transactional: s.rawMsg.Transactional, Prefix: s.rawMsg.Prefix, Content: s.rawMsg.Content, LSN: LSN(s.rawMsg.LSN)}
+		if s.message.Transactional && s.inTx {
+			s.message.Tx = &s.begin
+		}
+		return &s.message, nil
+	case pgoutput.TypeTruncate:
+		if err := pgoutput.DecodeTruncate(body, &s.rawTrunc); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		s.truncate.Relations = s.truncate.Relations[:0]
+		for _, id := range s.rawTrunc.RelationIDs {
+			if rel, ok := s.relations[id]; ok {
+				s.truncate.Relations = append(s.truncate.Relations, rel)
+			}
+		}
+		return &s.truncate, nil
+	case pgoutput.TypeType, pgoutput.TypeOrigin, pgoutput.TypeUpdate, pgoutput.TypeDelete:
+		// Types matter only for binary mode; origins only for multi-master
+		// setups. UPDATE and DELETE are outside the outbox contract (the
+		// publication publishes inserts only) and never become events.
+		return nil, nil
+	default:
+		return nil, fmt.Errorf("%w: unknown pgoutput message type %q", ErrProtocol, typ)
+	}
+}
+
+func valueKind(k byte) ValueKind {
+	switch k {
+	case pgoutput.KindText:
+		return ValueText
+	case pgoutput.KindBinary:
+		return ValueBinary
+	case pgoutput.KindUnchanged:
+		return ValueUnchanged
+	default:
+		return ValueNull
+	}
+}
+
+func be64(b []byte) uint64 {
+	return uint64(b[0])<<56 | uint64(b[1])<<48 | uint64(b[2])<<40 | uint64(b[3])<<32 |
+		uint64(b[4])<<24 | uint64(b[5])<<16 | uint64(b[6])<<8 | uint64(b[7])
+}
+
+// progressInterval rate-limits the status updates sent because the
+// watermark moved, between the periodic ones.
+const progressInterval = 100 * time.Millisecond
+
+func (s *Stream) maybeSendStatus(ctx context.Context) error {
+	now := time.Now()
+	if now.After(s.nextStatus) {
+		return s.SendStatus(ctx)
+	}
+	if s.flushPosition() > s.sentFlush && now.After(s.nextStatus.Add(progressInterval-s.cfg.StatusInterval)) {
+		return s.SendStatus(ctx)
+	}
+	return nil
+}
+
+// flushPosition is what may be confirmed now: the watermark, or the server's
+// WAL end when nothing is in flight, so an idle outbox does not pin WAL that
+// other tables' writes produce.
+func (s *Stream) flushPosition() LSN {
+	flush := s.wm.Confirmed()
+	if !s.inTx && s.wm.Idle() && s.serverEnd > flush {
+		flush = s.serverEnd
+	}
+	if flush < s.sentFlush {
+		flush = s.sentFlush
+	}
+	return flush
+}
+
+// Confirmed returns the flush position of the last status update sent.
+func (s *Stream) Confirmed() LSN { return s.sentFlush }
+
+// SendStatus sends a standby status update now. The pipeline calls it while
+// it waits for publish capacity, so the server hears from the relay even
+// when backpressure stops reading.
+func (s *Stream) SendStatus(ctx context.Context) error {
+	flush := s.flushPosition()
+	write := s.received
+	if flush > write {
+		write = flush
+	}
+	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: write,
+		WALFlushPosition: flush,
+		WALApplyPosition: flush,
+	})
+	if err != nil {
+		return fmt.Errorf("send standby status (flush %s): %w", flush, err)
+	}
+	if flush != s.sentFlush {
+		s.log.Debug("confirmed", zap.Stringer("lsn", flush))
+	}
+	s.sentFlush = flush
+	s.nextStatus = time.Now().Add(s.cfg.StatusInterval)
+	return nil
+}
+
+// Close sends a final status update with the latest watermark and closes
+// the connection.
+func (s *Stream) Close(ctx context.Context) error {
+	if s.conn == nil {
+		return nil
+	}
+	err := s.SendStatus(ctx)
+	cerr := s.conn.Close(ctx)
+	s.conn = nil
+	if err != nil {
+		return err
+	}
+	return cerr
+}
