@@ -1,0 +1,41 @@
+// Package publisher is the third stage of the relay's data path: it publishes
+// routed messages to JetStream and turns the acknowledgements into the LSN
+// watermark that the replication stage confirms to PostgreSQL.
+//
+// # Ordering under pipelining
+//
+// Publishes are pipelined: up to MaxInFlight messages (and MaxInFlightBytes)
+// wait for their acks at once, so throughput is not capped by one round trip
+// per event. Pipelining alone would break per-aggregate order: a message can
+// fail on its own (no responders during a stream-leader election, a timeout
+// after which it may or may not be stored) while later ones succeed, and
+// resending it would store version 7 after version 8; Nats-Msg-Id
+// de-duplication does not repair that. The publisher therefore keeps at most
+// one unacknowledged message per ordering key (the aggregate): the next
+// message of an aggregate leaves only after the previous one is acked, so a
+// retry can never overtake or be overtaken. Different aggregates pipeline
+// freely. A single hot aggregate is limited to one round trip per event
+// (about 4,000 events/s on loopback); that is the price of correctness that
+// does not depend on server features.
+//
+// A retried message keeps its Nats-Msg-Id (the event id), so when the first
+// attempt was stored after all, the stream reports a duplicate instead of
+// storing it twice, as long as the retry comes within the stream's
+// duplicate window.
+//
+// # Failures
+//
+// Transient failures (timeouts, no responders, stream unavailable or full,
+// reconnects) are retried forever with capped exponential backoff and
+// jitter: the watermark stops, nothing is skipped. Permanent rejections (the
+// message exceeds the stream's size limit, or its subject is bound to no
+// stream) go to the dead-letter stream through Message.DeadLetter and count
+// as settled once the dead-letter record is acked.
+//
+// # Watermark
+//
+// [Tracker] keeps transactions in commit order; a transaction's end LSN
+// becomes confirmable when it and every earlier transaction are settled.
+//
+// See https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication.
+package publisher

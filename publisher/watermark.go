@@ -1,0 +1,134 @@
+package publisher
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// LSN is a PostgreSQL WAL position.
+type LSN = pglogrepl.LSN
+
+// Tracker turns acknowledgements into the confirmable LSN. The pipeline
+// opens a Tx per transaction in commit order, adds one pending message per
+// published row, and commits it; the publisher settles messages in any
+// order. Confirmed only moves forward, and only past a transaction when it
+// and all earlier ones are settled.
+type Tracker struct {
+	mu        sync.Mutex
+	txs       []*Tx // open or unsettled transactions, in commit order
+	head      int
+	confirmed atomic.Uint64
+	settled   atomic.Uint64 // transactions settled, for metrics and tests
+}
+
+// Tx is one transaction's share of the watermark.
+type Tx struct {
+	t          *Tracker
+	pending    int
+	committed  bool
+	end        LSN
+	CommitTime time.Time
+}
+
+// NewTracker returns a tracker whose watermark starts at start (the slot's
+// confirmed position).
+func NewTracker(start LSN) *Tracker {
+	t := &Tracker{}
+	t.confirmed.Store(uint64(start))
+	return t
+}
+
+// Begin opens the next transaction.
+func (t *Tracker) Begin(commitTime time.Time) *Tx {
+	tx := &Tx{t: t, CommitTime: commitTime}
+	t.mu.Lock()
+	t.txs = append(t.txs, tx)
+	t.mu.Unlock()
+	return tx
+}
+
+// Add counts one more message of tx waiting for its ack.
+func (tx *Tx) Add() {
+	tx.t.mu.Lock()
+	tx.pending++
+	tx.t.mu.Unlock()
+}
+
+// Settle marks one message of tx acknowledged or dead-lettered.
+func (tx *Tx) Settle() {
+	t := tx.t
+	t.mu.Lock()
+	tx.pending--
+	if tx.pending < 0 {
+		t.mu.Unlock()
+		panic("publisher: Tx settled more messages than it added")
+	}
+	t.advanceLocked()
+	t.mu.Unlock()
+}
+
+// Commit records the transaction's end LSN: it is complete once its pending
+// messages settle.
+func (tx *Tx) Commit(end LSN) {
+	t := tx.t
+	t.mu.Lock()
+	tx.committed = true
+	tx.end = end
+	t.advanceLocked()
+	t.mu.Unlock()
+}
+
+func (t *Tracker) advanceLocked() {
+	for t.head < len(t.txs) {
+		tx := t.txs[t.head]
+		if !tx.committed || tx.pending > 0 {
+			break
+		}
+		if uint64(tx.end) > t.confirmed.Load() {
+			t.confirmed.Store(uint64(tx.end))
+		}
+		t.txs[t.head] = nil
+		t.head++
+		t.settled.Add(1)
+	}
+	// Compact once the settled prefix dominates, so the slice does not grow
+	// without bound on a long run.
+	if t.head > 1024 && t.head*2 > len(t.txs) {
+		n := copy(t.txs, t.txs[t.head:])
+		clear(t.txs[n:])
+		t.txs = t.txs[:n]
+		t.head = 0
+	}
+}
+
+// Confirmed returns the end LSN of the newest transaction that, with every
+// earlier one, is settled.
+func (t *Tracker) Confirmed() LSN { return LSN(t.confirmed.Load()) }
+
+// Idle reports that every transaction begun so far is committed and settled.
+func (t *Tracker) Idle() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.head == len(t.txs)
+}
+
+// Oldest returns the commit time of the oldest unsettled transaction, or the
+// zero time when idle: its age is how late the relay is.
+func (t *Tracker) Oldest() time.Time {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.head == len(t.txs) {
+		return time.Time{}
+	}
+	return t.txs[t.head].CommitTime
+}
+
+// Pending returns the number of unsettled transactions.
+func (t *Tracker) Pending() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.txs) - t.head
+}
