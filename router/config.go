@@ -1,0 +1,487 @@
+package router
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+)
+
+// Configuration defaults.
+const (
+	// DefaultDeadLetterSubject is the dead-letter subject prefix. It is
+	// deliberately not under "outbox.": the default event subjects
+	// (outbox.*.*) would otherwise overlap the dead-letter subjects, an event
+	// of aggregate type "dlq" would land among the dead letters, and
+	// JetStream refuses two streams with overlapping subjects.
+	DefaultDeadLetterSubject = "outbox_dlq"
+	// DefaultMaxSubjectBytes is the default longest subject Route produces.
+	DefaultMaxSubjectBytes = 1024
+	// MaxMaxSubjectBytes bounds max_subject_bytes: the NATS server's
+	// max_control_line (4 KiB by default) limits the whole publish line,
+	// subject and reply inbox included.
+	MaxMaxSubjectBytes = 4000
+	// DefaultSchema is the schema of a table named without one.
+	DefaultSchema = "public"
+)
+
+// Default column names: the seed's outbox table (sql/outbox.sql).
+const (
+	DefaultEventIDColumn          = "event_id"
+	DefaultAggregateIDColumn      = "aggregate_id"
+	DefaultAggregateVersionColumn = "aggregate_version"
+	DefaultEventTypeColumn        = "event_type"
+	DefaultPayloadColumn          = "payload"
+	DefaultAggregateTypeColumn    = "aggregate_type"
+	DefaultOccurredAtColumn       = "occurred_at"
+)
+
+// maxIdentifierBytes is PostgreSQL's identifier length limit (NAMEDATALEN-1):
+// a longer configured name can never match a column or table.
+const maxIdentifierBytes = 63
+
+// Config maps outbox tables to NATS subjects and headers. The cmd layer
+// embeds it in the YAML configuration file; call Validate (New does) before
+// use.
+type Config struct {
+	// Tables lists the outbox tables the relay publishes; at least one.
+	Tables []TableConfig `yaml:"tables"`
+	// DeadLetterSubject prefixes dead-letter subjects: a record for a row of
+	// schema.table goes to <DeadLetterSubject>.<EscapeToken("schema.table")>.
+	// Default DefaultDeadLetterSubject.
+	DeadLetterSubject string `yaml:"dead_letter_subject"`
+	// MaxSubjectBytes is the longest subject Route produces; a row whose
+	// subject would be longer is dead-lettered (subject_too_long). Default
+	// DefaultMaxSubjectBytes, at most MaxMaxSubjectBytes.
+	MaxSubjectBytes int `yaml:"max_subject_bytes"`
+}
+
+// TableConfig maps one outbox table.
+type TableConfig struct {
+	// Table is "schema.table", or "table" for public.table. Names are
+	// matched exactly as PostgreSQL stores them (unquoted identifiers are
+	// lower case).
+	Table string `yaml:"table"`
+	// Subject is the subject template, default DefaultSubject. Placeholders
+	// {aggregate_type}, {aggregate_id}, {event_type}, {table} and {schema}
+	// may appear anywhere in a token; their values are escaped with
+	// EscapeToken.
+	Subject string `yaml:"subject"`
+	// AggregateType, when set, is the aggregate type of every row of the
+	// table; it excludes Columns.AggregateType.
+	AggregateType string `yaml:"aggregate_type"`
+	// Columns names the table's columns; empty fields take the defaults.
+	Columns ColumnsConfig `yaml:"columns"`
+	// Headers maps extra columns to header names; an empty name means
+	// contract.ExtraPrefix + column. A NULL value omits the header.
+	Headers map[string]string `yaml:"headers"`
+}
+
+// ColumnsConfig names the columns of an outbox table. EventID, AggregateID,
+// AggregateVersion, EventType and Payload are required in every row.
+type ColumnsConfig struct {
+	// EventID is the event id column (default event_id): Nats-Msg-Id, so
+	// JetStream drops a re-published event.
+	EventID string `yaml:"event_id"`
+	// AggregateID is the aggregate id column (default aggregate_id). The
+	// empty string is a valid id; NULL is not.
+	AggregateID string `yaml:"aggregate_id"`
+	// AggregateVersion is the aggregate version column (default
+	// aggregate_version), an int64.
+	AggregateVersion string `yaml:"aggregate_version"`
+	// EventType is the event type column (default event_type), non-empty.
+	EventType string `yaml:"event_type"`
+	// Payload is the payload column (default payload), published as the
+	// message body exactly as PostgreSQL's text output (jsonb text).
+	Payload string `yaml:"payload"`
+	// AggregateType is the aggregate type column. Empty means "aggregate_type
+	// if the table has it": without such a column, or when its value is NULL
+	// or empty, the aggregate type is the table name. A column named here
+	// must exist in the table.
+	AggregateType string `yaml:"aggregate_type"`
+	// OccurredAt is the occurrence time column (timestamptz or timestamp).
+	// Empty means "occurred_at if the table has it"; without it, or when it
+	// is NULL, the Outbox-Occurred-At header is omitted. A column named here
+	// must exist in the table.
+	OccurredAt string `yaml:"occurred_at"`
+}
+
+// tableRule is a validated TableConfig in the form Route uses.
+type tableRule struct {
+	path         string // YAML path, e.g. tables[0]
+	schema, name string // relation namespace and name
+	qualified    string // schema.name
+	tmpl         *template
+
+	aggTypeConst string
+	// The constant values of placeholders, as bytes for rendering.
+	aggTypeConstB, schemaB, nameB []byte
+	// Column names; optional columns may be absent from the table unless
+	// the configuration named them explicitly.
+	eventID, aggID, version, eventType, payload string
+	aggTypeCol                                  string
+	aggTypeExplicit                             bool
+	occurredCol                                 string
+	occurredExplicit                            bool
+	extras                                      []extraHeader // sorted by header name
+}
+
+type extraHeader struct {
+	column, header string
+}
+
+// reservedHeaders are the contract's headers: the relay sets them itself, so
+// an extra column must not overwrite one. Compared case-insensitively,
+// because consumers in other languages often treat header names so.
+var reservedHeaders = []string{
+	contract.MsgID, contract.EventID, contract.EventType, contract.AggregateType,
+	contract.AggregateID, contract.AggregateVersion, contract.OccurredAt,
+	contract.CommitLSN, contract.CommitTime, contract.Table, contract.ContentType,
+	contract.DLQReason, contract.DLQReasonClass, contract.DLQLSN,
+}
+
+// Validate applies the defaults to c and checks it. Every problem is
+// reported, as a *ConfigError naming its YAML key path and wrapping
+// ErrInvalidConfig; several are joined with errors.Join. Validate is
+// idempotent.
+func (c *Config) Validate() error {
+	_, err := c.compile()
+	return err
+}
+
+// compile validates c, applying defaults, and returns the table rules.
+func (c *Config) compile() ([]*tableRule, error) {
+	var errs []error
+	fail := func(path, format string, args ...any) {
+		errs = append(errs, &ConfigError{Path: path, Msg: fmt.Sprintf(format, args...)})
+	}
+
+	if c.MaxSubjectBytes == 0 {
+		c.MaxSubjectBytes = DefaultMaxSubjectBytes
+	}
+	if c.MaxSubjectBytes < 0 || c.MaxSubjectBytes > MaxMaxSubjectBytes {
+		fail("max_subject_bytes", "%d is out of range (use 1 to %d; the NATS server's max_control_line limits the publish line)",
+			c.MaxSubjectBytes, MaxMaxSubjectBytes)
+	}
+
+	if c.DeadLetterSubject == "" {
+		c.DeadLetterSubject = DefaultDeadLetterSubject
+	}
+	dlqOK := true
+	if msg := checkLiteralSubject(c.DeadLetterSubject); msg != "" {
+		fail("dead_letter_subject", "%s", msg)
+		dlqOK = false
+	} else if n := len(c.DeadLetterSubject) + 1 + maxEscapedTableLen; n > MaxMaxSubjectBytes {
+		// Dead-letter subjects are not held to max_subject_bytes (a DLQ
+		// record must never fail); their length is bounded here instead.
+		fail("dead_letter_subject", "is %d bytes: with an escaped schema.table (up to %d bytes) dead-letter subjects could exceed %d bytes (shorten it)",
+			len(c.DeadLetterSubject), maxEscapedTableLen, MaxMaxSubjectBytes)
+	}
+	dlqFilter := c.DeadLetterSubject + ".>"
+
+	if len(c.Tables) == 0 {
+		fail("tables", "no tables configured (add one, e.g. `tables: [{table: public.outbox}]`)")
+	}
+	rules := make([]*tableRule, 0, len(c.Tables))
+	seen := make(map[string]int, len(c.Tables))
+	for i := range c.Tables {
+		tc := &c.Tables[i]
+		path := fmt.Sprintf("tables[%d]", i)
+		r := &tableRule{path: path}
+		ok := true
+		bad := func(key, format string, args ...any) {
+			fail(path+key, format, args...)
+			ok = false
+		}
+
+		// Table name.
+		switch schema, name, msg := splitTableName(tc.Table); {
+		case msg != "":
+			bad(".table", "%s", msg)
+		default:
+			tc.Table = schema + "." + name
+			r.schema, r.name, r.qualified = schema, name, tc.Table
+			r.schemaB, r.nameB = []byte(schema), []byte(name)
+			if j, dup := seen[tc.Table]; dup {
+				bad(".table", "%s is already mapped by tables[%d] (merge the two entries)", tc.Table, j)
+			} else {
+				seen[tc.Table] = i
+			}
+		}
+
+		// Subject template.
+		if tc.Subject == "" {
+			tc.Subject = DefaultSubject
+		}
+		if t, err := parseTemplate(tc.Subject); err != nil {
+			bad(".subject", "%s", err)
+		} else {
+			r.tmpl = t
+			// Every placeholder expands to at least one byte.
+			if minLen := t.renderedLen(&[numPlaceholders][]byte{}); c.MaxSubjectBytes > 0 && minLen > c.MaxSubjectBytes {
+				bad(".subject", "is at least %d bytes long, over max_subject_bytes %d", minLen, c.MaxSubjectBytes)
+			}
+			if dlqOK && filtersOverlap(t.filter, dlqFilter) {
+				bad(".subject", "subjects %q overlap the dead-letter subjects %q (change the subject or dead_letter_subject)", t.filter, dlqFilter)
+			}
+		}
+
+		// Columns.
+		col := &tc.Columns
+		for _, f := range []struct {
+			key string
+			val *string
+			def string
+		}{
+			{"event_id", &col.EventID, DefaultEventIDColumn},
+			{"aggregate_id", &col.AggregateID, DefaultAggregateIDColumn},
+			{"aggregate_version", &col.AggregateVersion, DefaultAggregateVersionColumn},
+			{"event_type", &col.EventType, DefaultEventTypeColumn},
+			{"payload", &col.Payload, DefaultPayloadColumn},
+			{"aggregate_type", &col.AggregateType, ""},
+			{"occurred_at", &col.OccurredAt, ""},
+		} {
+			if *f.val == "" {
+				*f.val = f.def
+			}
+			if len(*f.val) > maxIdentifierBytes {
+				bad(".columns."+f.key, "%q is longer than %d bytes, so no PostgreSQL column can have that name", *f.val, maxIdentifierBytes)
+			}
+		}
+		r.eventID, r.aggID, r.version, r.eventType, r.payload = col.EventID, col.AggregateID, col.AggregateVersion, col.EventType, col.Payload
+		r.occurredCol, r.occurredExplicit = col.OccurredAt, col.OccurredAt != ""
+		if !r.occurredExplicit {
+			r.occurredCol = DefaultOccurredAtColumn
+		}
+
+		// Aggregate type: a constant, a named column, or the optional default.
+		switch {
+		case tc.AggregateType != "" && col.AggregateType != "":
+			bad(".aggregate_type", "is set together with columns.aggregate_type %q: choose one (a constant for every row, or a column)", col.AggregateType)
+		case tc.AggregateType != "":
+			if msg := checkHeaderValue(tc.AggregateType); msg != "" {
+				bad(".aggregate_type", "%q %s", tc.AggregateType, msg)
+			}
+			r.aggTypeConst, r.aggTypeConstB = tc.AggregateType, []byte(tc.AggregateType)
+		case col.AggregateType != "":
+			r.aggTypeCol, r.aggTypeExplicit = col.AggregateType, true
+		default:
+			r.aggTypeCol = DefaultAggregateTypeColumn
+		}
+
+		// Extra headers, in sorted column order so errors are deterministic.
+		cols := make([]string, 0, len(tc.Headers))
+		for k := range tc.Headers {
+			cols = append(cols, k)
+		}
+		sort.Strings(cols)
+		byName := make(map[string]string, len(cols)) // lower-case header -> column
+		for _, column := range cols {
+			key := ".headers." + column
+			if column == "" {
+				bad(".headers", "has an empty column name")
+				continue
+			}
+			if len(column) > maxIdentifierBytes {
+				bad(key, "column name is longer than %d bytes, so no PostgreSQL column can have that name", maxIdentifierBytes)
+				continue
+			}
+			h := tc.Headers[column]
+			if h == "" {
+				h = contract.ExtraPrefix + column
+			}
+			if msg := checkHeaderName(h); msg != "" {
+				bad(key, "header name %q %s", h, msg)
+				continue
+			}
+			if other, dup := byName[strings.ToLower(h)]; dup {
+				bad(key, "header %q is also mapped from column %q (header names are compared case-insensitively; rename one)", h, other)
+				continue
+			}
+			byName[strings.ToLower(h)] = column
+			tc.Headers[column] = h
+			r.extras = append(r.extras, extraHeader{column: column, header: h})
+		}
+		sort.Slice(r.extras, func(a, b int) bool { return r.extras[a].header < r.extras[b].header })
+
+		if ok {
+			rules = append(rules, r)
+		}
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	return rules, nil
+}
+
+// maxEscapedTableLen is the longest EscapeToken("schema.table"): two
+// 63-byte identifiers and the dot, each byte escaped.
+const maxEscapedTableLen = 3 * (2*maxIdentifierBytes + 1)
+
+// splitTableName parses "schema.table" or "table"; msg explains a bad name.
+func splitTableName(s string) (schema, name, msg string) {
+	if s == "" {
+		return "", "", "is empty (name the outbox table, e.g. public.outbox)"
+	}
+	if strings.TrimSpace(s) != s {
+		return "", "", fmt.Sprintf("%q has leading or trailing whitespace", s)
+	}
+	schema, name, found := strings.Cut(s, ".")
+	if !found {
+		schema, name = DefaultSchema, s
+	}
+	switch {
+	case strings.Contains(name, "."):
+		return "", "", fmt.Sprintf("%q has more than one '.' (use schema.table)", s)
+	case schema == "" || name == "":
+		return "", "", fmt.Sprintf("%q has an empty schema or table name (use schema.table or table)", s)
+	case len(schema) > maxIdentifierBytes || len(name) > maxIdentifierBytes:
+		return "", "", fmt.Sprintf("%q: PostgreSQL names are at most %d bytes", s, maxIdentifierBytes)
+	}
+	return schema, name, ""
+}
+
+// checkLiteralSubject checks a subject without placeholders or wildcards.
+func checkLiteralSubject(s string) string {
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '*' || c == '>':
+			return fmt.Sprintf("%q contains wildcard %q (give a literal subject; the relay appends .<table>)", s, c)
+		case c == '{' || c == '}':
+			return fmt.Sprintf("%q contains a brace: placeholders are not supported here", s)
+		case c <= ' ' || c == 0x7F:
+			return fmt.Sprintf("%q contains whitespace or a control byte", s)
+		}
+	}
+	if strings.HasPrefix(s, ".") || strings.HasSuffix(s, ".") || strings.Contains(s, "..") {
+		return fmt.Sprintf("%q has an empty token (no leading, trailing or double dots)", s)
+	}
+	if strings.HasPrefix(s, "$") {
+		return fmt.Sprintf("%q starts with '$', which NATS reserves for system APIs", s)
+	}
+	return ""
+}
+
+// headerKeyByte mirrors nats.go's header key check (printable ASCII except
+// `"(),/:;<=>?@[\]{}`); nats.go refuses to publish any other key.
+var headerKeyByte = func() (t [256]bool) {
+	for c := 33; c <= 126; c++ {
+		t[c] = !strings.ContainsRune(`"(),/:;<=>?@[\]{}`, rune(c))
+	}
+	return t
+}()
+
+func checkHeaderName(h string) string {
+	for i := 0; i < len(h); i++ {
+		if !headerKeyByte[h[i]] {
+			return fmt.Sprintf("contains %q: header names are printable ASCII without spaces or any of \"(),/:;<=>?@[\\]{} (set an explicit name)", h[i])
+		}
+	}
+	for _, r := range reservedHeaders {
+		if strings.EqualFold(h, r) {
+			return fmt.Sprintf("collides with the contract header %s, which the relay sets itself (choose another name, e.g. %sName)", r, contract.ExtraPrefix)
+		}
+	}
+	if len(h) >= 5 && strings.EqualFold(h[:5], "Nats-") {
+		return "starts with Nats-: NATS and JetStream act on such headers (e.g. Nats-Expected-Stream), so the relay never maps a column to one"
+	}
+	return ""
+}
+
+// checkHeaderValue reports why a NATS header cannot carry v unchanged:
+// nats.go replaces CR and LF with spaces and trims surrounding spaces and
+// tabs, and the reader skips leading ones.
+func checkHeaderValue[T text](v T) string {
+	for i := 0; i < len(v); i++ {
+		if v[i] == '\r' || v[i] == '\n' {
+			return "contains a line break, which a NATS header cannot carry"
+		}
+	}
+	if len(v) > 0 && (isSpaceTab(v[0]) || isSpaceTab(v[len(v)-1])) {
+		return "has leading or trailing whitespace, which a NATS header does not keep"
+	}
+	return ""
+}
+
+func isSpaceTab(c byte) bool { return c == ' ' || c == '\t' }
+
+// SubjectFilters returns the subject filters that match every event subject
+// the configured tables can produce: each template token holding a
+// placeholder becomes '*'. Duplicates and filters contained in another are
+// dropped, so the result can be a stream's subject list as it is. It applies
+// the defaults to a copy of c and skips templates Validate would reject.
+func (c *Config) SubjectFilters() []string {
+	var all []string
+	for _, tc := range c.Tables {
+		s := tc.Subject
+		if s == "" {
+			s = DefaultSubject
+		}
+		if t, err := parseTemplate(s); err == nil {
+			all = append(all, t.filter)
+		}
+	}
+	var out []string
+	for i, f := range all {
+		covered := false
+		for j, g := range all {
+			// Keep the first of equal filters; drop any strictly covered.
+			if i != j && filterContains(g, f) && (f != g || j < i) {
+				covered = true
+				break
+			}
+		}
+		if !covered {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// DeadLetterFilter returns the subject filter matching every dead-letter
+// subject: <DeadLetterSubject>.>.
+func (c *Config) DeadLetterFilter() string {
+	s := c.DeadLetterSubject
+	if s == "" {
+		s = DefaultDeadLetterSubject
+	}
+	return s + ".>"
+}
+
+// filtersOverlap reports whether some subject matches both filters.
+func filtersOverlap(a, b string) bool {
+	at, bt := strings.Split(a, "."), strings.Split(b, ".")
+	for i := 0; ; i++ {
+		switch {
+		case i == len(at) || i == len(bt):
+			return len(at) == len(bt)
+		case at[i] == ">" || bt[i] == ">":
+			return true
+		case at[i] != "*" && bt[i] != "*" && at[i] != bt[i]:
+			return false
+		}
+	}
+}
+
+// filterContains reports whether every subject matching inner also matches
+// outer.
+func filterContains(outer, inner string) bool {
+	ot, it := strings.Split(outer, "."), strings.Split(inner, ".")
+	for i := 0; ; i++ {
+		switch {
+		case i == len(ot):
+			return i == len(it)
+		case ot[i] == ">":
+			return i < len(it)
+		case i == len(it):
+			return false
+		case it[i] == ">":
+			return false
+		case ot[i] == "*":
+		case ot[i] != it[i]:
+			return false
+		}
+	}
+}

@@ -1,0 +1,437 @@
+package router
+
+import (
+	"errors"
+	"sort"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/replication"
+)
+
+// ClassUnknown is the reason class of a dead-letter record whose reason is
+// nil.
+const ClassUnknown = "unknown"
+
+const (
+	// maxReasonBytes bounds the reason text in a dead-letter record; an
+	// error that embeds a huge value must not make the record too large.
+	maxReasonBytes = 1024
+	// maxDLQEventIDBytes bounds the Outbox-Event-Id of a dead-letter
+	// record; a longer id is only in the body.
+	maxDLQEventIDBytes = 256
+	// shortMetaBytes is how much of the reason, subject and event id the
+	// last-resort record keeps.
+	shortMetaBytes = 128
+)
+
+// DeadLetter builds the dead-letter record of a row that Route refused or
+// that the broker permanently rejected; it never fails and is safe for
+// concurrent use. The record goes to <dead_letter_subject>.<EscapeToken(
+// schema.table)> with these headers:
+//
+//   - Nats-Msg-Id: dlq:<schema.table>:<row LSN>, so re-sending the record
+//     after a relay restart is de-duplicated by the stream;
+//   - Outbox-Table, Outbox-DLQ-Reason (reason.Error(), cut to 1 KiB),
+//     Outbox-DLQ-Reason-Class (from a ReasonClasser in reason's chain, else
+//     rejected_by_broker), Outbox-DLQ-LSN (the row's LSN),
+//     Outbox-Commit-LSN, Outbox-Commit-Time, Content-Type;
+//   - Outbox-Event-Id when the event id is known.
+//
+// The body is a JSON object:
+//
+//	{"table": "public.outbox", "lsn": "0/16B3748", "commit_lsn": "0/16B37A0",
+//	 "commit_time": "2026-11-29T09:35:21.123456Z", "reason": "...",
+//	 "reason_class": "invalid_field", "event_id": "...", "subject": "...",
+//	 "row": {"event_id": "...", "payload": "{...}", "occurred_at": null, ...},
+//	 "omitted": {"column": "binary value"}, "truncated": false}
+//
+// event_id and subject (the subject the event would have had) appear when
+// known; row holds every column's text in table order, NULL as null; a
+// binary or unchanged value is null and listed in omitted. The record
+// always fits in the max payload: when the row is too big, the largest
+// values are cut (at a UTF-8 boundary), "truncated" is true and
+// "truncated_fields" maps each cut column to its full length in bytes.
+func (r *Router) DeadLetter(ins *replication.Insert, commit CommitInfo, reason error) *Message {
+	rec := dlqRecord{commit: commit}
+	rec.setReason(reason)
+	var rule *tableRule
+	if ins != nil {
+		rec.lsn = ins.LSN
+		if rel := ins.Relation; rel != nil {
+			rec.table = rel.QualifiedName()
+			rule = r.rules[relKey{rel.Namespace, rel.Name}]
+			rec.row = make([]dlqField, len(rel.Columns))
+			for i, c := range rel.Columns {
+				f := &rec.row[i]
+				f.name = c.Name
+				if i >= len(ins.Values) {
+					f.null, f.note = true, "value missing from the decoded row"
+					continue
+				}
+				switch v := ins.Values[i]; v.Kind {
+				case replication.ValueText:
+					f.val = v.Data
+				case replication.ValueNull:
+					f.null = true
+				case replication.ValueBinary:
+					f.null, f.note = true, "binary value ("+strconv.Itoa(len(v.Data))+" bytes) not shown"
+				default:
+					f.null, f.note = true, "unchanged TOAST value, not sent"
+				}
+			}
+		}
+	}
+	var re *RouteError
+	if errors.As(reason, &re) {
+		rec.eventID, rec.subject = re.EventID, re.Subject
+	}
+	if rec.eventID == "" && ins != nil && ins.Relation != nil {
+		// Best effort, so an operator can find the event by id.
+		col := DefaultEventIDColumn
+		if rule != nil {
+			col = rule.eventID
+		}
+		if i := ins.Relation.ColumnIndex(col); i >= 0 && i < len(ins.Values) && ins.Values[i].Kind == replication.ValueText {
+			rec.eventID = string(ins.Values[i].Data)
+		}
+	}
+	return r.buildDLQ(&rec)
+}
+
+// DeadLetterMessage builds the dead-letter record of a routed message that
+// the broker permanently rejected, for a caller that no longer has the row
+// (the decoder reuses its buffers). It is DeadLetter's record with the
+// event's subject, headers and payload in place of the row:
+//
+//	{..., "subject": "...", "headers": {"Outbox-Event-Type": "...", ...},
+//	 "payload": "{...}", "truncated": false}
+//
+// It never fails and is safe for concurrent use.
+func (r *Router) DeadLetterMessage(m *Message, reason error) *Message {
+	rec := dlqRecord{
+		table:   m.Table,
+		lsn:     m.LSN,
+		commit:  m.Commit,
+		eventID: m.EventID,
+		subject: m.Subject,
+		event:   true,
+	}
+	rec.setReason(reason)
+	keys := make([]string, 0, len(m.Header))
+	for k := range m.Header {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		for _, v := range m.Header[k] {
+			rec.headers = append(rec.headers, dlqField{name: k, val: []byte(v)})
+		}
+	}
+	rec.payload = []dlqField{{name: "payload", val: m.Data, null: m.Data == nil}}
+	return r.buildDLQ(&rec)
+}
+
+// dlqRecord is the content of a dead-letter record before encoding.
+type dlqRecord struct {
+	table   string
+	lsn     replication.LSN
+	commit  CommitInfo
+	reason  string
+	class   string
+	eventID string
+	subject string
+	event   bool       // DeadLetterMessage's form: headers and payload, no row
+	row     []dlqField // table columns, in order
+	headers []dlqField // the event's headers
+	payload []dlqField // the event's payload, one field
+}
+
+type dlqField struct {
+	name string
+	val  []byte
+	null bool
+	note string // why a non-NULL value is shown as null
+}
+
+func (rec *dlqRecord) setReason(reason error) {
+	if reason == nil {
+		rec.reason, rec.class = "no reason given", ClassUnknown
+		return
+	}
+	rec.reason = cutUTF8(reason.Error(), maxReasonBytes)
+	rec.class = ClassRejectedByBroker
+	var rc ReasonClasser
+	if errors.As(reason, &rc) {
+		if c := rc.ReasonClass(); c != "" {
+			rec.class = c
+		}
+	}
+}
+
+// buildDLQ encodes rec, cutting values until the record fits the max
+// payload.
+func (r *Router) buildDLQ(rec *dlqRecord) *Message {
+	lsn := rec.lsn.String()
+	commitLSN, commitTime := formatCommit(rec.commit)
+	id := "dlq:" + rec.table + ":" + lsn
+	h := nats.Header{}
+	h.Set(contract.MsgID, id)
+	h.Set(contract.Table, headerText(rec.table))
+	h.Set(contract.DLQReason, headerText(rec.reason))
+	h.Set(contract.DLQReasonClass, headerText(rec.class))
+	h.Set(contract.DLQLSN, lsn)
+	h.Set(contract.CommitLSN, commitLSN)
+	h.Set(contract.CommitTime, commitTime)
+	h.Set(contract.ContentType, contract.JSONContentType)
+	if rec.eventID != "" && len(rec.eventID) <= maxDLQEventIDBytes && checkHeaderValue(rec.eventID) == "" {
+		h.Set(contract.EventID, rec.eventID)
+	}
+	room := r.maxPayload - headerSize(h)
+
+	enc := dlqEncoder{rec: rec, lsn: lsn, commitLSN: commitLSN, commitTime: commitTime, valueCap: -1}
+	body := enc.encode()
+	if len(body) > room {
+		// Halve the longest values until the record fits: the work is
+		// bounded by twice the row's size.
+		longest := 0
+		for _, f := range enc.fields() {
+			longest = max(longest, len(f.val))
+		}
+		for c := longest / 2; len(body) > room && c > 0; c /= 2 {
+			enc.valueCap = c
+			body = enc.encode()
+		}
+		if len(body) > room {
+			enc.valueCap = 0
+			body = enc.encode()
+		}
+		if len(body) > room {
+			enc.dropFields = true
+			body = enc.encode()
+		}
+		if len(body) > room {
+			enc.shortMeta = true
+			body = enc.encode()
+		}
+	}
+	return &Message{
+		Subject: r.dlqSubject + "." + EscapeToken(rec.table),
+		Header:  h,
+		Data:    body,
+		EventID: rec.eventID,
+		// Dead-letter records need no order among themselves.
+		Key:    id,
+		Table:  rec.table,
+		LSN:    rec.lsn,
+		Commit: rec.commit,
+	}
+}
+
+// dlqEncoder writes a dlqRecord's JSON body under truncation settings.
+type dlqEncoder struct {
+	rec                        *dlqRecord
+	lsn, commitLSN, commitTime string
+	valueCap                   int  // longest value kept, -1 for all
+	dropFields                 bool // leave out row, headers and payload
+	shortMeta                  bool // cut reason, subject, event id
+}
+
+func (e *dlqEncoder) fields() []*dlqField {
+	var out []*dlqField
+	for _, g := range [][]dlqField{e.rec.row, e.rec.headers, e.rec.payload} {
+		for i := range g {
+			out = append(out, &g[i])
+		}
+	}
+	return out
+}
+
+func (e *dlqEncoder) encode() []byte {
+	rec := e.rec
+	meta := func(s string) string {
+		if e.shortMeta {
+			return cutUTF8(s, shortMetaBytes)
+		}
+		return s
+	}
+	b := make([]byte, 0, 512)
+	b = append(b, `{"table":`...)
+	b = appendJSONString(b, rec.table)
+	b = append(b, `,"lsn":`...)
+	b = appendJSONString(b, e.lsn)
+	b = append(b, `,"commit_lsn":`...)
+	b = appendJSONString(b, e.commitLSN)
+	b = append(b, `,"commit_time":`...)
+	b = appendJSONString(b, e.commitTime)
+	b = append(b, `,"reason":`...)
+	b = appendJSONString(b, meta(rec.reason))
+	b = append(b, `,"reason_class":`...)
+	b = appendJSONString(b, rec.class)
+	if rec.eventID != "" {
+		b = append(b, `,"event_id":`...)
+		b = appendJSONString(b, meta(rec.eventID))
+	}
+	if rec.subject != "" {
+		b = append(b, `,"subject":`...)
+		b = appendJSONString(b, meta(rec.subject))
+	}
+	truncated := e.dropFields || e.shortMeta
+	var cut []*dlqField
+	object := func(key string, fs []dlqField) {
+		b = append(b, ',', '"')
+		b = append(b, key...)
+		b = append(b, `":{`...)
+		for i := range fs {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = e.appendField(b, &fs[i], &cut)
+		}
+		b = append(b, '}')
+	}
+	if !e.dropFields {
+		if rec.event {
+			object("headers", rec.headers)
+			b = append(b, `,"payload":`...)
+			b = e.appendValue(b, &rec.payload[0], &cut)
+		} else {
+			object("row", rec.row)
+		}
+	}
+	var omitted []*dlqField
+	for _, f := range e.fields() {
+		if f.note != "" {
+			omitted = append(omitted, f)
+		}
+	}
+	if len(omitted) > 0 {
+		b = append(b, `,"omitted":{`...)
+		for i, f := range omitted {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = appendJSONString(b, f.name)
+			b = append(b, ':')
+			b = appendJSONString(b, f.note)
+		}
+		b = append(b, '}')
+	}
+	if len(cut) > 0 {
+		truncated = true
+		b = append(b, `,"truncated_fields":{`...)
+		for i, f := range cut {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = appendJSONString(b, f.name)
+			b = append(b, ':')
+			b = strconv.AppendInt(b, int64(len(f.val)), 10)
+		}
+		b = append(b, '}')
+	}
+	if e.dropFields {
+		b = append(b, `,"fields_dropped":true`...)
+	}
+	b = append(b, `,"truncated":`...)
+	b = strconv.AppendBool(b, truncated)
+	return append(b, '}')
+}
+
+// appendField appends "name":value.
+func (e *dlqEncoder) appendField(b []byte, f *dlqField, cut *[]*dlqField) []byte {
+	b = appendJSONString(b, f.name)
+	b = append(b, ':')
+	return e.appendValue(b, f, cut)
+}
+
+func (e *dlqEncoder) appendValue(b []byte, f *dlqField, cut *[]*dlqField) []byte {
+	if f.null {
+		return append(b, "null"...)
+	}
+	v := f.val
+	if e.valueCap >= 0 && len(v) > e.valueCap {
+		v = cutUTF8(v, e.valueCap)
+		*cut = append(*cut, f)
+	}
+	return appendJSONString(b, v)
+}
+
+// headerSize is the encoded size of a header block as nats.go sends it.
+func headerSize(h nats.Header) int {
+	n := hdrOverhead
+	for k, vs := range h {
+		for _, v := range vs {
+			n += hdrLineLen(k, len(v))
+		}
+	}
+	return n
+}
+
+// headerText makes s travel unchanged in a header: line breaks become
+// spaces and surrounding whitespace goes, which nats.go would do anyway,
+// but doing it here keeps headerSize exact.
+func headerText(s string) string {
+	if strings.ContainsAny(s, "\r\n") {
+		s = strings.NewReplacer("\r", " ", "\n", " ").Replace(s)
+	}
+	return strings.Trim(s, " \t")
+}
+
+// cutUTF8 returns at most n bytes of s, not splitting a UTF-8 sequence.
+func cutUTF8[T text](s T, n int) T {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}
+
+// appendJSONString appends s as a JSON string. Invalid UTF-8 becomes
+// U+FFFD, as encoding/json does.
+func appendJSONString[T text](b []byte, s T) []byte {
+	b = append(b, '"')
+	start := 0
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c < utf8.RuneSelf {
+			if c >= 0x20 && c != '"' && c != '\\' {
+				i++
+				continue
+			}
+			b = append(b, s[start:i]...)
+			switch c {
+			case '"', '\\':
+				b = append(b, '\\', c)
+			case '\n':
+				b = append(b, '\\', 'n')
+			case '\r':
+				b = append(b, '\\', 'r')
+			case '\t':
+				b = append(b, '\\', 't')
+			default:
+				b = append(b, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xF])
+			}
+			i++
+			start = i
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(string(s[i:min(i+utf8.UTFMax, len(s))]))
+		if r == utf8.RuneError && size == 1 {
+			b = append(b, s[start:i]...)
+			b = append(b, `\ufffd`...)
+			i++
+			start = i
+			continue
+		}
+		i += size
+	}
+	b = append(b, s[start:]...)
+	return append(b, '"')
+}

@@ -1,0 +1,173 @@
+package router
+
+import (
+	"fmt"
+	"strings"
+)
+
+// DefaultSubject is the subject template of a table that names none.
+const DefaultSubject = "outbox.{aggregate_type}.{aggregate_id}"
+
+// placeholder identifies a value a subject template can substitute.
+type placeholder uint8
+
+const (
+	phNone placeholder = iota
+	phAggregateType
+	phAggregateID
+	phEventType
+	phTable
+	phSchema
+	numPlaceholders
+)
+
+var placeholderNames = [numPlaceholders]string{
+	phAggregateType: "aggregate_type",
+	phAggregateID:   "aggregate_id",
+	phEventType:     "event_type",
+	phTable:         "table",
+	phSchema:        "schema",
+}
+
+const placeholderHint = "use {aggregate_type}, {aggregate_id}, {event_type}, {table}, {schema}"
+
+func lookupPlaceholder(name string) placeholder {
+	for p := phAggregateType; p < numPlaceholders; p++ {
+		if placeholderNames[p] == name {
+			return p
+		}
+	}
+	return phNone
+}
+
+// segment is a run of literal text or one placeholder.
+type segment struct {
+	lit string
+	ph  placeholder // phNone for literal text
+}
+
+// template is a parsed subject template.
+type template struct {
+	segs []segment
+	// litLen is the number of literal bytes, the subject's length before
+	// substitution.
+	litLen int
+	// filter is the subject filter matching every subject the template can
+	// produce: each token holding a placeholder becomes '*'.
+	filter string
+}
+
+// templateError is a parse error; Validate turns it into a ConfigError
+// naming the YAML key.
+type templateError struct{ msg string }
+
+func (e *templateError) Error() string { return e.msg }
+
+func tmplErrorf(format string, args ...any) error {
+	return &templateError{msg: fmt.Sprintf(format, args...)}
+}
+
+// parseTemplate parses a subject template such as
+// "outbox.{aggregate_type}.{aggregate_id}". Placeholders may sit anywhere
+// inside a token ("evt-{event_type}"); every substituted value is escaped
+// with EscapeToken, so only the literal text decides the token structure,
+// and that is what parseTemplate checks: no empty tokens, no wildcards, no
+// whitespace, balanced braces, known placeholders.
+func parseTemplate(s string) (*template, error) {
+	if s == "" {
+		return nil, tmplErrorf("is empty (the default is %q)", DefaultSubject)
+	}
+	t := &template{}
+	var lit strings.Builder
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '{':
+			end := strings.IndexAny(s[i+1:], "{}")
+			if end < 0 || s[i+1+end] == '{' {
+				return nil, tmplErrorf("unbalanced braces: '{' at offset %d is not closed (%s)", i, placeholderHint)
+			}
+			name := s[i+1 : i+1+end]
+			if name == "" {
+				return nil, tmplErrorf("empty placeholder {} at offset %d (%s)", i, placeholderHint)
+			}
+			ph := lookupPlaceholder(name)
+			if ph == phNone {
+				return nil, tmplErrorf("unknown placeholder {%s} (%s)", name, placeholderHint)
+			}
+			if lit.Len() == 0 && len(t.segs) > 0 && t.segs[len(t.segs)-1].ph != phNone {
+				// "{aggregate_type}{aggregate_id}" would make "ab"+"c" and
+				// "a"+"bc" the same subject.
+				return nil, tmplErrorf("placeholders {%s} and {%s} touch: put a separator between them, e.g. {%s}.{%s}",
+					t.segs[len(t.segs)-1].phName(), name, t.segs[len(t.segs)-1].phName(), name)
+			}
+			if lit.Len() > 0 {
+				t.segs = append(t.segs, segment{lit: lit.String()})
+				t.litLen += lit.Len()
+				lit.Reset()
+			}
+			t.segs = append(t.segs, segment{ph: ph})
+			i += end + 1
+		case c == '}':
+			return nil, tmplErrorf("unbalanced braces: '}' at offset %d has no '{' (%s)", i, placeholderHint)
+		case c == '*' || c == '>':
+			return nil, tmplErrorf("wildcard %q in a literal token: subjects published to must be literal (placeholders become wildcards only in subject filters)", c)
+		case c <= ' ' || c == 0x7F:
+			return nil, tmplErrorf("whitespace or control byte %q at offset %d: NATS subjects cannot contain it", c, i)
+		default:
+			lit.WriteByte(c)
+		}
+	}
+	if lit.Len() > 0 {
+		t.segs = append(t.segs, segment{lit: lit.String()})
+		t.litLen += lit.Len()
+	}
+	tokens := strings.Split(s, ".")
+	for i, tok := range tokens {
+		if tok != "" {
+			continue
+		}
+		switch i {
+		case 0, len(tokens) - 1:
+			return nil, tmplErrorf("must not start or end with '.' (a subject has no empty tokens)")
+		default:
+			return nil, tmplErrorf("has an empty token (two dots in a row)")
+		}
+	}
+	if strings.HasPrefix(s, "$") {
+		return nil, tmplErrorf("starts with '$': subjects beginning with '$' are reserved for NATS system APIs ($JS, $SYS, ...)")
+	}
+	for i, tok := range tokens {
+		if strings.IndexByte(tok, '{') >= 0 {
+			tokens[i] = "*"
+		}
+	}
+	t.filter = strings.Join(tokens, ".")
+	return t, nil
+}
+
+func (s segment) phName() string { return placeholderNames[s.ph] }
+
+// render appends the subject for the placeholder values vals to dst,
+// escaping each value.
+func (t *template) render(dst []byte, vals *[numPlaceholders][]byte) []byte {
+	for _, sg := range t.segs {
+		if sg.ph == phNone {
+			dst = append(dst, sg.lit...)
+			continue
+		}
+		dst = appendEscaped(dst, vals[sg.ph])
+	}
+	return dst
+}
+
+// renderedLen returns len(render(nil, vals)) without building it.
+func (t *template) renderedLen(vals *[numPlaceholders][]byte) int {
+	n := t.litLen
+	for _, sg := range t.segs {
+		if sg.ph != phNone {
+			n += escapedLen(vals[sg.ph])
+		}
+	}
+	return n
+}
