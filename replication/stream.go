@@ -339,6 +339,10 @@ func (s *Stream) flushPosition() LSN {
 	return flush
 }
 
+// Heartbeat sends a status update if one is due (periodic, or because the
+// watermark moved). The pipeline calls it while it waits for capacity.
+func (s *Stream) Heartbeat(ctx context.Context) error { return s.maybeSendStatus(ctx) }
+
 // Confirmed returns the flush position of the last status update sent.
 func (s *Stream) Confirmed() LSN { return s.sentFlush }
 

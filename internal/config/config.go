@@ -1,0 +1,295 @@
+// Package config reads outbox-relay's configuration from a YAML file,
+// environment variables and flags (precedence: flag > env > file > default),
+// rejects unknown keys and invalid values with the key's path and a fix hint,
+// and turns it into the typed configs of the relay's stages.
+//
+// Every scalar key has an environment variable: OUTBOX_RELAY_ followed by
+// its path in upper case with dots as underscores, e.g. postgres.url is
+// OUTBOX_RELAY_POSTGRES_URL and nats.max_in_flight is
+// OUTBOX_RELAY_NATS_MAX_IN_FLIGHT. Lists (tables) come from the file only.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// ErrInvalid is wrapped by every configuration error.
+var ErrInvalid = errors.New("invalid configuration")
+
+// Error names the key at fault.
+type Error struct {
+	Path string // e.g. postgres.url, tables[0].subject
+	Msg  string
+}
+
+func (e *Error) Error() string { return e.Path + ": " + e.Msg }
+
+// Unwrap returns ErrInvalid.
+func (e *Error) Unwrap() error { return ErrInvalid }
+
+// Config is the whole configuration file.
+type Config struct {
+	Postgres Postgres `yaml:"postgres"`
+	NATS     NATS     `yaml:"nats"`
+	// Tables, dead_letter_subject and max_subject_bytes: the router's keys
+	// sit at the top level of the file.
+	Router          router.Config `yaml:",inline"`
+	HTTP            HTTP          `yaml:"http"`
+	Log             Log           `yaml:"log"`
+	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+}
+
+// Postgres configures the replication source.
+type Postgres struct {
+	URL            string        `yaml:"url"`
+	Slot           string        `yaml:"slot"`
+	Publication    string        `yaml:"publication"`
+	StatusInterval time.Duration `yaml:"status_interval"`
+	// AutoSetup creates a missing publication and slot when run starts.
+	AutoSetup bool `yaml:"auto_setup"`
+}
+
+// NATS configures the JetStream side.
+type NATS struct {
+	URL              string        `yaml:"url"`
+	Stream           string        `yaml:"stream"`
+	StreamSubjects   []string      `yaml:"stream_subjects"`
+	DeadLetterStream string        `yaml:"dead_letter_stream"`
+	CreateStreams    bool          `yaml:"create_streams"`
+	Replicas         int           `yaml:"replicas"`
+	DuplicateWindow  time.Duration `yaml:"duplicate_window"`
+	AckTimeout       time.Duration `yaml:"ack_timeout"`
+	MaxInFlight      int           `yaml:"max_in_flight"`
+	MaxInFlightBytes int           `yaml:"max_in_flight_bytes"`
+	User             string        `yaml:"user"`
+	Password         string        `yaml:"password"`
+	CredentialsFile  string        `yaml:"credentials_file"`
+	NKeySeedFile     string        `yaml:"nkey_seed_file"`
+	CAFile           string        `yaml:"ca_file"`
+	CertFile         string        `yaml:"cert_file"`
+	KeyFile          string        `yaml:"key_file"`
+}
+
+// HTTP configures the metrics and health listener.
+type HTTP struct {
+	// Listen is host:port; empty disables the listener.
+	Listen string `yaml:"listen"`
+	// Pprof exposes /debug/pprof on the listener.
+	Pprof bool `yaml:"pprof"`
+}
+
+// Log configures logging.
+type Log struct {
+	Level  string `yaml:"level"`  // debug, info, warn, error
+	Format string `yaml:"format"` // json or console
+}
+
+// Default returns the configuration before file, env and flags.
+func Default() Config {
+	return Config{
+		Postgres: Postgres{
+			Slot:           "outbox_relay",
+			Publication:    "outbox_relay",
+			StatusInterval: time.Second,
+			AutoSetup:      true,
+		},
+		NATS: NATS{
+			URL:              "nats://127.0.0.1:4222",
+			Stream:           "OUTBOX",
+			DeadLetterStream: "OUTBOX_DLQ",
+			CreateStreams:    true,
+			Replicas:         1,
+			DuplicateWindow:  2 * time.Minute,
+			AckTimeout:       5 * time.Second,
+			MaxInFlight:      4096,
+			MaxInFlightBytes: 64 << 20,
+		},
+		HTTP:            HTTP{Listen: "127.0.0.1:9187"},
+		Log:             Log{Level: "info", Format: "json"},
+		ShutdownTimeout: 5 * time.Second,
+	}
+}
+
+var (
+	identRE  = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+	streamRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,255}$`)
+)
+
+// Validate checks every value and applies derived defaults (stream subjects).
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(path, format string, args ...any) {
+		errs = append(errs, &Error{Path: path, Msg: fmt.Sprintf(format, args...)})
+	}
+	if c.Postgres.URL == "" {
+		bad("postgres.url", "is required: set it in the file, OUTBOX_RELAY_POSTGRES_URL or --postgres-url (e.g. postgres://relay@db:5432/app)")
+	} else if msg := checkPostgresURL(c.Postgres.URL); msg != "" {
+		bad("postgres.url", "%s", msg)
+	}
+	if !identRE.MatchString(c.Postgres.Slot) {
+		bad("postgres.slot", "%q is not a valid slot name: use 1-63 lower-case letters, digits and underscores", c.Postgres.Slot)
+	}
+	if !identRE.MatchString(c.Postgres.Publication) {
+		bad("postgres.publication", "%q is not a valid publication name: use 1-63 lower-case letters, digits and underscores", c.Postgres.Publication)
+	}
+	if c.Postgres.StatusInterval < 10*time.Millisecond || c.Postgres.StatusInterval > 30*time.Second {
+		bad("postgres.status_interval", "%s is out of range: use 10ms to 30s (well below the server's wal_sender_timeout)", c.Postgres.StatusInterval)
+	}
+	if c.NATS.URL == "" {
+		bad("nats.url", "is required: set it in the file, OUTBOX_RELAY_NATS_URL or --nats-url (e.g. nats://127.0.0.1:4222)")
+	} else {
+		for _, u := range strings.Split(c.NATS.URL, ",") {
+			if msg := checkNATSURL(strings.TrimSpace(u)); msg != "" {
+				bad("nats.url", "%s", msg)
+				break
+			}
+		}
+	}
+	if !streamRE.MatchString(c.NATS.Stream) {
+		bad("nats.stream", "%q is not a valid stream name: use letters, digits, _ and -", c.NATS.Stream)
+	}
+	if !streamRE.MatchString(c.NATS.DeadLetterStream) {
+		bad("nats.dead_letter_stream", "%q is not a valid stream name: use letters, digits, _ and -", c.NATS.DeadLetterStream)
+	} else if c.NATS.DeadLetterStream == c.NATS.Stream {
+		bad("nats.dead_letter_stream", "must differ from nats.stream (%q): dead letters need their own stream and retention", c.NATS.Stream)
+	}
+	if c.NATS.Replicas < 1 || c.NATS.Replicas > 5 {
+		bad("nats.replicas", "%d is out of range: use 1 to 5 (3 for durable acks in a cluster)", c.NATS.Replicas)
+	}
+	if c.NATS.DuplicateWindow < time.Second {
+		bad("nats.duplicate_window", "%s is too short: it must exceed the longest relay outage (default 2m)", c.NATS.DuplicateWindow)
+	}
+	if c.NATS.AckTimeout < 100*time.Millisecond {
+		bad("nats.ack_timeout", "%s is too short: use at least 100ms (default 5s)", c.NATS.AckTimeout)
+	}
+	if c.NATS.MaxInFlight < 1 || c.NATS.MaxInFlight > 1<<20 {
+		bad("nats.max_in_flight", "%d is out of range: use 1 to 1048576 (default 4096)", c.NATS.MaxInFlight)
+	}
+	if c.NATS.MaxInFlightBytes < 1<<10 {
+		bad("nats.max_in_flight_bytes", "%d is too small: use at least 1024 (default 67108864)", c.NATS.MaxInFlightBytes)
+	}
+	if c.NATS.CredentialsFile != "" && (c.NATS.User != "" || c.NATS.NKeySeedFile != "") {
+		bad("nats.credentials_file", "set only one of credentials_file, user/password and nkey_seed_file")
+	}
+	if (c.NATS.CertFile == "") != (c.NATS.KeyFile == "") {
+		bad("nats.cert_file", "cert_file and key_file go together")
+	}
+	if c.Log.Level != "" {
+		switch c.Log.Level {
+		case "debug", "info", "warn", "error":
+		default:
+			bad("log.level", "%q is not a level: use debug, info, warn or error", c.Log.Level)
+		}
+	}
+	switch c.Log.Format {
+	case "json", "console":
+	default:
+		bad("log.format", "%q is not a format: use json or console", c.Log.Format)
+	}
+	if c.ShutdownTimeout < 0 || c.ShutdownTimeout > 5*time.Minute {
+		bad("shutdown_timeout", "%s is out of range: use 0 to 5m", c.ShutdownTimeout)
+	}
+	if err := c.Router.Validate(); err != nil {
+		var ce *router.ConfigError
+		if errors.As(err, &ce) {
+			errs = append(errs, &Error{Path: ce.Path, Msg: ce.Msg})
+		} else {
+			errs = append(errs, fmt.Errorf("%w: %w", ErrInvalid, err))
+		}
+	} else {
+		if len(c.NATS.StreamSubjects) == 0 {
+			c.NATS.StreamSubjects = c.Router.SubjectFilters()
+		} else {
+			for _, f := range c.Router.SubjectFilters() {
+				if !coveredBy(c.NATS.StreamSubjects, f) {
+					bad("nats.stream_subjects", "%v do not cover %q, which the subject templates produce: add it or leave stream_subjects empty to derive them", c.NATS.StreamSubjects, f)
+				}
+			}
+			dlq := c.Router.DeadLetterFilter()
+			for _, s := range c.NATS.StreamSubjects {
+				if subjectsOverlap(s, dlq) {
+					bad("nats.stream_subjects", "%q overlaps the dead-letter subjects %q: dead letters would land in the event stream", s, dlq)
+				}
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func checkPostgresURL(s string) string {
+	if strings.HasPrefix(s, "postgres://") || strings.HasPrefix(s, "postgresql://") {
+		u, err := url.Parse(s)
+		if err != nil {
+			return "is not a valid URL (check for unescaped characters in the password: percent-encode them)"
+		}
+		if u.Host == "" {
+			return "has no host: use postgres://user@host:5432/dbname"
+		}
+		if strings.Trim(u.Path, "/") == "" {
+			return "names no database: use postgres://user@host:5432/dbname"
+		}
+		return ""
+	}
+	if strings.Contains(s, "=") {
+		return "" // key=value form; pgx reports problems with it at connect
+	}
+	return "is neither a postgres:// URL nor a key=value connection string"
+}
+
+func checkNATSURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil || u.Host == "" {
+		return fmt.Sprintf("%q is not a URL: use nats://host:4222 (comma-separate several servers)", redactURL(s))
+	}
+	switch u.Scheme {
+	case "nats", "tls", "ws", "wss":
+		return ""
+	}
+	return fmt.Sprintf("scheme %q is not supported: use nats://, tls://, ws:// or wss://", u.Scheme)
+}
+
+// redactURL hides a password in a URL for error messages and logs.
+func redactURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil || u.User == nil {
+		return s
+	}
+	if _, ok := u.User.Password(); ok {
+		u.User = url.UserPassword(u.User.Username(), "xxxxx")
+	}
+	return u.String()
+}
+
+// RedactURL hides the password of a connection URL.
+func RedactURL(s string) string { return redactURL(s) }
+
+func coveredBy(subjects []string, filter string) bool {
+	for _, s := range subjects {
+		if publisher.SubjectCovers(s, filter) {
+			return true
+		}
+	}
+	return false
+}
+
+func subjectsOverlap(a, b string) bool {
+	at, bt := strings.Split(a, "."), strings.Split(b, ".")
+	for i := 0; ; i++ {
+		switch {
+		case i == len(at) || i == len(bt):
+			return len(at) == len(bt)
+		case at[i] == ">" || bt[i] == ">":
+			return true
+		case at[i] != "*" && bt[i] != "*" && at[i] != bt[i]:
+			return false
+		}
+	}
+}

@@ -1,0 +1,279 @@
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"reflect"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// EnvPrefix starts every environment variable the relay reads.
+const EnvPrefix = "OUTBOX_RELAY_"
+
+// Sources are the inputs of Load besides defaults.
+type Sources struct {
+	// File is the YAML file's path; empty for none.
+	File string
+	// Env looks up an environment variable (os.LookupEnv in main).
+	Env func(string) (string, bool)
+	// Flags maps key paths (e.g. "postgres.url") to values given on the
+	// command line; only flags the user set belong here.
+	Flags map[string]string
+}
+
+// Load builds the configuration: defaults, then the file, then environment
+// variables, then flags; then Validate.
+func Load(src Sources) (Config, error) {
+	cfg := Default()
+	if src.File != "" {
+		b, err := os.ReadFile(src.File)
+		if err != nil {
+			return cfg, fmt.Errorf("%w: read config file: %w", ErrInvalid, err)
+		}
+		if err := decodeYAML(b, &cfg); err != nil {
+			return cfg, fmt.Errorf("%s: %w", src.File, err)
+		}
+	}
+	if src.Env != nil {
+		if err := applyEnv(&cfg, src.Env); err != nil {
+			return cfg, err
+		}
+	}
+	for path, v := range src.Flags {
+		f, ok := fieldByPath(reflect.ValueOf(&cfg).Elem(), path)
+		if !ok {
+			return cfg, &Error{Path: path, Msg: "is not a configuration key"}
+		}
+		if err := setScalar(f, v); err != nil {
+			return cfg, &Error{Path: path, Msg: fmt.Sprintf("flag value %q: %v", v, err)}
+		}
+	}
+	return cfg, cfg.Validate()
+}
+
+func decodeYAML(b []byte, cfg *Config) error {
+	var root yaml.Node
+	if err := yaml.Unmarshal(b, &root); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if len(root.Content) == 0 {
+		return nil // empty file
+	}
+	if err := checkKeys(root.Content[0], reflect.TypeOf(*cfg), ""); err != nil {
+		return err
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(b))
+	dec.KnownFields(true)
+	if err := dec.Decode(cfg); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return nil
+}
+
+// checkKeys walks the YAML tree against the struct type so that an unknown
+// or misspelt key is reported with its full path, e.g. tables[0].colums.
+func checkKeys(n *yaml.Node, t reflect.Type, path string) error {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.Struct:
+		if t == reflect.TypeOf(time.Duration(0)) {
+			return nil
+		}
+		if n.Kind != yaml.MappingNode {
+			return &Error{Path: orRoot(path), Msg: fmt.Sprintf("line %d: expected a mapping of keys", n.Line)}
+		}
+		fields := yamlFields(t)
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			k, v := n.Content[i], n.Content[i+1]
+			sub := join(path, k.Value)
+			ft, ok := fields[k.Value]
+			if !ok {
+				return &Error{Path: sub, Msg: fmt.Sprintf("line %d: unknown key (known keys here: %s)", k.Line, strings.Join(sortedKeys(fields), ", "))}
+			}
+			if err := checkKeys(v, ft, sub); err != nil {
+				return err
+			}
+		}
+	case reflect.Slice:
+		if t.Elem().Kind() == reflect.Struct && n.Kind == yaml.SequenceNode {
+			for i, c := range n.Content {
+				if err := checkKeys(c, t.Elem(), fmt.Sprintf("%s[%d]", path, i)); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+func orRoot(p string) string {
+	if p == "" {
+		return "(top level)"
+	}
+	return p
+}
+
+func join(path, key string) string {
+	if path == "" {
+		return key
+	}
+	return path + "." + key
+}
+
+// yamlFields maps the YAML keys of struct type t to their types, expanding
+// inline structs.
+func yamlFields(t reflect.Type) map[string]reflect.Type {
+	out := map[string]reflect.Type{}
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		name, opts, _ := strings.Cut(f.Tag.Get("yaml"), ",")
+		if name == "-" || !f.IsExported() {
+			continue
+		}
+		if strings.Contains(opts, "inline") {
+			for k, v := range yamlFields(f.Type) {
+				out[k] = v
+			}
+			continue
+		}
+		if name == "" {
+			name = strings.ToLower(f.Name)
+		}
+		out[name] = f.Type
+	}
+	return out
+}
+
+func sortedKeys(m map[string]reflect.Type) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	for i := 1; i < len(keys); i++ {
+		for j := i; j > 0 && keys[j] < keys[j-1]; j-- {
+			keys[j], keys[j-1] = keys[j-1], keys[j]
+		}
+	}
+	return keys
+}
+
+// EnvKeys lists every environment variable Load reads, with its key path.
+func EnvKeys() map[string]string {
+	out := map[string]string{}
+	walkScalars(reflect.ValueOf(&Config{}).Elem(), "", func(path string, _ reflect.Value) {
+		out[envName(path)] = path
+	})
+	return out
+}
+
+func envName(path string) string {
+	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(path, ".", "_"))
+}
+
+func applyEnv(cfg *Config, env func(string) (string, bool)) error {
+	var errs []error
+	walkScalars(reflect.ValueOf(cfg).Elem(), "", func(path string, f reflect.Value) {
+		name := envName(path)
+		v, ok := env(name)
+		if !ok {
+			return
+		}
+		if err := setScalar(f, v); err != nil {
+			errs = append(errs, &Error{Path: path, Msg: fmt.Sprintf("environment variable %s=%q: %v", name, redactValue(path, v), err)})
+		}
+	})
+	return errors.Join(errs...)
+}
+
+func redactValue(path, v string) string {
+	if strings.Contains(path, "password") {
+		return "xxxxx"
+	}
+	if strings.HasSuffix(path, "url") {
+		return redactURL(v)
+	}
+	return v
+}
+
+// walkScalars calls fn for every settable scalar field (string, bool, int,
+// duration, []string) with its key path.
+func walkScalars(v reflect.Value, path string, fn func(string, reflect.Value)) {
+	t := v.Type()
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		name, opts, _ := strings.Cut(f.Tag.Get("yaml"), ",")
+		if name == "-" || !f.IsExported() {
+			continue
+		}
+		fv := v.Field(i)
+		if strings.Contains(opts, "inline") {
+			walkScalars(fv, path, fn)
+			continue
+		}
+		sub := join(path, name)
+		switch {
+		case f.Type == reflect.TypeOf(time.Duration(0)):
+			fn(sub, fv)
+		case f.Type.Kind() == reflect.Struct:
+			walkScalars(fv, sub, fn)
+		case f.Type.Kind() == reflect.Slice && f.Type.Elem().Kind() == reflect.String:
+			fn(sub, fv)
+		case f.Type.Kind() == reflect.String || f.Type.Kind() == reflect.Bool || f.Type.Kind() == reflect.Int:
+			fn(sub, fv)
+		}
+	}
+}
+
+func fieldByPath(v reflect.Value, path string) (reflect.Value, bool) {
+	var found reflect.Value
+	walkScalars(v, "", func(p string, f reflect.Value) {
+		if p == path {
+			found = f
+		}
+	})
+	return found, found.IsValid()
+}
+
+func setScalar(f reflect.Value, s string) error {
+	switch {
+	case f.Type() == reflect.TypeOf(time.Duration(0)):
+		d, err := time.ParseDuration(s)
+		if err != nil {
+			return fmt.Errorf("not a duration (use e.g. 500ms, 5s, 2m)")
+		}
+		f.SetInt(int64(d))
+	case f.Kind() == reflect.String:
+		f.SetString(s)
+	case f.Kind() == reflect.Bool:
+		b, err := strconv.ParseBool(s)
+		if err != nil {
+			return fmt.Errorf("not a boolean (use true or false)")
+		}
+		f.SetBool(b)
+	case f.Kind() == reflect.Int:
+		n, err := strconv.Atoi(s)
+		if err != nil {
+			return fmt.Errorf("not an integer")
+		}
+		f.SetInt(int64(n))
+	case f.Kind() == reflect.Slice:
+		var parts []string
+		for _, p := range strings.Split(s, ",") {
+			if p = strings.TrimSpace(p); p != "" {
+				parts = append(parts, p)
+			}
+		}
+		f.Set(reflect.ValueOf(parts))
+	default:
+		return fmt.Errorf("unsupported type %s", f.Type())
+	}
+	return nil
+}

@@ -1,0 +1,74 @@
+package config
+
+import (
+	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/replication"
+)
+
+// Tables returns the schema-qualified outbox tables.
+func (c *Config) Tables() []string {
+	out := make([]string, len(c.Router.Tables))
+	for i, t := range c.Router.Tables {
+		out[i] = t.Table
+		if !containsDot(t.Table) {
+			out[i] = "public." + t.Table
+		}
+	}
+	return out
+}
+
+func containsDot(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] == '.' {
+			return true
+		}
+	}
+	return false
+}
+
+// Replication returns the replication stage's config.
+func (c *Config) Replication() replication.Config {
+	return replication.Config{
+		URL:            c.Postgres.URL,
+		Slot:           c.Postgres.Slot,
+		Publication:    c.Postgres.Publication,
+		Tables:         c.Tables(),
+		StatusInterval: c.Postgres.StatusInterval,
+	}
+}
+
+// Streams returns the specs of the event and dead-letter streams.
+func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
+	events = publisher.StreamSpec{
+		Name:       c.NATS.Stream,
+		Subjects:   c.NATS.StreamSubjects,
+		Duplicates: c.NATS.DuplicateWindow,
+		Replicas:   c.NATS.Replicas,
+	}
+	deadLetters = publisher.StreamSpec{
+		Name:       c.NATS.DeadLetterStream,
+		Subjects:   []string{c.Router.DeadLetterFilter()},
+		Duplicates: c.NATS.DuplicateWindow,
+		Replicas:   c.NATS.Replicas,
+	}
+	return events, deadLetters
+}
+
+// Relay returns the relay's config.
+func (c *Config) Relay() relay.Config {
+	events, dlq := c.Streams()
+	return relay.Config{
+		Replication: c.Replication(),
+		Router:      c.Router,
+		Publisher: publisher.Config{
+			MaxInFlight:      c.NATS.MaxInFlight,
+			MaxInFlightBytes: c.NATS.MaxInFlightBytes,
+			AckTimeout:       c.NATS.AckTimeout,
+		},
+		Stream:           events,
+		DeadLetterStream: dlq,
+		CreateStreams:    c.NATS.CreateStreams,
+		ShutdownTimeout:  c.ShutdownTimeout,
+	}
+}

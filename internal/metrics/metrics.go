@@ -1,0 +1,102 @@
+// Package metrics exports the relay's Prometheus metrics. Names follow the
+// Prometheus conventions: the outbox_relay_ prefix, units in the name and
+// _total on counters. The README's "Metrics" section documents each one.
+package metrics
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outbox-relay/outbox-relay/publisher"
+)
+
+// Relay holds the relay's metrics and implements relay.Observer.
+type Relay struct {
+	published      prometheus.Counter
+	duplicates     prometheus.Counter
+	deadLettered   *prometheus.CounterVec
+	retries        *prometheus.CounterVec
+	reconnects     prometheus.Counter
+	publishLatency prometheus.Histogram
+}
+
+// Gauges are read at scrape time.
+type Gauges struct {
+	InFlight     func() float64
+	ConfirmedLSN func() float64
+	OldestAge    func() float64
+	Ready        func() float64
+}
+
+// NewRelay registers the relay's metrics on reg.
+func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
+	m := &Relay{
+		published: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outbox_relay_events_published_total",
+			Help: "Events acknowledged by JetStream (duplicates included).",
+		}),
+		duplicates: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outbox_relay_publish_duplicates_total",
+			Help: "Publishes JetStream acknowledged as duplicates of a stored event (Nats-Msg-Id within the duplicate window).",
+		}),
+		deadLettered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_relay_dead_lettered_total",
+			Help: "Rows written to the dead-letter stream, by reason class.",
+		}, []string{"reason"}),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_relay_publish_retries_total",
+			Help: "Publish attempts that failed and were retried, by failure class.",
+		}, []string{"class"}),
+		reconnects: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outbox_relay_replication_restarts_total",
+			Help: "Restarts of the replication session (connection loss, standby waiting for the slot).",
+		}),
+		publishLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "outbox_relay_publish_latency_seconds",
+			Help:    "Time from the transaction's commit to the JetStream ack of its event.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 18),
+		}),
+	}
+	reg.MustRegister(m.published, m.duplicates, m.deadLettered, m.retries, m.reconnects, m.publishLatency)
+	gauge := func(name, help string, f func() float64) {
+		if f != nil {
+			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, f))
+		}
+	}
+	gauge("outbox_relay_in_flight_messages", "Messages handed to the publisher and not yet acknowledged.", g.InFlight)
+	gauge("outbox_relay_confirmed_lsn", "Highest LSN whose transactions are all acknowledged (the slot's next confirmed position), as a number.", g.ConfirmedLSN)
+	gauge("outbox_relay_oldest_unacked_age_seconds", "Age, from its commit, of the oldest transaction with events not yet acknowledged by JetStream; 0 when none.", g.OldestAge)
+	gauge("outbox_relay_ready", "1 while the relay streams from the slot with the broker connected.", g.Ready)
+	return m
+}
+
+// Published implements publisher.Observer.
+func (m *Relay) Published(_ string, duplicate bool, _ time.Duration) {
+	if duplicate {
+		m.duplicates.Inc()
+	}
+}
+
+// Retried implements publisher.Observer.
+func (m *Relay) Retried(class string) { m.retries.WithLabelValues(class).Inc() }
+
+// DeadLettered implements publisher.Observer (broker rejections).
+func (m *Relay) DeadLettered(class string) { m.deadLettered.WithLabelValues(class).Inc() }
+
+// Unroutable implements relay.Observer (router rejections).
+func (m *Relay) Unroutable(class string) { m.deadLettered.WithLabelValues(class).Inc() }
+
+// Settled implements relay.Observer.
+func (m *Relay) Settled(res publisher.Result, commitTime time.Time) {
+	if res.DeadLettered {
+		return
+	}
+	m.published.Inc()
+	if !commitTime.IsZero() {
+		m.publishLatency.Observe(time.Since(commitTime).Seconds())
+	}
+}
+
+// Reconnected implements relay.Observer.
+func (m *Relay) Reconnected() { m.reconnects.Inc() }

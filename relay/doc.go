@@ -1,0 +1,18 @@
+// Package relay wires the stages of outbox-relay's data path into one
+// long-running component:
+//
+//	replication (WAL → decoded change) → router (row → message)
+//	  → publisher (message → JetStream ack) → Tracker (ack → LSN watermark)
+//	  → replication (standby status: confirmed LSN)
+//
+// One goroutine reads the replication stream, routes each row and hands it to
+// the publisher; when the publisher's window is full it stops reading (the
+// server's WAL stays on the server, not in our memory) but keeps sending
+// status updates so the server does not time the connection out. Acks settle
+// messages in the tracker from the publisher's goroutines, and the tracker's
+// watermark is what the next status update confirms.
+//
+// Run reconnects after connection failures with capped backoff, waits while
+// another instance holds the slot (a hot standby), and stops with an error
+// for conditions that need an operator (a lost slot, wal_level, grants).
+package relay

@@ -1,0 +1,122 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// pipeline is one replication session's read → route → publish loop. It
+// runs on one goroutine, which owns the replication connection.
+type pipeline struct {
+	r       *Relay
+	st      *replication.Stream
+	tracker *publisher.Tracker
+
+	tx     *publisher.Tx
+	commit router.CommitInfo
+}
+
+// waitSlice is how long the loop waits for publish capacity before it sends
+// a status update and waits again.
+const waitSlice = 200 * time.Millisecond
+
+func (p *pipeline) run(ctx context.Context) error {
+	for {
+		ev, err := p.st.Next(ctx)
+		if err != nil {
+			return err
+		}
+		switch e := ev.(type) {
+		case *replication.Begin:
+			p.tx = p.tracker.Begin(e.CommitTime)
+			p.commit = router.CommitInfo{LSN: e.FinalLSN, Time: e.CommitTime}
+		case *replication.Insert:
+			if err := p.insert(ctx, e); err != nil {
+				return err
+			}
+		case *replication.Commit:
+			p.tx.Commit(e.EndLSN)
+			p.tx = nil
+		case *replication.Truncate:
+			names := make([]string, len(e.Relations))
+			for i, rel := range e.Relations {
+				names[i] = rel.QualifiedName()
+			}
+			p.r.log.Warn("outbox table truncated: rows are removed, no events are published", zap.Strings("tables", names))
+		case *replication.Message:
+			// pgoutput sends logical messages only when asked, and the relay
+			// does not ask yet.
+		}
+	}
+}
+
+func (p *pipeline) insert(ctx context.Context, ins *replication.Insert) error {
+	r := p.r
+	var m *publisher.Message
+	rm, err := r.router.Route(ins, p.commit)
+	if err != nil {
+		// Unroutable rows are dead-lettered with the row itself; they still
+		// hold back the watermark until the record is acked.
+		dl := r.router.DeadLetter(ins, p.commit, err)
+		r.obs.Unroutable(reasonClass(err))
+		r.log.Warn("dead-lettering unroutable row", zap.String("table", ins.Relation.QualifiedName()), zap.Stringer("lsn", ins.LSN), zap.Error(err))
+		m = &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
+	} else {
+		m = &publisher.Message{
+			Subject: rm.Subject,
+			Header:  rm.Header,
+			Data:    rm.Data,
+			Key:     rm.Key,
+			DeadLetter: func(reason error) *publisher.Message {
+				dl := r.router.DeadLetterMessage(rm, reason)
+				return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
+			},
+		}
+	}
+	tx := p.tx
+	commitTime := p.commit.Time
+	tx.Add()
+	m.Done = func(res publisher.Result) {
+		tx.Settle()
+		r.obs.Settled(res, commitTime)
+	}
+	return p.publish(ctx, m)
+}
+
+// publish hands m to the publisher, waiting for capacity without going
+// silent towards PostgreSQL.
+func (p *pipeline) publish(ctx context.Context, m *publisher.Message) error {
+	for {
+		ok, err := p.r.pub.TryPublish(m)
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		wctx, cancel := context.WithTimeout(ctx, waitSlice)
+		err = p.r.pub.WaitSpace(wctx)
+		cancel()
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if err := p.st.Heartbeat(ctx); err != nil {
+			return err
+		}
+	}
+}
+
+func reasonClass(err error) string {
+	var rc router.ReasonClasser
+	if errors.As(err, &rc) {
+		return rc.ReasonClass()
+	}
+	return "unknown"
+}

@@ -1,0 +1,213 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// Config configures a Relay.
+type Config struct {
+	Replication replication.Config
+	Router      router.Config
+	Publisher   publisher.Config
+	// Stream and DeadLetterStream are checked (and created when
+	// CreateStreams is set) before streaming starts.
+	Stream           publisher.StreamSpec
+	DeadLetterStream publisher.StreamSpec
+	CreateStreams    bool
+	// ShutdownTimeout bounds the wait for in-flight acks on shutdown.
+	// Default 5s.
+	ShutdownTimeout time.Duration
+	// ReconnectMin and ReconnectMax bound the backoff between attempts to
+	// (re)start streaming. Defaults 500ms and 30s.
+	ReconnectMin, ReconnectMax time.Duration
+}
+
+// Relay streams an outbox to JetStream.
+type Relay struct {
+	cfg     Config
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	log     *zap.Logger
+	obs     Observer
+	router  *router.Router
+	pub     *publisher.Publisher
+	tracker *publisher.Tracker
+	ready   func(bool)
+}
+
+// Option configures a Relay.
+type Option func(*Relay)
+
+// WithLogger sets the logger (default: no logging).
+func WithLogger(l *zap.Logger) Option { return func(r *Relay) { r.log = l } }
+
+// WithObserver sets the metrics observer (default: none).
+func WithObserver(o Observer) Option { return func(r *Relay) { r.obs = o } }
+
+// WithReadiness registers a callback told whether the relay is streaming.
+func WithReadiness(f func(bool)) Option { return func(r *Relay) { r.ready = f } }
+
+// New builds a relay publishing through nc. Run starts it.
+func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
+	if cfg.ShutdownTimeout <= 0 {
+		cfg.ShutdownTimeout = 5 * time.Second
+	}
+	if cfg.ReconnectMin <= 0 {
+		cfg.ReconnectMin = 500 * time.Millisecond
+	}
+	if cfg.ReconnectMax < cfg.ReconnectMin {
+		cfg.ReconnectMax = max(30*time.Second, cfg.ReconnectMin)
+	}
+	r := &Relay{cfg: cfg, nc: nc, log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
+	for _, o := range opts {
+		o(r)
+	}
+	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
+	if err != nil {
+		return nil, err
+	}
+	r.router = rt
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream: %w", err)
+	}
+	r.js = js
+	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(r.log.Named("publisher")), publisher.WithObserver(r.obs))
+	if err != nil {
+		return nil, err
+	}
+	r.pub = pub
+	r.tracker = publisher.NewTracker(0)
+	return r, nil
+}
+
+// Tracker returns the ack tracker, for metrics.
+func (r *Relay) Tracker() *publisher.Tracker { return r.tracker }
+
+// Publisher returns the publisher, for metrics.
+func (r *Relay) Publisher() *publisher.Publisher { return r.pub }
+
+// Run streams until ctx ends, then waits (up to ShutdownTimeout) for
+// in-flight acks, confirms the final watermark and returns nil. It returns
+// an error only for conditions that need an operator.
+func (r *Relay) Run(ctx context.Context) error {
+	if err := r.checkStreams(ctx); err != nil {
+		return err
+	}
+	pubCtx, stopPub := context.WithCancel(context.Background())
+	g, _ := errgroup.WithContext(pubCtx)
+	g.Go(func() error { return r.pub.Run(pubCtx) })
+	err := r.stream(ctx)
+	stopPub()
+	_ = g.Wait()
+	_ = r.pub.Close()
+	return err
+}
+
+func (r *Relay) checkStreams(ctx context.Context) error {
+	for _, spec := range []publisher.StreamSpec{r.cfg.Stream, r.cfg.DeadLetterStream} {
+		rep, err := publisher.EnsureStream(ctx, r.js, spec, r.cfg.CreateStreams)
+		if err != nil {
+			return err
+		}
+		if rep.Created {
+			r.log.Info("created stream", zap.String("stream", spec.Name), zap.Strings("subjects", spec.Subjects))
+		}
+		for _, w := range rep.Warnings {
+			r.log.Warn(w, zap.String("stream", spec.Name))
+		}
+	}
+	return nil
+}
+
+// stream (re)starts the replication stream until ctx ends or a permanent
+// error occurs.
+func (r *Relay) stream(ctx context.Context) error {
+	attempt := 0
+	for {
+		streamed, err := r.streamOnce(ctx)
+		r.ready(false)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if replication.IsPermanent(err) || errors.Is(err, publisher.ErrClosed) {
+			return err
+		}
+		if streamed {
+			attempt = 0
+		}
+		attempt++
+		wait := backoff(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt)
+		if errors.Is(err, replication.ErrSlotInUse) {
+			// A standby: poll often, so takeover is quick.
+			wait = min(wait, 2*time.Second)
+			r.log.Info("slot in use by another instance; standing by", zap.Duration("retry_in", wait), zap.Error(err))
+		} else {
+			r.log.Warn("replication interrupted; reconnecting", zap.Duration("retry_in", wait), zap.Int("attempt", attempt), zap.Error(err))
+		}
+		r.obs.Reconnected()
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+	}
+}
+
+func backoff(minD, maxD time.Duration, attempt int) time.Duration {
+	d := minD
+	for i := 1; i < attempt && d < maxD; i++ {
+		d *= 2
+	}
+	d = min(d, maxD)
+	return d*3/4 + time.Duration(rand.Int64N(int64(d/2)+1))
+}
+
+// streamOnce runs one replication session. It reports whether streaming
+// started, so the reconnect backoff resets after a session that worked.
+func (r *Relay) streamOnce(ctx context.Context) (bool, error) {
+	// Messages still in flight from a previous session settle in the old
+	// tracker; the server re-sends everything after the confirmed LSN, and
+	// the publisher's per-key queue keeps those re-sends behind them.
+	r.tracker = publisher.NewTracker(0)
+	st, err := replication.Open(ctx, r.cfg.Replication, r.tracker, replication.WithLogger(r.log.Named("replication")))
+	if err != nil {
+		return false, err
+	}
+	r.ready(true)
+	p := pipeline{r: r, st: st, tracker: r.tracker}
+	err = p.run(ctx)
+	if ctx.Err() != nil {
+		// Graceful stop: wait for the acks, then confirm them.
+		dctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
+		if derr := r.pub.Drain(dctx); derr != nil {
+			r.log.Warn("shutdown with unacknowledged messages; they are re-sent after restart", zap.Error(derr))
+		}
+		cancel()
+		cctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		if cerr := st.Close(cctx); cerr != nil {
+			r.log.Warn("final status update", zap.Error(cerr))
+		} else {
+			r.log.Info("stopped", zap.Stringer("confirmed_lsn", st.Confirmed()))
+		}
+		cancel()
+		return true, nil
+	}
+	cctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	_ = st.Close(cctx)
+	cancel()
+	return true, err
+}
