@@ -225,7 +225,7 @@ func (r *Router) buildDLQ(rec *dlqRecord) *Message {
 		Data:    body,
 		EventID: rec.eventID,
 		// Dead-letter records need no order among themselves.
-		Key:    id,
+		Key:    "",
 		Table:  rec.table,
 		LSN:    rec.lsn,
 		Commit: rec.commit,

@@ -26,7 +26,8 @@ type Message struct {
 	// EventID is the event id, also the Nats-Msg-Id header.
 	EventID string
 	// Key is the ordering key: aggregate type + "\x00" + aggregate id. The
-	// publisher keeps the messages of one key in order.
+	// publisher keeps the messages of one key in order. Dead-letter records
+	// have no key: they need no order among themselves.
 	Key string
 	// Table is the row's schema-qualified table.
 	Table string
