@@ -1,0 +1,264 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+)
+
+// DB is what the consumer needs of a database: *pgxpool.Pool implements it.
+type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Log field names.
+const (
+	fieldConsumer  = "consumer"
+	fieldEventID   = "event_id"
+	fieldSeq       = "stream_seq"
+	fieldClass     = "class"
+	fieldAttempt   = "attempt"
+	fieldDelay     = "delay"
+	fieldDeadID    = "dead_letter_id"
+	fieldAggregate = "aggregate"
+)
+
+// Consumer applies the events of a JetStream stream to a PostgreSQL database
+// idempotently. Create it with [New] and start it with [Run].
+type Consumer struct {
+	cfg         Config
+	db          DB
+	js          jetstream.JetStream
+	h           Handler
+	log         *zap.Logger
+	met         *metrics
+	afterCommit func(*Message)
+	wanted      map[string]bool
+	workers     []*worker
+	running     atomic.Bool
+}
+
+// New returns a consumer of cfg.Stream that applies each event with h inside
+// a transaction on db. It validates cfg (filling defaults, see [Config]) and
+// starts nothing; call Run. Options: [WithLogger] (default zap.NewNop()),
+// [WithRegisterer] (default a private registry), [WithAfterCommit].
+func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (*Consumer, error) {
+	if db == nil || js == nil || h == nil {
+		return nil, fmt.Errorf("%w: database, JetStream context and handler are required", ErrInvalidConfig)
+	}
+	cfg.FilterSubjects = append([]string(nil), cfg.FilterSubjects...)
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	o := options{logger: zap.NewNop(), registerer: prometheus.NewRegistry()}
+	for _, opt := range opts {
+		if err := opt(&o); err != nil {
+			return nil, err
+		}
+	}
+	met, err := newMetrics(o.registerer, cfg.Name, cfg.Owner)
+	if err != nil {
+		return nil, err
+	}
+	c := &Consumer{
+		cfg:         cfg,
+		db:          db,
+		js:          js,
+		h:           h,
+		log:         o.logger.Named("consumer").With(zap.String(fieldConsumer, cfg.Name)),
+		met:         met,
+		afterCommit: o.afterCommit,
+	}
+	if len(cfg.EventTypes) > 0 {
+		c.wanted = make(map[string]bool, len(cfg.EventTypes))
+		for _, t := range cfg.EventTypes {
+			c.wanted[t] = true
+		}
+	}
+	for i := 0; i < cfg.Workers; i++ {
+		c.workers = append(c.workers, newWorker(c, i))
+	}
+	return c, nil
+}
+
+// Config returns the consumer's configuration with defaults filled in.
+func (c *Consumer) Config() Config { return c.cfg }
+
+// Run checks the schema, creates or updates the durable consumer and applies
+// messages until ctx is cancelled (it then returns nil) or the durable
+// consumer can no longer be used. It returns only after every goroutine it
+// started has returned. A Consumer runs at most once at a time.
+func (c *Consumer) Run(ctx context.Context) error {
+	if !c.running.CompareAndSwap(false, true) {
+		return fmt.Errorf("consumer %s is already running", c.cfg.Name)
+	}
+	defer c.running.Store(false)
+	if err := CheckSchema(ctx, c.db); err != nil {
+		return err
+	}
+	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, c.consumerConfig())
+	if err != nil {
+		return fmt.Errorf("create durable consumer %s on stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
+	}
+	c.log.Info("consuming", zap.String("stream", c.cfg.Stream), zap.Strings("filter_subjects", c.cfg.FilterSubjects),
+		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
+		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
+	g, gctx := errgroup.WithContext(ctx)
+	for _, w := range c.workers {
+		g.Go(func() error { return w.run(gctx) })
+	}
+	g.Go(func() error { return c.dispatch(gctx, cons) })
+	g.Go(func() error { return c.replayLoop(gctx) })
+	g.Go(func() error { return c.statsLoop(gctx) })
+	return g.Wait()
+}
+
+// consumerConfig is the durable consumer the library needs: explicit acks,
+// the ack wait and max ack pending its workers are sized for, and no
+// delivery limit, because the library dead-letters by itself and a message
+// JetStream stopped delivering would be dropped without a trace.
+func (c *Consumer) consumerConfig() jetstream.ConsumerConfig {
+	return jetstream.ConsumerConfig{
+		Durable:        c.cfg.Name,
+		Description:    "outbox-relay idempotent consumer",
+		AckPolicy:      jetstream.AckExplicitPolicy,
+		AckWait:        c.cfg.AckWait,
+		MaxAckPending:  c.cfg.MaxAckPending,
+		MaxDeliver:     -1,
+		DeliverPolicy:  jetstream.DeliverAllPolicy,
+		FilterSubjects: c.cfg.FilterSubjects,
+	}
+}
+
+// dispatch pulls messages and hands each to the worker owning its aggregate.
+func (c *Consumer) dispatch(ctx context.Context, cons jetstream.Consumer) error {
+	batch := min(c.cfg.MaxAckPending, 500)
+	for {
+		iter, err := cons.Messages(jetstream.PullMaxMessages(batch))
+		if err == nil {
+			err = c.pump(ctx, iter)
+			iter.Stop()
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrConsumerNotFound) ||
+			errors.Is(err, jetstream.ErrConnectionClosed) {
+			return fmt.Errorf("consume %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
+		}
+		c.log.Warn("pull subscription ended; pulling again", zap.Error(err))
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+func (c *Consumer) pump(ctx context.Context, iter jetstream.MessagesContext) error {
+	for {
+		msg, err := iter.Next(jetstream.NextContext(ctx))
+		if err != nil {
+			return err
+		}
+		it := c.newItem(msg)
+		w := c.workers[c.workerIndex(it.key)]
+		select {
+		case w.in <- it:
+		case <-ctx.Done():
+			_ = msg.Nak()
+			return ctx.Err()
+		}
+	}
+}
+
+// item is one message on its way through a worker: a delivery from the
+// stream, or a dead letter being replayed.
+type item struct {
+	msg      jetstream.Msg // nil for a replay
+	m        Message
+	err      error // the message breaks the header contract
+	key      string
+	hash     []byte
+	replay   *replayRequest
+	received time.Time
+}
+
+func (c *Consumer) newItem(msg jetstream.Msg) *item {
+	it := &item{msg: msg, received: time.Now()}
+	it.m.Subject = msg.Subject()
+	it.m.Header = msg.Headers()
+	if md, err := msg.Metadata(); err == nil {
+		it.m.Stream = md.Stream
+		it.m.StreamSeq = md.Sequence.Stream
+		it.m.Deliveries = md.NumDelivered
+	} else {
+		it.err = fmt.Errorf("read JetStream metadata: %w", err)
+	}
+	c.parse(it, msg.Data())
+	return it
+}
+
+// parse fills the event fields of it from its headers and payload.
+func (c *Consumer) parse(it *item, data []byte) {
+	ev, err := contract.Parse(it.m.Header, data)
+	it.m.Event = ev
+	if err != nil && it.err == nil {
+		it.err = err
+	}
+	if it.err != nil {
+		// No trustworthy aggregate: keep the subject's messages together.
+		it.key = "\x00subject\x00" + it.m.Subject
+		return
+	}
+	it.key = ev.AggregateType + "\x00" + ev.AggregateID
+	it.hash = ContentHash(&it.m.Event)
+}
+
+func (c *Consumer) workerIndex(key string) int {
+	h := fnv.New64a()
+	h.Write([]byte(key))
+	return int(h.Sum64() % uint64(len(c.workers)))
+}
+
+// statsLoop refreshes the open dead-letter gauges.
+func (c *Consumer) statsLoop(ctx context.Context) error {
+	t := time.NewTicker(c.cfg.StatsInterval)
+	defer t.Stop()
+	for {
+		var open int64
+		var oldest float64
+		err := c.db.QueryRow(ctx, `
+			SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(dead_lettered_at)), 0)::float8
+			FROM consumer_dead_letter
+			WHERE consumer = $1 AND status IN ('open', 'replaying')`, c.cfg.Name).Scan(&open, &oldest)
+		if err == nil {
+			c.met.openDLQ.Set(float64(open))
+			c.met.oldest.Set(oldest)
+		} else if ctx.Err() == nil {
+			// A monitoring loop has nobody to return to; the next tick retries.
+			c.log.Warn("refresh dead-letter gauges", zap.Error(err))
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}

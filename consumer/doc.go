@@ -1,0 +1,99 @@
+// Package consumer is the library downstream services use to apply the
+// events outbox-relay publishes to JetStream, idempotently and in aggregate
+// order. It sits at the far end of the pipeline: outbox table → relay →
+// JetStream stream → consumer → the service's own PostgreSQL database.
+//
+// Delivery is at least once, so every message goes through one database
+// transaction (run sql/consumer.sql in the service's database first):
+//
+//  1. insert (consumer, event_id, content hash, …) into consumed_message
+//     with ON CONFLICT DO NOTHING; if the row exists, the stored hash decides:
+//     the same content is a duplicate (acknowledged, counted), other content
+//     is a conflict (dead-lettered, never treated as a duplicate);
+//  2. with Config.VersionCheck, compare the event's aggregate version with
+//     the aggregate's position (read FOR UPDATE): the next version is
+//     applied, the current one with the same identity is a duplicate, a
+//     later one is a gap (deferred with NakWithDelay up to Config.GapWait,
+//     then dead-lettered naming both versions), anything else a conflict;
+//  3. run the Handler in the same transaction and move the position;
+//  4. commit, and only then acknowledge.
+//
+// A crash after the commit and before the ack causes a redelivery that step 1
+// recognises; a crash before the commit leaves nothing behind.
+//
+// # Failures
+//
+// Handlers classify their errors with [Transient], [Permanent] and [Reject].
+// Transient failures (database unavailability is recognised by SQLSTATE and
+// error type, see [IsTransientDB]) are retried with capped exponential
+// backoff and jitter through NakWithDelay; permanent ones are dead-lettered
+// at once; a business rejection is recorded as 'rejected' with the dedup row
+// and acknowledged; anything else, including a recovered panic, is retried
+// up to Config.MaxAttempts and then dead-lettered. Dead letters go to the
+// consumer_dead_letter table of the same database with the original payload
+// and headers, event id, subject, stream sequence, failure class and reason,
+// attempts and first and last failure time; operators list, replay and
+// discard them with `outbox-relay dlq` (package dlq). A replay is applied by
+// this consumer only, through the same transaction as a live message, and
+// closes the record in that transaction.
+//
+// # Ordering
+//
+// What is guaranteed, and what is not:
+//
+//   - Messages are dispatched to Config.Workers workers by a hash of
+//     aggregate type and id; a worker applies its messages one at a time in
+//     the order the stream delivers them, so one aggregate's events are
+//     applied in stream order (which the relay keeps equal to commit order).
+//     Different aggregates proceed in parallel; there is no order between
+//     them.
+//   - When a message fails and waits for its retry, the later messages of
+//     the same aggregate are held in memory (kept alive with progress acks)
+//     until it is applied or dead-lettered; other aggregates carry on. The
+//     wait is bounded by the retry policy, and the number of held messages
+//     by the durable consumer's MaxAckPending: an aggregate with more than
+//     MaxAckPending messages behind a failing one stalls the consumer until
+//     that message is resolved. Transient failures retry without limit by
+//     default, so a long database outage stalls everything (as it must).
+//   - A slow handler delays the other aggregates of its worker (1/Workers
+//     of them), not those of other workers.
+//   - Without VersionCheck, this order holds while the process lives. After
+//     a crash, JetStream redelivers the unacknowledged messages as their
+//     ack_wait or nak delays expire, which can put a retried message behind
+//     a later one of the same aggregate. With VersionCheck, the database
+//     position enforces the order across crashes, restarts and replays: an
+//     early arrival is deferred until the missing versions are applied.
+//   - Several processes sharing one durable consumer split an aggregate's
+//     messages between them; only VersionCheck keeps its order then. To
+//     scale out with order per aggregate, partition the subjects (one
+//     durable consumer per partition, for example with the pcgroups package
+//     of github.com/synadia-io/orbit.go) and note that changing the number
+//     of partitions moves aggregates between consumers: drain before
+//     changing it.
+//
+// VersionCheck needs every event of an aggregate. A consumer that filters
+// event types or subjects, or a producer that changes an aggregate without
+// emitting an event, skips versions legitimately; such consumers leave it
+// off (the seed lesson's point: a version jump is then not a lost message).
+//
+// # Retention
+//
+// [Pruner] deletes old consumed_message rows, refusing a retention shorter
+// than the window in which an event can arrive again (see its doc).
+//
+// # Metrics
+//
+// With [WithRegisterer]: outbox_consumer_messages_processed_total{outcome},
+// outbox_consumer_idempotency_hits_total, outbox_consumer_version_gaps_total,
+// outbox_consumer_conflicts_total, outbox_consumer_retries_total{class},
+// outbox_consumer_dead_lettered_total{owner,class},
+// outbox_consumer_replayed_total{result},
+// outbox_consumer_consume_latency_seconds (outbox commit to consumer commit),
+// outbox_consumer_transaction_duration_seconds,
+// outbox_consumer_dead_letters_open{owner} and
+// outbox_consumer_dead_letter_oldest_age_seconds{owner}; all carry a
+// consumer label.
+//
+// JetStream pull consumers: https://docs.nats.io/nats-concepts/jetstream/consumers;
+// PostgreSQL INSERT … ON CONFLICT: https://www.postgresql.org/docs/current/sql-insert.html.
+package consumer

@@ -1,0 +1,182 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Outcomes counted by outbox_consumer_messages_processed_total.
+const (
+	outcomeApplied      = "applied"
+	outcomeDuplicate    = "duplicate"
+	outcomeRejected     = "rejected"
+	outcomeSkipped      = "skipped"
+	outcomeRetried      = "retried"
+	outcomeDeferred     = "deferred"
+	outcomeDeadLettered = "dead_lettered"
+)
+
+// metricVecs are the collectors, shared by every consumer registered with the
+// same Registerer.
+type metricVecs struct {
+	processed    *prometheus.CounterVec
+	idempotency  *prometheus.CounterVec
+	gaps         *prometheus.CounterVec
+	conflicts    *prometheus.CounterVec
+	retries      *prometheus.CounterVec
+	deadLettered *prometheus.CounterVec
+	replayed     *prometheus.CounterVec
+	latency      *prometheus.HistogramVec
+	handle       *prometheus.HistogramVec
+	openDLQ      *prometheus.GaugeVec
+	oldestDLQ    *prometheus.GaugeVec
+}
+
+// metrics are one consumer's series.
+type metrics struct {
+	vecs     *metricVecs
+	name     string
+	owner    string
+	idem     prometheus.Counter
+	gap      prometheus.Counter
+	conflict prometheus.Counter
+	latency  prometheus.Observer
+	handle   prometheus.Observer
+	openDLQ  prometheus.Gauge
+	oldest   prometheus.Gauge
+}
+
+func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error) {
+	l := []string{"consumer"}
+	v := &metricVecs{
+		processed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_messages_processed_total",
+			Help: "Messages handled, by outcome: applied, duplicate (idempotency hit), rejected (business rejection), skipped (event type not wanted), retried, deferred (version gap), dead_lettered.",
+		}, []string{"consumer", "outcome"}),
+		idempotency: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_idempotency_hits_total",
+			Help: "Redelivered events recognised as already consumed and acknowledged without applying them again.",
+		}, l),
+		gaps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_version_gaps_total",
+			Help: "Times an event arrived before an earlier version of its aggregate (deferred, or dead-lettered after the gap wait).",
+		}, l),
+		conflicts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_conflicts_total",
+			Help: "Events whose id or aggregate version was already consumed with other content; dead-lettered.",
+		}, l),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_retries_total",
+			Help: "Failed attempts that will be retried, by failure class (transient, unknown).",
+		}, []string{"consumer", "class"}),
+		deadLettered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_dead_lettered_total",
+			Help: "Messages written to the consumer's dead-letter table, by failure class and the owner who must act.",
+		}, []string{"consumer", "owner", "class"}),
+		replayed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_replayed_total",
+			Help: "Dead letters replayed on an operator's request, by result: applied, duplicate, rejected, failed (back to open).",
+		}, []string{"consumer", "result"}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "outbox_consumer_consume_latency_seconds",
+			Help:    "Time from the outbox transaction's commit (Outbox-Commit-Time) to the consumer's commit of the applied event.",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 16),
+		}, l),
+		handle: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "outbox_consumer_transaction_duration_seconds",
+			Help:    "Duration of one message's transaction: dedup insert, version check, handler and commit.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}, l),
+		openDLQ: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_consumer_dead_letters_open",
+			Help: "Dead letters waiting for an operator (open or replaying), refreshed periodically.",
+		}, []string{"consumer", "owner"}),
+		oldestDLQ: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_consumer_dead_letter_oldest_age_seconds",
+			Help: "Age of the oldest dead letter waiting for an operator; 0 when there is none.",
+		}, []string{"consumer", "owner"}),
+	}
+	var err error
+	v.processed, err = register(reg, v.processed)
+	if err == nil {
+		v.idempotency, err = register(reg, v.idempotency)
+	}
+	if err == nil {
+		v.gaps, err = register(reg, v.gaps)
+	}
+	if err == nil {
+		v.conflicts, err = register(reg, v.conflicts)
+	}
+	if err == nil {
+		v.retries, err = register(reg, v.retries)
+	}
+	if err == nil {
+		v.deadLettered, err = register(reg, v.deadLettered)
+	}
+	if err == nil {
+		v.replayed, err = register(reg, v.replayed)
+	}
+	if err == nil {
+		v.latency, err = register(reg, v.latency)
+	}
+	if err == nil {
+		v.handle, err = register(reg, v.handle)
+	}
+	if err == nil {
+		v.openDLQ, err = register(reg, v.openDLQ)
+	}
+	if err == nil {
+		v.oldestDLQ, err = register(reg, v.oldestDLQ)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("register consumer metrics: %w", err)
+	}
+	return &metrics{
+		vecs:     v,
+		name:     name,
+		owner:    owner,
+		idem:     v.idempotency.WithLabelValues(name),
+		gap:      v.gaps.WithLabelValues(name),
+		conflict: v.conflicts.WithLabelValues(name),
+		latency:  v.latency.WithLabelValues(name),
+		handle:   v.handle.WithLabelValues(name),
+		openDLQ:  v.openDLQ.WithLabelValues(name, owner),
+		oldest:   v.oldestDLQ.WithLabelValues(name, owner),
+	}, nil
+}
+
+// register registers c, or returns the collector of the same name another
+// consumer registered before on reg.
+func register[C prometheus.Collector](reg prometheus.Registerer, c C) (C, error) {
+	err := reg.Register(c)
+	if err == nil {
+		return c, nil
+	}
+	var are prometheus.AlreadyRegisteredError
+	if errors.As(err, &are) {
+		if existing, ok := are.ExistingCollector.(C); ok {
+			return existing, nil
+		}
+	}
+	return c, err
+}
+
+func (m *metrics) processed(outcome string) {
+	m.vecs.processed.WithLabelValues(m.name, outcome).Inc()
+}
+
+func (m *metrics) retried(c Class) {
+	m.vecs.retries.WithLabelValues(m.name, string(c)).Inc()
+	m.processed(outcomeRetried)
+}
+
+func (m *metrics) deadLettered(c Class) {
+	m.vecs.deadLettered.WithLabelValues(m.name, m.owner, string(c)).Inc()
+	m.processed(outcomeDeadLettered)
+}
+
+func (m *metrics) replayResult(result string) {
+	m.vecs.replayed.WithLabelValues(m.name, result).Inc()
+}

@@ -1,0 +1,332 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// worker applies the messages of the aggregates hashed to it, one at a time
+// and in arrival order, except that a message waiting for a retry holds back
+// only the later messages of its own aggregate.
+//
+// Everything here is owned by the worker's goroutine: the queue it drains
+// its channel into (so it can keep queued messages alive with progress
+// acks), the blocked aggregates, and the per-message retry state. All of it
+// is bounded by the durable consumer's MaxAckPending, because every entry is
+// a delivered, unacknowledged message.
+type worker struct {
+	c       *Consumer
+	id      int
+	in      chan *item
+	queue   []*item
+	blocked map[string]*block
+	fails   map[uint64]*failState // by stream sequence
+	gaps    map[uint64]*gapState  // by stream sequence
+}
+
+// block holds back an aggregate's messages while one of them (head) waits
+// for its redelivery after a failure.
+type block struct {
+	head  uint64    // stream sequence of the failed message
+	until time.Time // stop waiting for the redelivery after this
+	held  []*item   // later messages of the aggregate, in arrival order
+}
+
+// failState counts failed attempts of one message.
+type failState struct {
+	attempts    int
+	first, last time.Time
+}
+
+// gapState tracks how long one message has waited for a version gap.
+type gapState struct {
+	since     time.Time
+	deferrals int
+}
+
+func newWorker(c *Consumer, id int) *worker {
+	return &worker{
+		c:       c,
+		id:      id,
+		in:      make(chan *item, 64),
+		blocked: map[string]*block{},
+		fails:   map[uint64]*failState{},
+		gaps:    map[uint64]*gapState{},
+	}
+}
+
+func (w *worker) run(ctx context.Context) error {
+	tick := time.NewTicker(w.c.cfg.AckWait / 3)
+	defer tick.Stop()
+	for {
+		w.drain()
+		if len(w.queue) == 0 {
+			select {
+			case <-ctx.Done():
+				w.release()
+				return nil
+			case it := <-w.in:
+				w.queue = append(w.queue, it)
+			case <-tick.C:
+				w.heartbeat()
+			}
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			w.release()
+			return nil
+		case <-tick.C:
+			w.heartbeat()
+		default:
+		}
+		it := w.queue[0]
+		w.queue[0] = nil
+		w.queue = w.queue[1:]
+		if it.replay != nil {
+			w.handleReplay(ctx, it)
+		} else {
+			w.handle(ctx, it)
+		}
+	}
+}
+
+// drain moves whatever waits in the channel to the queue without blocking.
+func (w *worker) drain() {
+	for {
+		select {
+		case it := <-w.in:
+			w.queue = append(w.queue, it)
+		default:
+			return
+		}
+	}
+}
+
+// heartbeat tells the broker that queued and held messages are still being
+// worked on, so that ack_wait only has to cover one message's handling, and
+// releases blocks whose retried message never came back.
+func (w *worker) heartbeat() {
+	now := time.Now()
+	for _, it := range w.queue {
+		if it.msg != nil {
+			_ = it.msg.InProgress() // a lost progress ack only costs a harmless redelivery
+		}
+	}
+	for key, b := range w.blocked {
+		for _, it := range b.held {
+			_ = it.msg.InProgress()
+		}
+		if now.After(b.until) {
+			// The retried message was not redelivered to this process (taken
+			// by another process sharing the durable consumer, or deleted
+			// from the stream); holding its successors longer helps nobody.
+			w.c.log.Warn("retried message was not redelivered in time; releasing its aggregate",
+				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
+			w.unblock(key, b)
+		}
+	}
+}
+
+// release gives the queued and held messages back to the broker on shutdown,
+// so that they are redelivered at once rather than after ack_wait.
+func (w *worker) release() {
+	w.drain()
+	for _, it := range w.queue {
+		if it.msg != nil {
+			_ = it.msg.Nak()
+		}
+	}
+	for _, b := range w.blocked {
+		for _, it := range b.held {
+			_ = it.msg.Nak()
+		}
+	}
+	w.queue, w.blocked = nil, map[string]*block{}
+}
+
+func (w *worker) unblock(key string, b *block) {
+	delete(w.blocked, key)
+	if len(b.held) == 0 {
+		return
+	}
+	q := make([]*item, 0, len(b.held)+len(w.queue))
+	w.queue = append(append(q, b.held...), w.queue...)
+}
+
+// handle processes one delivery and settles it with the broker.
+func (w *worker) handle(ctx context.Context, it *item) {
+	seq := it.m.StreamSeq
+	b := w.blocked[it.key]
+	if b != nil && seq > b.head {
+		b.held = append(b.held, it)
+		return
+	}
+	res := w.c.process(ctx, it)
+	retryDelay, retry := w.settle(ctx, it, res)
+	switch {
+	case retry && b == nil:
+		w.blocked[it.key] = &block{head: seq, until: time.Now().Add(retryDelay + w.c.cfg.AckWait)}
+	case retry:
+		b.head, b.until = seq, time.Now().Add(retryDelay+w.c.cfg.AckWait)
+	case b != nil && seq == b.head:
+		w.unblock(it.key, b)
+	}
+}
+
+// settle acknowledges, defers or dead-letters a delivery according to res.
+// It reports whether the message will be redelivered for a retry (its
+// aggregate must then wait for it) and after which delay.
+func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duration, bool) {
+	c, seq := w.c, it.m.StreamSeq
+	log := c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, seq))
+	switch res.kind {
+	case resApplied, resRejected, resDuplicate, resSkipped:
+		w.forget(seq)
+		if err := it.msg.Ack(); err != nil {
+			// The transaction committed; a lost ack means a redelivery that
+			// the dedup row turns into a duplicate.
+			log.Warn("ack failed", zap.Error(err))
+		}
+		switch res.kind {
+		case resApplied:
+			c.met.processed(outcomeApplied)
+		case resRejected:
+			c.met.processed(outcomeRejected)
+		case resDuplicate:
+			c.met.idem.Inc()
+			c.met.processed(outcomeDuplicate)
+		default:
+			c.met.processed(outcomeSkipped)
+		}
+		return 0, false
+	case resGap:
+		c.met.gap.Inc()
+		g := w.gaps[seq]
+		if g == nil {
+			g = &gapState{since: time.Now()}
+			w.gaps[seq] = g
+		}
+		g.deferrals++
+		waited := time.Since(g.since)
+		if res.blockedBy == 0 && waited < c.cfg.GapWait {
+			delay := min(c.cfg.GapRecheck, c.cfg.GapWait-waited)
+			if err := it.msg.NakWithDelay(delay); err != nil {
+				log.Warn("defer message", zap.Error(err))
+			}
+			c.met.processed(outcomeDeferred)
+			return 0, false
+		}
+		reason := res.err
+		if res.blockedBy == 0 {
+			reason = fmt.Errorf("%w; waited %s", res.err, waited.Round(time.Millisecond))
+		}
+		return w.deadLetter(ctx, it, ClassGap, reason, &failState{attempts: g.deferrals, first: g.since, last: time.Now()})
+	case resConflict:
+		c.met.conflict.Inc()
+		return w.deadLetter(ctx, it, ClassConflict, res.err, w.fail(seq))
+	case resStale:
+		return 0, false
+	}
+	// resFailed
+	f := w.fail(seq)
+	limit := 0
+	switch res.class {
+	case ClassTransient:
+		limit = c.cfg.TransientAttempts
+	case ClassUnknown:
+		limit = c.cfg.MaxAttempts
+	default: // permanent, and conflict or gap returned by a handler
+		return w.deadLetter(ctx, it, res.class, res.err, f)
+	}
+	if limit > 0 && f.attempts >= limit {
+		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d attempts)", res.err, f.attempts), f)
+	}
+	return w.retry(it, res.class, res.err, f.attempts, log)
+}
+
+// fail records a failed attempt of the message at seq.
+func (w *worker) fail(seq uint64) *failState {
+	now := time.Now()
+	f := w.fails[seq]
+	if f == nil {
+		f = &failState{first: now}
+		w.fails[seq] = f
+	}
+	f.attempts++
+	f.last = now
+	return f
+}
+
+func (w *worker) forget(seq uint64) {
+	delete(w.fails, seq)
+	delete(w.gaps, seq)
+}
+
+func (w *worker) retry(it *item, class Class, err error, attempt int, log *zap.Logger) (time.Duration, bool) {
+	delay := backoff(attempt, w.c.cfg.RetryBase, w.c.cfg.RetryMax, jitter)
+	w.c.met.retried(class)
+	log.Warn("message failed; retrying", zap.String(fieldClass, string(class)), zap.Int(fieldAttempt, attempt),
+		zap.Duration(fieldDelay, delay), zap.Error(err))
+	if nerr := it.msg.NakWithDelay(delay); nerr != nil {
+		// Without the nak the broker redelivers after ack_wait instead.
+		log.Warn("nak failed", zap.Error(nerr))
+	}
+	return delay, true
+}
+
+// deadLetter stores the message in consumer_dead_letter and terminates it.
+// When the record cannot be written (the database is down) the message is
+// retried instead: nothing leaves the stream without a record.
+func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason error, f *failState) (time.Duration, bool) {
+	log := w.c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
+	id, err := w.c.insertDeadLetter(ctx, it, class, reason, f)
+	if err != nil {
+		return w.retry(it, ClassTransient, fmt.Errorf("write dead letter (%s: %v): %w", class, reason, err), f.attempts, log)
+	}
+	w.forget(it.m.StreamSeq)
+	w.c.met.deadLettered(class)
+	log.Warn("message dead-lettered", zap.String(fieldClass, string(class)), zap.Int64(fieldDeadID, id),
+		zap.String("owner", w.c.cfg.Owner), zap.Error(reason))
+	if err := it.msg.TermWithReason(fmt.Sprintf("dead-lettered as %s, consumer_dead_letter id %d", class, id)); err != nil {
+		// A redelivery updates the same open record.
+		log.Warn("terminate dead-lettered message", zap.Error(err))
+	}
+	return 0, false
+}
+
+// handleReplay applies a dead letter an operator asked to replay and closes
+// or reopens its record.
+func (w *worker) handleReplay(ctx context.Context, it *item) {
+	defer it.replay.done()
+	c := w.c
+	res := c.process(ctx, it)
+	switch res.kind {
+	case resApplied, resRejected, resDuplicate:
+		c.met.replayResult(map[resultKind]string{resApplied: outcomeApplied, resRejected: outcomeRejected, resDuplicate: outcomeDuplicate}[res.kind])
+		return
+	case resStale:
+		return
+	case resSkipped:
+		res = result{kind: resFailed, class: ClassPermanent, err: fmt.Errorf("event type %q is not in the consumer's EventTypes", it.m.Type)}
+	}
+	class, reason := res.class, res.err
+	switch res.kind {
+	case resGap:
+		class = ClassGap
+	case resConflict:
+		class = ClassConflict
+	}
+	if reason == nil {
+		reason = errors.New("replay failed")
+	}
+	c.met.replayResult("failed")
+	if err := c.reopenDeadLetter(ctx, it, class, reason); err != nil {
+		// The record stays 'replaying' and is taken again by the next poll.
+		c.log.Warn("reopen dead letter after failed replay", zap.Int64(fieldDeadID, it.m.DeadLetterID), zap.Error(err))
+	}
+}
