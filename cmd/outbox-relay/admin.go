@@ -1,0 +1,240 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/replication"
+)
+
+func newSetupCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "setup",
+		Short: "Create the publication, the replication slot and the streams (idempotent)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := g.load()
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), time.Minute)
+			defer cancel()
+			out := cmd.OutOrStdout()
+			rep, err := replication.Setup(ctx, cfg.Replication())
+			if err != nil {
+				return err
+			}
+			for _, a := range rep.Actions {
+				fmt.Fprintln(out, "postgres:", a)
+			}
+			nc, err := connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay setup")
+			if err != nil {
+				return err
+			}
+			defer nc.Close()
+			js, err := jetstream.New(nc)
+			if err != nil {
+				return err
+			}
+			events, dlq := cfg.Streams()
+			for _, spec := range []publisher.StreamSpec{events, dlq} {
+				srep, err := publisher.EnsureStream(ctx, js, spec, true)
+				if err != nil {
+					return err
+				}
+				if srep.Created {
+					fmt.Fprintf(out, "nats: created stream %s (subjects %v, file storage, duplicate window %s)\n", spec.Name, spec.Subjects, spec.Duplicates)
+				} else {
+					fmt.Fprintf(out, "nats: stream %s already exists (subjects %v)\n", spec.Name, srep.Info.Config.Subjects)
+				}
+				for _, w := range srep.Warnings {
+					fmt.Fprintln(out, "warning:", w)
+				}
+			}
+			return nil
+		},
+	}
+}
+
+// statusReport is what `status --json` prints.
+type statusReport struct {
+	Slot              string   `json:"slot"`
+	SlotExists        bool     `json:"slot_exists"`
+	SlotActive        bool     `json:"slot_active"`
+	SlotActivePID     int32    `json:"slot_active_pid,omitempty"`
+	WALStatus         string   `json:"wal_status,omitempty"`
+	ConfirmedFlushLSN string   `json:"confirmed_flush_lsn,omitempty"`
+	RetainedWALBytes  int64    `json:"retained_wal_bytes"`
+	LagBytes          int64    `json:"lag_bytes"`
+	Stream            string   `json:"stream"`
+	StreamMessages    uint64   `json:"stream_messages"`
+	StreamLastSeq     uint64   `json:"stream_last_seq"`
+	StreamStorage     string   `json:"stream_storage,omitempty"`
+	StreamReplicas    int      `json:"stream_replicas,omitempty"`
+	DeadLetterStream  string   `json:"dead_letter_stream"`
+	DeadLetters       uint64   `json:"dead_letters"`
+	Problems          []string `json:"problems,omitempty"`
+}
+
+func newStatusCmd(g *globals) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Show the slot's position and retained WAL and the streams' sizes",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := g.load()
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), 30*time.Second)
+			defer cancel()
+			rep := collectStatus(ctx, cfg)
+			if asJSON {
+				enc := json.NewEncoder(cmd.OutOrStdout())
+				enc.SetIndent("", "  ")
+				if err := enc.Encode(rep); err != nil {
+					return err
+				}
+			} else {
+				printStatus(cmd.OutOrStdout(), rep)
+			}
+			if len(rep.Problems) > 0 {
+				return exitCode(1)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON for scripts")
+	return cmd
+}
+
+func collectStatus(ctx context.Context, cfg config.Config) statusReport {
+	rep := statusReport{Slot: cfg.Postgres.Slot, Stream: cfg.NATS.Stream, DeadLetterStream: cfg.NATS.DeadLetterStream}
+	st, err := replication.Status(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
+	if err != nil {
+		rep.Problems = append(rep.Problems, "postgres: "+err.Error())
+	} else {
+		rep.SlotExists, rep.SlotActive, rep.SlotActivePID = st.Exists, st.Active, st.ActivePID
+		rep.WALStatus, rep.RetainedWALBytes, rep.LagBytes = st.WALStatus, st.RetainedBytes, st.LagBytes
+		if st.Exists {
+			rep.ConfirmedFlushLSN = st.ConfirmedFlushLSN.String()
+		} else {
+			rep.Problems = append(rep.Problems, "slot does not exist: run `outbox-relay setup`")
+		}
+		if st.WALStatus == "lost" {
+			rep.Problems = append(rep.Problems, "slot is lost (wal_status = 'lost'): events were lost; see the README's recovery runbook")
+		}
+	}
+	nc, err := connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay status")
+	if err != nil {
+		rep.Problems = append(rep.Problems, "nats: "+err.Error())
+		return rep
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		rep.Problems = append(rep.Problems, "nats: "+err.Error())
+		return rep
+	}
+	if s, err := js.Stream(ctx, cfg.NATS.Stream); err == nil {
+		info, err := s.Info(ctx)
+		if err == nil {
+			rep.StreamMessages, rep.StreamLastSeq = info.State.Msgs, info.State.LastSeq
+			rep.StreamStorage, rep.StreamReplicas = info.Config.Storage.String(), info.Config.Replicas
+		}
+	} else {
+		rep.Problems = append(rep.Problems, fmt.Sprintf("stream %s: %v", cfg.NATS.Stream, err))
+	}
+	if s, err := js.Stream(ctx, cfg.NATS.DeadLetterStream); err == nil {
+		if info, err := s.Info(ctx); err == nil {
+			rep.DeadLetters = info.State.Msgs
+		}
+	} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
+		rep.Problems = append(rep.Problems, fmt.Sprintf("stream %s: %v", cfg.NATS.DeadLetterStream, err))
+	}
+	return rep
+}
+
+func printStatus(w io.Writer, r statusReport) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "slot\t%s\n", r.Slot)
+	fmt.Fprintf(tw, "  exists\t%v\n", r.SlotExists)
+	if r.SlotActive {
+		fmt.Fprintf(tw, "  active\ttrue (pid %d)\n", r.SlotActivePID)
+	} else {
+		fmt.Fprintf(tw, "  active\tfalse\n")
+	}
+	fmt.Fprintf(tw, "  wal_status\t%s\n", r.WALStatus)
+	fmt.Fprintf(tw, "  confirmed_flush_lsn\t%s\n", r.ConfirmedFlushLSN)
+	fmt.Fprintf(tw, "  retained WAL\t%s\n", humanBytes(r.RetainedWALBytes))
+	fmt.Fprintf(tw, "  behind current WAL\t%s\n", humanBytes(r.LagBytes))
+	fmt.Fprintf(tw, "stream\t%s\n", r.Stream)
+	fmt.Fprintf(tw, "  messages\t%d (last seq %d, %s, R%d)\n", r.StreamMessages, r.StreamLastSeq, r.StreamStorage, r.StreamReplicas)
+	fmt.Fprintf(tw, "dead-letter stream\t%s\n", r.DeadLetterStream)
+	fmt.Fprintf(tw, "  records\t%d\n", r.DeadLetters)
+	_ = tw.Flush()
+	for _, p := range r.Problems {
+		fmt.Fprintln(w, "problem:", p)
+	}
+}
+
+func humanBytes(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	div, exp := int64(unit), 0
+	for m := n / unit; m >= unit; m /= unit {
+		div *= unit
+		exp++
+	}
+	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+
+func newTeardownCmd(g *globals) *cobra.Command {
+	var yes bool
+	cmd := &cobra.Command{
+		Use:   "teardown",
+		Short: "Drop the replication slot (requires --yes)",
+		Long: "Drops the relay's replication slot so PostgreSQL stops retaining WAL for it.\n" +
+			"Events committed after the slot's confirmed position and not yet relayed are\n" +
+			"then never relayed. An abandoned slot is worse: it retains WAL until the disk\n" +
+			"fills, so tear down slots you no longer use.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !yes {
+				return fmt.Errorf("%w: teardown drops the replication slot; unrelayed events are then lost. Re-run with --yes to confirm", config.ErrInvalid)
+			}
+			cfg, err := g.load()
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), 30*time.Second)
+			defer cancel()
+			dropped, err := replication.DropSlot(ctx, cfg.Replication())
+			if err != nil {
+				return err
+			}
+			if dropped {
+				fmt.Fprintf(cmd.OutOrStdout(), "dropped slot %s (the publication %s and the streams are left in place)\n", cfg.Postgres.Slot, cfg.Postgres.Publication)
+			} else {
+				fmt.Fprintf(cmd.OutOrStdout(), "slot %s does not exist; nothing to do\n", cfg.Postgres.Slot)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&yes, "yes", false, "confirm dropping the slot")
+	return cmd
+}

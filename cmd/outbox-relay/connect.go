@@ -1,0 +1,107 @@
+package main
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/outbox-relay/outbox-relay/internal/config"
+)
+
+func newLogger(c config.Log) (*zap.Logger, error) {
+	var zc zap.Config
+	if c.Format == "console" {
+		zc = zap.NewDevelopmentConfig()
+		zc.EncoderConfig.EncodeLevel = zapcore.CapitalColorLevelEncoder
+	} else {
+		zc = zap.NewProductionConfig()
+		zc.EncoderConfig.TimeKey = "ts"
+		zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	}
+	lvl, err := zapcore.ParseLevel(c.Level)
+	if err != nil {
+		return nil, err
+	}
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	zc.DisableStacktrace = true
+	return zc.Build()
+}
+
+// connectNATS connects with reconnects that never give up: the relay keeps
+// its position in PostgreSQL, so waiting for the broker is always right.
+func connectNATS(c config.NATS, log *zap.Logger, name string) (*nats.Conn, error) {
+	opts := []nats.Option{
+		nats.Name(name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(250 * time.Millisecond),
+		nats.ReconnectJitter(100*time.Millisecond, time.Second),
+		nats.Timeout(5 * time.Second),
+		// A stalled connection is detected within PingInterval*MaxPingsOut.
+		nats.PingInterval(5 * time.Second),
+		nats.MaxPingsOutstanding(2),
+		nats.RetryOnFailedConnect(true),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				log.Warn("nats disconnected", zap.Error(err))
+			}
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			log.Info("nats reconnected", zap.String("server", nc.ConnectedUrlRedacted()))
+		}),
+	}
+	switch {
+	case c.CredentialsFile != "":
+		opts = append(opts, nats.UserCredentials(c.CredentialsFile))
+	case c.NKeySeedFile != "":
+		o, err := nats.NkeyOptionFromSeed(c.NKeySeedFile)
+		if err != nil {
+			return nil, fmt.Errorf("nats.nkey_seed_file: %w", err)
+		}
+		opts = append(opts, o)
+	case c.User != "":
+		opts = append(opts, nats.UserInfo(c.User, c.Password))
+	}
+	if c.CAFile != "" || c.CertFile != "" {
+		tc := &tls.Config{MinVersion: tls.VersionTLS12}
+		if c.CAFile != "" {
+			pem, err := os.ReadFile(c.CAFile)
+			if err != nil {
+				return nil, fmt.Errorf("nats.ca_file: %w", err)
+			}
+			pool := x509.NewCertPool()
+			if !pool.AppendCertsFromPEM(pem) {
+				return nil, fmt.Errorf("nats.ca_file %s holds no PEM certificate", c.CAFile)
+			}
+			tc.RootCAs = pool
+		}
+		if c.CertFile != "" {
+			cert, err := tls.LoadX509KeyPair(c.CertFile, c.KeyFile)
+			if err != nil {
+				return nil, fmt.Errorf("nats.cert_file/key_file: %w", err)
+			}
+			tc.Certificates = []tls.Certificate{cert}
+		}
+		opts = append(opts, nats.Secure(tc))
+	}
+	nc, err := nats.Connect(c.URL, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("connect to nats %s: %w", config.RedactURL(c.URL), err)
+	}
+	// RetryOnFailedConnect returns at once; wait a little for the first
+	// connection so that setup errors are reported, not retried silently.
+	deadline := time.Now().Add(10 * time.Second)
+	for !nc.IsConnected() && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !nc.IsConnected() {
+		nc.Close()
+		return nil, fmt.Errorf("connect to nats %s: no server answered within 10s", config.RedactURL(c.URL))
+	}
+	return nc, nil
+}

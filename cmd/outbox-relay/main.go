@@ -1,0 +1,103 @@
+// Command outbox-relay relays a PostgreSQL transactional outbox to NATS
+// JetStream through logical replication. See the README for the
+// configuration reference and the subcommands.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	"github.com/spf13/cobra"
+
+	"github.com/outbox-relay/outbox-relay/internal/config"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+// exitCode carries a specific process exit status out of a command.
+type exitCode int
+
+func (e exitCode) Error() string { return fmt.Sprintf("exit status %d", int(e)) }
+
+func main() {
+	root := newRootCmd()
+	err := root.Execute()
+	var code exitCode
+	switch {
+	case err == nil:
+	case errors.As(err, &code):
+		os.Exit(int(code))
+	default:
+		fmt.Fprintln(os.Stderr, "outbox-relay:", err)
+		if errors.Is(err, config.ErrInvalid) {
+			os.Exit(2)
+		}
+		os.Exit(1)
+	}
+}
+
+// globals are the flags every subcommand shares.
+type globals struct {
+	configFile string
+	flags      map[string]*string // key path -> flag value
+	cmd        *cobra.Command
+}
+
+// flagKeys are the configuration keys that have a command-line flag.
+var flagKeys = []struct{ name, path, usage string }{
+	{"postgres-url", "postgres.url", "PostgreSQL connection URL (env OUTBOX_RELAY_POSTGRES_URL)"},
+	{"slot", "postgres.slot", "replication slot name"},
+	{"publication", "postgres.publication", "publication name"},
+	{"nats-url", "nats.url", "NATS server URL(s), comma-separated (env OUTBOX_RELAY_NATS_URL)"},
+	{"stream", "nats.stream", "JetStream stream for events"},
+	{"http-listen", "http.listen", "address for /metrics, /healthz and /readyz; empty disables"},
+	{"log-level", "log.level", "debug, info, warn or error"},
+	{"log-format", "log.format", "json (default) or console"},
+}
+
+func newRootCmd() *cobra.Command {
+	g := &globals{flags: map[string]*string{}}
+	root := &cobra.Command{
+		Use:           "outbox-relay",
+		Short:         "Relay a PostgreSQL transactional outbox to NATS JetStream",
+		Long:          "outbox-relay streams outbox INSERTs from a logical replication slot (pgoutput),\nroutes each row to a JetStream subject per aggregate and confirms the slot's\nposition only after JetStream acknowledged the events.",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.PersistentFlags().StringVarP(&g.configFile, "config", "c", os.Getenv("OUTBOX_RELAY_CONFIG"), "YAML configuration file (env OUTBOX_RELAY_CONFIG)")
+	for _, f := range flagKeys {
+		g.flags[f.path] = root.PersistentFlags().String(f.name, "", f.usage)
+	}
+	g.cmd = root
+	root.AddCommand(newRunCmd(g), newSetupCmd(g), newStatusCmd(g), newTeardownCmd(g), newVersionCmd())
+	return root
+}
+
+// load reads the configuration with precedence flag > env > file > default.
+func (g *globals) load() (config.Config, error) {
+	set := map[string]string{}
+	for _, f := range flagKeys {
+		if g.cmd.PersistentFlags().Changed(f.name) {
+			set[f.path] = *g.flags[f.path]
+		}
+	}
+	return config.Load(config.Sources{File: g.configFile, Env: os.LookupEnv, Flags: set})
+}
+
+func newVersionCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print the version",
+		Args:  cobra.NoArgs,
+		Run: func(cmd *cobra.Command, _ []string) {
+			fmt.Fprintln(cmd.OutOrStdout(), "outbox-relay", version)
+		},
+	}
+}
+
+func signalContext() (context.Context, context.CancelFunc) {
+	return notifyContext(context.Background())
+}

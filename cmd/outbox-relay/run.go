@@ -1,0 +1,147 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/replication"
+)
+
+func newRunCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "run",
+		Short: "Stream the outbox to JetStream until SIGINT/SIGTERM",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := g.load()
+			if err != nil {
+				return err
+			}
+			log, err := newLogger(cfg.Log)
+			if err != nil {
+				return err
+			}
+			defer func() { _ = log.Sync() }()
+			ctx, stop := signalContext()
+			defer stop()
+			return run(ctx, cfg, log)
+		},
+	}
+}
+
+func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
+	log.Info("starting", zap.String("version", version), zap.String("slot", cfg.Postgres.Slot), zap.String("stream", cfg.NATS.Stream), zap.Strings("tables", cfg.Tables()))
+	if cfg.Postgres.AutoSetup {
+		rep, err := replication.Setup(ctx, cfg.Replication())
+		if err != nil {
+			log.Error("setup failed", zap.Error(err))
+			return err
+		}
+		for _, a := range rep.Actions {
+			log.Info("setup: " + a)
+		}
+	}
+	nc, err := connectNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+
+	var ready atomic.Bool
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	var rl *relay.Relay
+	obs := metrics.NewRelay(reg, metrics.Gauges{
+		InFlight:     func() float64 { return float64(rl.Publisher().InFlight()) },
+		ConfirmedLSN: func() float64 { return float64(rl.Tracker().Confirmed()) },
+		OldestAge: func() float64 {
+			if t := rl.Tracker().Oldest(); !t.IsZero() {
+				return time.Since(t).Seconds()
+			}
+			return 0
+		},
+		Ready: func() float64 {
+			if ready.Load() && nc.IsConnected() {
+				return 1
+			}
+			return 0
+		},
+	})
+	rl, err = relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(ready.Store))
+	if err != nil {
+		return err
+	}
+
+	g, gctx := errgroup.WithContext(ctx)
+	if cfg.HTTP.Listen != "" {
+		srv := &http.Server{Handler: httpHandler(reg, cfg.HTTP.Pprof, func() bool { return ready.Load() && nc.IsConnected() }), ReadHeaderTimeout: 5 * time.Second}
+		ln, err := net.Listen("tcp", cfg.HTTP.Listen)
+		if err != nil {
+			return err
+		}
+		log.Info("http listening", zap.String("addr", ln.Addr().String()))
+		g.Go(func() error {
+			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+				return err
+			}
+			return nil
+		})
+		g.Go(func() error {
+			<-gctx.Done()
+			sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			return srv.Shutdown(sctx)
+		})
+	}
+	g.Go(func() error {
+		err := rl.Run(gctx)
+		if err != nil {
+			log.Error("relay stopped", zap.Error(err))
+			return err
+		}
+		// Stop the HTTP server too when the relay returns on shutdown.
+		return context.Canceled
+	})
+	err = g.Wait()
+	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+func httpHandler(reg *prometheus.Registry, withPprof bool, ready func() bool) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !ready() {
+			http.Error(w, "not streaming", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write([]byte("ready\n"))
+	})
+	if withPprof {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
+	return mux
+}

@@ -1,0 +1,370 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/relaytest"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+
+// fixture is one test's database, names and connections.
+type fixture struct {
+	t      *testing.T
+	db     *testenv.Database
+	natsURL string
+	nc     *nats.Conn
+	js     jetstream.JetStream
+	cfg    relay.Config
+	stream string
+	dlq    string
+}
+
+func newFixture(t *testing.T, natsURL string) *fixture {
+	t.Helper()
+	env := testenv.Get(t)
+	if natsURL == "" {
+		natsURL = env.NATS.URL
+	}
+	db := env.NewDatabase(t)
+	db.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "outbox.sql"))
+	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := strings.ToUpper(testenv.UniqueName("S"))
+	prefix := strings.ToLower(name)
+	f := &fixture{t: t, db: db, natsURL: natsURL, nc: nc, js: js, stream: name, dlq: name + "_DLQ"}
+	f.cfg = relay.Config{
+		Replication: replication.Config{
+			URL: db.URL, Slot: "slot_" + prefix, Publication: "pub_" + prefix,
+			Tables: []string{"public.outbox"}, StatusInterval: 200 * time.Millisecond,
+		},
+		Router: router.Config{
+			Tables:            []router.TableConfig{{Table: "public.outbox", Subject: prefix + ".{aggregate_type}.{aggregate_id}"}},
+			DeadLetterSubject: prefix + "_dlq",
+		},
+		Publisher:        publisher.Config{AckTimeout: 2 * time.Second},
+		Stream:           publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute},
+		DeadLetterStream: publisher.StreamSpec{Name: name + "_DLQ", Subjects: []string{prefix + "_dlq.>"}, Duplicates: 2 * time.Minute},
+		CreateStreams:    true,
+		ReconnectMin:     100 * time.Millisecond,
+		ReconnectMax:     time.Second,
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = js.DeleteStream(ctx, f.stream)
+		_ = js.DeleteStream(ctx, f.dlq)
+	})
+	return f
+}
+
+func (f *fixture) setup(ctx context.Context) {
+	f.t.Helper()
+	if _, err := replication.Setup(ctx, f.cfg.Replication); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+// start runs the relay until the test ends; the returned stop waits for it.
+func (f *fixture) start(ctx context.Context) (stop func() error) {
+	f.t.Helper()
+	nc := f.nc
+	rl, err := relay.New(f.cfg, nc, relay.WithLogger(zaptest.NewLogger(f.t)))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- rl.Run(rctx) }()
+	stopped := false
+	var result error
+	stop = func() error {
+		if !stopped {
+			stopped = true
+			cancel()
+			result = <-done
+		}
+		return result
+	}
+	f.t.Cleanup(func() { _ = stop() })
+	return stop
+}
+
+func (f *fixture) waitCount(ctx context.Context, stream string, n uint64, timeout time.Duration) {
+	f.t.Helper()
+	var got uint64
+	if !testenv.WaitFor(timeout, func() bool {
+		got = relaytest.StreamCount(ctx, f.js, stream)
+		return got >= n
+	}) {
+		f.t.Fatalf("stream %s holds %d messages after %s, want %d", stream, got, timeout, n)
+	}
+}
+
+func (f *fixture) slot(ctx context.Context) replication.SlotStatus {
+	f.t.Helper()
+	st, err := replication.Status(ctx, f.db.URL, f.cfg.Replication.Slot)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return st
+}
+
+// Acceptance 1: concurrent writers, mixed transaction sizes; exact count,
+// order per aggregate, exact headers and payload bytes.
+func TestRelayConcurrentWriters(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	f.setup(ctx)
+	f.start(ctx)
+	evs := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 10000, Aggregates: 200, Writers: 4, BigTx: 50})
+	relaytest.StoredPayloads(ctx, t, f.db.Pool, "outbox", evs)
+	f.waitCount(ctx, f.stream, uint64(len(evs)), 60*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	rep := relaytest.Check(evs, got)
+	if !rep.OK() || rep.Received != 10000 {
+		t.Fatalf("stream check: %s", rep)
+	}
+	// The header contract, on one message.
+	m := got[0]
+	for _, h := range []string{contract.MsgID, contract.EventID, contract.EventType, contract.AggregateType, contract.AggregateID,
+		contract.AggregateVersion, contract.OccurredAt, contract.CommitLSN, contract.CommitTime, contract.Table, contract.ContentType} {
+		if len(m.Headers[h]) != 1 || m.Headers[h][0] == "" {
+			t.Errorf("header %s = %q", h, m.Headers[h])
+		}
+	}
+	if m.Headers[contract.MsgID][0] != m.Event.ID || m.Headers[contract.Table][0] != "public.outbox" || m.Headers[contract.ContentType][0] != "application/json" {
+		t.Errorf("headers %v", m.Headers)
+	}
+	// The slot confirms past everything once acked.
+	if !testenv.WaitFor(10*time.Second, func() bool { return f.slot(ctx).LagBytes < 1<<20 }) {
+		t.Fatalf("slot lag stays at %d bytes", f.slot(ctx).LagBytes)
+	}
+}
+
+// Acceptance 2: rollbacks, other tables, updates and deletes publish
+// nothing; insert-then-delete in one transaction publishes the event.
+func TestRelayOnlyCommittedInserts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	if _, err := f.db.Pool.Exec(ctx, "CREATE TABLE other (id int primary key, v text)"); err != nil {
+		t.Fatal(err)
+	}
+	f.setup(ctx)
+	f.start(ctx)
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := f.db.Pool.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	ins := func(id, agg string, v int) string {
+		return "INSERT INTO outbox (event_id, aggregate_id, aggregate_version, event_type, payload) VALUES ('" + id + "', '" + agg + "', " + relaytest.Itoa(v) + ", 'T', '{}')"
+	}
+	exec("BEGIN; " + ins("00000000-0000-0000-0000-000000000001", "a", 1) + "; ROLLBACK")
+	exec("INSERT INTO other VALUES (1, 'x')")
+	exec(ins("00000000-0000-0000-0000-000000000002", "a", 1))
+	exec("UPDATE outbox SET publish_state = 'PUBLISHED'")
+	exec("DELETE FROM outbox")
+	exec("BEGIN; " + ins("00000000-0000-0000-0000-000000000003", "b", 1) + "; DELETE FROM outbox WHERE aggregate_id = 'b'; COMMIT")
+	exec("UPDATE other SET v = 'y'")
+	// A sentinel last: once it is in, everything before it was handled.
+	exec(ins("00000000-0000-0000-0000-000000000004", "c", 1))
+	f.waitCount(ctx, f.stream, 3, 30*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	var ids []string
+	for _, m := range got {
+		ids = append(ids, m.Event.ID)
+	}
+	want := []string{"00000000-0000-0000-0000-000000000002", "00000000-0000-0000-0000-000000000003", "00000000-0000-0000-0000-000000000004"}
+	if strings.Join(ids, ",") != strings.Join(want, ",") {
+		t.Fatalf("stream holds %v, want %v", ids, want)
+	}
+}
+
+// Acceptance 3: with the broker down, the confirmed LSN stays before the
+// first unpublished commit; when it returns everything arrives and the
+// slot moves past it.
+func TestRelayBrokerOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	ns, err := testenv.StartNATS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ns.Close)
+	f := newFixture(t, ns.URL)
+	f.setup(ctx)
+	f.start(ctx)
+	first := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 100, Aggregates: 10})
+	f.waitCount(ctx, f.stream, 100, 30*time.Second)
+	if !testenv.WaitFor(10*time.Second, func() bool { return f.slot(ctx).LagBytes < 64<<10 }) {
+		t.Fatal("slot did not confirm the first batch")
+	}
+	before := f.slot(ctx).ConfirmedFlushLSN
+
+	ns.Stop()
+	var firstUnpublished replication.LSN
+	if err := f.db.Pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(new(string)); err != nil {
+		t.Fatal(err)
+	}
+	var lsnText string
+	_ = f.db.Pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsnText)
+	firstUnpublished, _ = replication.ParseLSN(lsnText)
+	second := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 500, Aggregates: 10, Writers: 2, BigTx: 20})
+	// Give the relay time to try; the slot must not move past the outage.
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		if c := f.slot(ctx).ConfirmedFlushLSN; c > firstUnpublished {
+			t.Fatalf("confirmed_flush_lsn %s passed the first unpublished commit (after %s) while the broker was down", c, firstUnpublished)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if c := f.slot(ctx).ConfirmedFlushLSN; c < before {
+		t.Fatalf("confirmed LSN went backwards: %s < %s", c, before)
+	}
+	if err := ns.Start(); err != nil {
+		t.Fatal(err)
+	}
+	all := append(first, second...)
+	relaytest.StoredPayloads(ctx, t, f.db.Pool, "outbox", all)
+	f.waitCount(ctx, f.stream, uint64(len(all)), 60*time.Second)
+	rep := relaytest.Check(all, relaytest.ReadStream(ctx, t, f.js, f.stream))
+	if !rep.OK() {
+		t.Fatalf("after outage: %s", rep)
+	}
+	if !testenv.WaitFor(15*time.Second, func() bool { return f.slot(ctx).ConfirmedFlushLSN > firstUnpublished }) {
+		t.Fatal("confirmed LSN did not move past the outage's events")
+	}
+}
+
+// Acceptance 7: a row with a NULL required field is dead-lettered with its
+// reason, row and LSN; the events after it are relayed.
+func TestRelayDeadLettersUnroutableRow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	if _, err := f.db.Pool.Exec(ctx, `CREATE TABLE loose_outbox (event_id uuid, aggregate_id text, aggregate_version bigint, event_type text, payload jsonb)`); err != nil {
+		t.Fatal(err)
+	}
+	f.cfg.Replication.Tables = []string{"public.loose_outbox"}
+	f.cfg.Router.Tables[0].Table = "public.loose_outbox"
+	f.setup(ctx)
+	f.start(ctx)
+	_, err := f.db.Pool.Exec(ctx, `INSERT INTO loose_outbox VALUES
+		('00000000-0000-0000-0000-00000000000a', 'agg', 1, 'T', '{"a":1}'),
+		('00000000-0000-0000-0000-00000000000b', 'agg', 2, NULL, '{"a":2}'),
+		('00000000-0000-0000-0000-00000000000c', 'agg', 3, 'T', '{"a":3}')`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.waitCount(ctx, f.stream, 2, 30*time.Second)
+	f.waitCount(ctx, f.dlq, 1, 30*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	if len(got) != 2 || got[0].Event.AggregateVersion != 1 || got[1].Event.AggregateVersion != 3 {
+		t.Fatalf("stream: %+v", got)
+	}
+	dl := relaytest.ReadStream(ctx, t, f.js, f.dlq)
+	if len(dl) != 1 {
+		t.Fatalf("dead letters: %d", len(dl))
+	}
+	h := dl[0].Headers
+	if h[contract.DLQReasonClass][0] != "null_field" || !strings.Contains(h[contract.DLQReason][0], "event_type") || h[contract.DLQLSN][0] == "" || h[contract.Table][0] != "public.loose_outbox" {
+		t.Fatalf("dead-letter headers: %v", h)
+	}
+	if !strings.Contains(string(dl[0].Data), `"00000000-0000-0000-0000-00000000000b"`) || !strings.Contains(string(dl[0].Data), `"event_type":null`) {
+		t.Fatalf("dead-letter body lacks the row: %s", dl[0].Data)
+	}
+}
+
+// Acceptance 8: ALTER TABLE ADD COLUMN while streaming breaks nothing.
+func TestRelayAlterTableMidStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	f.setup(ctx)
+	f.start(ctx)
+	first := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 200, Aggregates: 20})
+	if _, err := f.db.Pool.Exec(ctx, "ALTER TABLE outbox ADD COLUMN tenant text DEFAULT 'acme'"); err != nil {
+		t.Fatal(err)
+	}
+	second := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 200, Aggregates: 20})
+	all := append(first, second...)
+	relaytest.StoredPayloads(ctx, t, f.db.Pool, "outbox", all)
+	f.waitCount(ctx, f.stream, 400, 30*time.Second)
+	if rep := relaytest.Check(all, relaytest.ReadStream(ctx, t, f.js, f.stream)); !rep.OK() {
+		t.Fatalf("after ALTER TABLE: %s", rep)
+	}
+	if n := relaytest.StreamCount(ctx, f.js, f.dlq); n != 0 {
+		t.Fatalf("%d rows dead-lettered", n)
+	}
+}
+
+// Acceptance 6: an idle outbox does not make the slot retain WAL while
+// other tables are busy.
+func TestRelayIdleOutboxReleasesWAL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	if _, err := f.db.Pool.Exec(ctx, "CREATE TABLE busy (id bigserial primary key, filler text)"); err != nil {
+		t.Fatal(err)
+	}
+	f.setup(ctx)
+	f.start(ctx)
+	relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 10, Aggregates: 2})
+	f.waitCount(ctx, f.stream, 10, 30*time.Second)
+	// About 200 MB of WAL from another table.
+	for i := 0; i < 20; i++ {
+		if _, err := f.db.Pool.Exec(ctx, "INSERT INTO busy (filler) SELECT repeat(md5(g::text), 30) FROM generate_series(1, 10000) g"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var lag int64
+	if !testenv.WaitFor(20*time.Second, func() bool {
+		lag = f.slot(ctx).LagBytes
+		return lag < 32<<20
+	}) {
+		t.Fatalf("slot still %d bytes behind the current WAL after 20s", lag)
+	}
+}
+
+// A missing slot stops the relay with an actionable error, not a retry loop.
+func TestRelayRefusesMissingSlot(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, "")
+	rl, err := relay.New(f.cfg, f.nc, relay.WithLogger(zaptest.NewLogger(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	err = rl.Run(ctx)
+	if !errors.Is(err, replication.ErrSlotMissing) || !strings.Contains(err.Error(), "outbox-relay setup") {
+		t.Fatalf("Run = %v, want ErrSlotMissing with a hint", err)
+	}
+}
