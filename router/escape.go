@@ -45,7 +45,21 @@ func EscapeToken(s string) string {
 	if n == len(s) {
 		return s
 	}
-	return string(appendEscapedN(make([]byte, 0, n), s))
+	// One allocation: the Builder hands its buffer over as the string.
+	var b strings.Builder
+	b.Grow(n)
+	start := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if safeByte[c] {
+			continue
+		}
+		b.WriteString(s[start:i])
+		b.Write([]byte{'~', hexDigits[c>>4], hexDigits[c&0x0F]})
+		start = i + 1
+	}
+	b.WriteString(s[start:])
+	return b.String()
 }
 
 // text is what the escaping helpers accept: Route passes column bytes
