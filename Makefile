@@ -1,0 +1,45 @@
+# outbox-relay — the two commands: `make demo` and `make test`.
+GO       ?= go
+PKGS     ?= ./...
+# PostgreSQL server binaries: Debian keeps them outside PATH.
+PG_BIN   := $(firstword $(dir $(shell command -v initdb 2>/dev/null)) $(wildcard /usr/lib/postgresql/*/bin/))
+STATICCHECK := $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
+
+.PHONY: all build test test-short vet lint demo bench fuzz postgres clean
+
+all: build
+
+build:
+	$(GO) build -o bin/outbox-relay ./cmd/outbox-relay
+
+# postgres installs Debian's PostgreSQL server when initdb is missing.
+postgres:
+	@if [ -z "$(PG_BIN)" ] || [ ! -x "$(PG_BIN)initdb" ]; then \
+		echo "initdb not found: installing Debian's postgresql"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	fi
+
+vet:
+	$(GO) vet $(PKGS)
+
+lint: vet
+	@if [ -x "$(STATICCHECK)" ]; then $(STATICCHECK) $(PKGS); else echo "staticcheck not installed (go install honnef.co/go/tools/cmd/staticcheck@latest): skipped"; fi
+
+# test runs vet and the whole suite with the race detector against a private
+# PostgreSQL cluster and an embedded NATS server (see internal/testenv).
+test: postgres vet
+	$(GO) test -race -count=1 -timeout 25m $(PKGS)
+
+test-short: vet
+	$(GO) test -short -count=1 $(PKGS)
+
+demo: postgres
+	$(GO) run ./cmd/outbox-demo
+
+fuzz:
+	$(GO) test -run XXX -fuzz FuzzDecode -fuzztime 30s ./replication/internal/pgoutput/
+	$(GO) test -run XXX -fuzz FuzzEscapeToken -fuzztime 30s ./router/
+	$(GO) test -run XXX -fuzz FuzzRoute -fuzztime 30s ./router/
+
+clean:
+	rm -rf bin
