@@ -26,14 +26,14 @@ func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
 
 // fixture is one test's database, names and connections.
 type fixture struct {
-	t      *testing.T
-	db     *testenv.Database
+	t       *testing.T
+	db      *testenv.Database
 	natsURL string
-	nc     *nats.Conn
-	js     jetstream.JetStream
-	cfg    relay.Config
-	stream string
-	dlq    string
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	cfg     relay.Config
+	stream  string
+	dlq     string
 }
 
 func newFixture(t *testing.T, natsURL string) *fixture {
