@@ -188,6 +188,9 @@ func (p *plan) compile() {
 	}
 }
 
+// maxKeptScratch is the largest scratch buffer Route keeps between rows.
+const maxKeptScratch = 64 << 10
+
 // fixedHeaders is the number of headers every event carries.
 const fixedHeaders = 10
 
@@ -308,18 +311,39 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 		return nil, rd.err
 	}
 
-	// Subject: checked for length before it is built, so a huge aggregate
-	// id costs one scan, not an escaped copy.
+	// Every size is checked before anything is copied, so an oversized row
+	// costs a scan, never a large scratch buffer.
 	var phv [numPlaceholders][]byte
 	phv[phAggregateType] = aggType
 	phv[phAggregateID] = aggID
 	phv[phEventType] = eventType
 	phv[phTable] = rule.nameB
 	phv[phSchema] = rule.schemaB
-	if n := rule.tmpl.renderedLen(&phv); n > r.maxSubject {
+	subjectLen := rule.tmpl.renderedLen(&phv)
+	if subjectLen > r.maxSubject {
 		return nil, &RouteError{
 			Table: rule.qualified, Class: ClassSubjectTooLong, EventID: rd.eventIDString(),
-			Reason: fmt.Sprintf("the subject would be %d bytes, over max_subject_bytes %d (shorten the values or the subject template of %s)", n, r.maxSubject, rule.path),
+			Reason: fmt.Sprintf("the subject would be %d bytes, over max_subject_bytes %d (shorten the values or the subject template of %s)", subjectLen, r.maxSubject, rule.path),
+		}
+	}
+	var verBuf [20]byte
+	versionStr := strconv.AppendInt(verBuf[:0], version, 10)
+	var tsBuf [40]byte
+	occurredStr := tsBuf[:0]
+	if hasOccurred {
+		occurredStr = occurredAt.AppendFormat(occurredStr, time.RFC3339Nano)
+		extraLen += hdrLineLen(contract.OccurredAt, len(occurredStr))
+		nHeaders++
+	}
+	lsnStr, timeStr := r.commitStrings(commit)
+	hdrLen := fixedHdrLen + extraLen + 2*len(eventID) + len(eventType) + len(aggType) + len(aggID) +
+		len(versionStr) + len(lsnStr) + len(timeStr) + len(rule.qualified)
+	if total := hdrLen + len(payload); total > r.maxPayload {
+		return nil, &RouteError{
+			Table: rule.qualified, Class: ClassTooLarge, EventID: rd.eventIDString(),
+			Subject: string(rule.tmpl.render(nil, &phv)),
+			Reason: fmt.Sprintf("the message would be %d bytes (payload %d + headers %d), over the NATS max payload %d (make the event smaller or raise max_payload)",
+				total, len(payload), hdrLen, r.maxPayload),
 		}
 	}
 
@@ -342,11 +366,9 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 	off[partAggID] = len(buf)
 	buf = append(buf, aggID...)
 	off[partVersion] = len(buf)
-	buf = strconv.AppendInt(buf, version, 10)
+	buf = append(buf, versionStr...)
 	off[partOccurredAt] = len(buf)
-	if hasOccurred {
-		buf = occurredAt.AppendFormat(buf, time.RFC3339Nano)
-	}
+	buf = append(buf, occurredStr...)
 	off[numParts] = len(buf)
 	extrasStart := len(buf)
 	for _, e := range p.extras {
@@ -354,27 +376,11 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 			buf = append(buf, b...)
 		}
 	}
-	r.buf = buf
-
-	lsnStr, timeStr := r.commitStrings(commit)
-	hdrLen := fixedHdrLen + extraLen +
-		2*(off[partEventType]-off[partEventID]) + // Nats-Msg-Id and Outbox-Event-Id
-		(off[partAggType] - off[partEventType]) +
-		(off[partAggID] - off[partAggType]) +
-		(off[partVersion] - off[partAggID]) +
-		(off[partOccurredAt] - off[partVersion]) +
-		len(lsnStr) + len(timeStr) + len(rule.qualified)
-	if hasOccurred {
-		hdrLen += hdrLineLen(contract.OccurredAt, off[numParts]-off[partOccurredAt])
-		nHeaders++
-	}
-	if total := hdrLen + len(payload); total > r.maxPayload {
-		return nil, &RouteError{
-			Table: rule.qualified, Column: rule.payload, Class: ClassTooLarge, EventID: rd.eventIDString(),
-			Subject: string(buf[off[partSubject]:off[partKey]]),
-			Reason: fmt.Sprintf("the message would be %d bytes (payload %d + headers %d), over the NATS max payload %d (make the event smaller or raise max_payload)",
-				total, len(payload), hdrLen, r.maxPayload),
-		}
+	if cap(buf) <= maxKeptScratch {
+		r.buf = buf
+	} else {
+		// A rare large row must not pin its size for the relay's lifetime.
+		r.buf = nil
 	}
 
 	s := string(buf)
