@@ -223,7 +223,7 @@ func (c *Config) compile() ([]*tableRule, error) {
 			if minLen := t.renderedLen(&[numPlaceholders][]byte{}); c.MaxSubjectBytes > 0 && minLen > c.MaxSubjectBytes {
 				bad(".subject", "is at least %d bytes long, over max_subject_bytes %d", minLen, c.MaxSubjectBytes)
 			}
-			if dlqOK && filtersOverlap(t.filter, dlqFilter) {
+			if dlqOK && FiltersOverlap(t.filter, dlqFilter) {
 				bad(".subject", "subjects %q overlap the dead-letter subjects %q (change the subject or dead_letter_subject)", t.filter, dlqFilter)
 			}
 		}
@@ -451,7 +451,7 @@ func (c *Config) DeadLetterFilter() string {
 }
 
 // filtersOverlap reports whether some subject matches both filters.
-func filtersOverlap(a, b string) bool {
+func FiltersOverlap(a, b string) bool {
 	at, bt := strings.Split(a, "."), strings.Split(b, ".")
 	for i := 0; ; i++ {
 		switch {

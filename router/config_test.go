@@ -173,11 +173,11 @@ func TestFilterRelations(t *testing.T) {
 		{"a.*", "a.*", true, true},
 	}
 	for _, tt := range tests {
-		if got := filtersOverlap(tt.a, tt.b); got != tt.overlap {
-			t.Errorf("filtersOverlap(%q, %q) = %v", tt.a, tt.b, got)
+		if got := FiltersOverlap(tt.a, tt.b); got != tt.overlap {
+			t.Errorf("FiltersOverlap(%q, %q) = %v", tt.a, tt.b, got)
 		}
-		if got := filtersOverlap(tt.b, tt.a); got != tt.overlap {
-			t.Errorf("filtersOverlap(%q, %q) = %v", tt.b, tt.a, got)
+		if got := FiltersOverlap(tt.b, tt.a); got != tt.overlap {
+			t.Errorf("FiltersOverlap(%q, %q) = %v", tt.b, tt.a, got)
 		}
 		if got := filterContains(tt.a, tt.b); got != tt.aHoldsB {
 			t.Errorf("filterContains(%q, %q) = %v", tt.a, tt.b, got)
@@ -241,7 +241,7 @@ func FuzzValidate(f *testing.F) {
 			t.Fatalf("New after a successful Validate: %v", err)
 		}
 		for _, f := range c.SubjectFilters() {
-			if filtersOverlap(f, c.DeadLetterFilter()) {
+			if FiltersOverlap(f, c.DeadLetterFilter()) {
 				t.Fatalf("event filter %q overlaps %q", f, c.DeadLetterFilter())
 			}
 		}
