@@ -241,6 +241,7 @@ func (c *Consumer) workerIndex(key string) int {
 func (c *Consumer) statsLoop(ctx context.Context) error {
 	t := time.NewTicker(c.cfg.StatsInterval)
 	defer t.Stop()
+	var failing loopHealth
 	for {
 		var open int64
 		var oldest float64
@@ -251,14 +252,35 @@ func (c *Consumer) statsLoop(ctx context.Context) error {
 		if err == nil {
 			c.met.openDLQ.Set(float64(open))
 			c.met.oldest.Set(oldest)
-		} else if ctx.Err() == nil {
+		}
+		if ctx.Err() == nil {
 			// A monitoring loop has nobody to return to; the next tick retries.
-			c.log.Warn("refresh dead-letter gauges", zap.Error(err))
+			failing.report(c.log, "refresh dead-letter gauges", err)
 		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
 		}
+	}
+}
+
+// loopHealth keeps a polling loop's log quiet during an outage: the first
+// failure is a warning, repeats are debug messages, recovery is noted once.
+type loopHealth struct{ failures int }
+
+func (h *loopHealth) report(log *zap.Logger, what string, err error) {
+	switch {
+	case err != nil && h.failures == 0:
+		log.Warn(what+" failed; retrying quietly until it succeeds", zap.Error(err))
+	case err != nil:
+		log.Debug(what+" failed again", zap.Int("failures", h.failures+1), zap.Error(err))
+	case h.failures > 0:
+		log.Info(what+" works again", zap.Int("failures", h.failures))
+	}
+	if err != nil {
+		h.failures++
+	} else {
+		h.failures = 0
 	}
 }

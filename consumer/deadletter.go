@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/contract"
 )
@@ -157,11 +156,12 @@ type replayRequest struct {
 func (c *Consumer) replayLoop(ctx context.Context) error {
 	t := time.NewTicker(c.cfg.ReplayPollInterval)
 	defer t.Stop()
+	var failing loopHealth
 	for {
 		n, err := c.replayBatch(ctx)
-		if err != nil && ctx.Err() == nil {
+		if ctx.Err() == nil {
 			// The next poll retries; the records stay 'replaying'.
-			c.log.Warn("read replay requests", zap.Error(err))
+			failing.report(c.log, "read replay requests", err)
 		}
 		if err == nil && n == c.cfg.ReplayBatch {
 			continue

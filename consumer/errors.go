@@ -145,8 +145,9 @@ func ClassOf(err error) Class {
 // a failed connection, a dropped connection, a timeout, and the SQLSTATEs of
 // class 08 (connection exception), 53 (insufficient resources), 57P01-57P03
 // (shutdown, crash, not yet accepting connections), 40001 and 40P01
-// (serialization failure, deadlock) and 55P03 (lock not available). It looks
-// at error types and SQLSTATEs, never at message text.
+// (serialization failure, deadlock) and 55P03 (lock not available). An
+// exceeded context deadline is not transient. It looks at error types and
+// SQLSTATEs, never at message text.
 func IsTransientDB(err error) bool {
 	if err == nil {
 		return false
@@ -171,6 +172,11 @@ func IsTransientDB(err error) bool {
 	if errors.As(err, &connectErr) {
 		return true
 	}
+	// A deadline is the handler's own budget running out: retrying it
+	// without limit could block its aggregate forever, so it stays unknown.
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		return false
+	}
 	if pgconn.SafeToRetry(err) || pgconn.Timeout(err) {
 		return true
 	}
@@ -185,5 +191,5 @@ func IsTransientDB(err error) bool {
 	}
 	// pgx reports a connection it closed after a fatal error as "conn
 	// closed"; the pool then replaces it.
-	return errors.Is(err, pgconn.ErrConnClosed) && !errors.Is(err, context.Canceled)
+	return errors.Is(err, pgconn.ErrConnClosed)
 }

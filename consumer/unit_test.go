@@ -1,0 +1,140 @@
+package consumer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+)
+
+func TestBackoff(t *testing.T) {
+	base, max := 100*time.Millisecond, 2*time.Second
+	for _, tc := range []struct {
+		attempt int
+		rnd     float64
+		want    time.Duration
+	}{
+		{1, 0, 50 * time.Millisecond},
+		{1, 0.999999999, 100 * time.Millisecond},
+		{2, 0, 100 * time.Millisecond},
+		{3, 0.5, 300 * time.Millisecond},
+		{5, 0, 800 * time.Millisecond},      // 1.6s step, lower half
+		{6, 0, time.Second},                 // capped at 2s
+		{100, 0.999999999, 2 * time.Second}, // no overflow
+		{0, 0, 50 * time.Millisecond},
+	} {
+		got := backoff(tc.attempt, base, max, func() float64 { return tc.rnd })
+		if d := got - tc.want; d > time.Millisecond || d < -time.Millisecond {
+			t.Errorf("backoff(%d, rnd %v) = %s, want %s", tc.attempt, tc.rnd, got, tc.want)
+		}
+	}
+}
+
+func TestClassOf(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+		want Class
+	}{
+		{"transient", Transient(errors.New("x")), ClassTransient},
+		{"permanent", Permanent(errors.New("x")), ClassPermanent},
+		{"reject", Reject("no"), ClassRejected},
+		{"wrapped permanent", fmt.Errorf("ctx: %w", Permanent(errors.New("x"))), ClassPermanent},
+		{"permanent wrapping a db outage", Permanent(&pgconn.ConnectError{}), ClassPermanent},
+		{"plain", errors.New("x"), ClassUnknown},
+		{"panic", &PanicError{Value: "x"}, ClassUnknown},
+		{"deadline", context.DeadlineExceeded, ClassUnknown},
+		{"connect error", &pgconn.ConnectError{}, ClassTransient},
+		{"admin shutdown", &pgconn.PgError{Code: "57P01"}, ClassTransient},
+		{"cannot connect now", &pgconn.PgError{Code: "57P03"}, ClassTransient},
+		{"connection failure", &pgconn.PgError{Code: "08006"}, ClassTransient},
+		{"too many connections", &pgconn.PgError{Code: "53300"}, ClassTransient},
+		{"serialization", &pgconn.PgError{Code: "40001"}, ClassTransient},
+		{"deadlock", &pgconn.PgError{Code: "40P01"}, ClassTransient},
+		{"unique violation", &pgconn.PgError{Code: "23505"}, ClassUnknown},
+		{"raise exception", &pgconn.PgError{Code: "P0001"}, ClassUnknown},
+		{"overflow", &pgconn.PgError{Code: "22003"}, ClassUnknown},
+		{"unexpected eof", fmt.Errorf("read: %w", io.ErrUnexpectedEOF), ClassTransient},
+		{"refused", &net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}, ClassTransient},
+		{"reset", fmt.Errorf("x: %w", syscall.ECONNRESET), ClassTransient},
+	} {
+		if got := ClassOf(tc.err); got != tc.want {
+			t.Errorf("%s: ClassOf = %s, want %s", tc.name, got, tc.want)
+		}
+	}
+	if Transient(nil) != nil || Permanent(nil) != nil {
+		t.Error("Transient(nil) and Permanent(nil) must be nil")
+	}
+	var re *RejectError
+	if !errors.As(Reject("sold out"), &re) || re.Reason != "sold out" {
+		t.Error("Reject must carry its reason")
+	}
+	if !errors.Is(&PanicError{Value: 1}, ErrPanic) {
+		t.Error("PanicError must match ErrPanic")
+	}
+}
+
+func TestConfigValidation(t *testing.T) {
+	ok := Config{Name: "c", Stream: "S"}
+	for _, tc := range []struct {
+		name string
+		mod  func(*Config)
+		ok   bool
+	}{
+		{"defaults", func(*Config) {}, true},
+		{"no name", func(c *Config) { c.Name = "" }, false},
+		{"no stream", func(c *Config) { c.Stream = "" }, false},
+		{"version check with event types", func(c *Config) { c.VersionCheck = true; c.EventTypes = []string{"A"} }, false},
+		{"handler timeout above ack wait", func(c *Config) { c.AckWait = 2 * time.Second; c.HandlerTimeout = 3 * time.Second }, false},
+		{"ack wait too short", func(c *Config) { c.AckWait = time.Millisecond }, false},
+		{"pending below workers", func(c *Config) { c.Workers = 8; c.MaxAckPending = 4 }, false},
+		{"retry max below base", func(c *Config) { c.RetryBase = time.Second; c.RetryMax = time.Millisecond }, false},
+		{"gap recheck above wait", func(c *Config) { c.GapWait = time.Second; c.GapRecheck = 2 * time.Second }, false},
+		{"negative initial version", func(c *Config) { c.InitialVersion = -1 }, false},
+		{"negative transient attempts", func(c *Config) { c.TransientAttempts = -1 }, false},
+	} {
+		c := ok
+		tc.mod(&c)
+		c.setDefaults()
+		err := c.validate()
+		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, ErrInvalidConfig)) {
+			t.Errorf("%s: validate = %v, want ok=%v", tc.name, err, tc.ok)
+		}
+	}
+}
+
+func TestContentHashCoversIdentityAndPayload(t *testing.T) {
+	base := contract.Event{ID: "id", Type: "T", AggregateType: "a", AggregateID: "1", AggregateVersion: 2, Payload: []byte(`{"x":1}`)}
+	h := ContentHash(&base)
+	if !bytes.Equal(h, ContentHash(&base)) {
+		t.Fatal("hash is not deterministic")
+	}
+	other := base
+	other.ID = "other id" // the id is the key, not part of the content
+	if !bytes.Equal(h, ContentHash(&other)) {
+		t.Fatal("hash depends on the event id")
+	}
+	for name, mod := range map[string]func(*contract.Event){
+		"type":     func(e *contract.Event) { e.Type = "U" },
+		"agg type": func(e *contract.Event) { e.AggregateType = "b" },
+		"agg id":   func(e *contract.Event) { e.AggregateID = "2" },
+		"version":  func(e *contract.Event) { e.AggregateVersion = 3 },
+		"payload":  func(e *contract.Event) { e.Payload = []byte(`{"x":2}`) },
+		"shifted":  func(e *contract.Event) { e.AggregateType, e.AggregateID = "a1", "" },
+	} {
+		e := base
+		mod(&e)
+		if bytes.Equal(h, ContentHash(&e)) {
+			t.Errorf("%s change keeps the hash", name)
+		}
+	}
+}
