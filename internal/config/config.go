@@ -215,7 +215,7 @@ func (c *Config) Validate() error {
 			}
 			dlq := c.Router.DeadLetterFilter()
 			for _, s := range c.NATS.StreamSubjects {
-				if subjectsOverlap(s, dlq) {
+				if router.FiltersOverlap(s, dlq) {
 					bad("nats.stream_subjects", "%q overlaps the dead-letter subjects %q: dead letters would land in the event stream", s, dlq)
 				}
 			}
@@ -278,18 +278,4 @@ func coveredBy(subjects []string, filter string) bool {
 		}
 	}
 	return false
-}
-
-func subjectsOverlap(a, b string) bool {
-	at, bt := strings.Split(a, "."), strings.Split(b, ".")
-	for i := 0; ; i++ {
-		switch {
-		case i == len(at) || i == len(bt):
-			return len(at) == len(bt)
-		case at[i] == ">" || bt[i] == ">":
-			return true
-		case at[i] != "*" && bt[i] != "*" && at[i] != bt[i]:
-			return false
-		}
-	}
 }
