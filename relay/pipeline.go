@@ -102,7 +102,8 @@ func (p *pipeline) publish(ctx context.Context, m *publisher.Message) error {
 			return nil
 		}
 		wctx, cancel := context.WithTimeout(ctx, waitSlice)
-		err = p.r.pub.WaitSpace(wctx)
+		// A timeout only means it is time to tell the server we are alive.
+		_ = p.r.pub.WaitSpace(wctx)
 		cancel()
 		if ctx.Err() != nil {
 			return ctx.Err()
