@@ -21,6 +21,28 @@ type StreamSpec struct {
 	Replicas int
 	// MaxAge of a created stream; 0 keeps messages forever.
 	MaxAge time.Duration
+	// MinDuplicates is the shortest acceptable duplicate window (the
+	// longest expected relay outage); a shorter one is warned about.
+	MinDuplicates time.Duration
+	// RequireDurable refuses a stream whose acks are not durable (memory
+	// storage or fewer than 3 replicas).
+	RequireDurable bool
+}
+
+// ErrNotDurable means the stream's acknowledgements do not survive a
+// server crash and durable acks were required.
+var ErrNotDurable = errors.New("stream acks are not durable")
+
+// Durability says whether a stream's acks survive the loss of a server,
+// and why not.
+func Durability(cfg jetstream.StreamConfig) (bool, string) {
+	switch {
+	case cfg.Storage != jetstream.FileStorage:
+		return false, "memory storage: acknowledged events are lost when the server restarts"
+	case cfg.Replicas < 3:
+		return false, fmt.Sprintf("%d replica(s): an acknowledged event is on one server's disk only, and JetStream acks before fsync (sync every 2 minutes by default), so a crash of that server can lose acknowledged events; use 3 replicas", cfg.Replicas)
+	}
+	return true, ""
 }
 
 // StreamReport says what EnsureStream found or did.
@@ -30,6 +52,10 @@ type StreamReport struct {
 	// Warnings are conditions an operator should know about: acks that are
 	// not durable, a duplicate window shorter than requested.
 	Warnings []string
+	// Durable reports whether acks survive a server crash; DurableReason
+	// says why not.
+	Durable       bool
+	DurableReason string
 }
 
 // EnsureStream checks that the stream exists and its subjects cover every
@@ -72,11 +98,16 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 			return nil, fmt.Errorf("stream %s subjects %v do not cover %q: add it to the stream's subjects or change the subject template", spec.Name, info.Config.Subjects, want)
 		}
 	}
-	if info.Config.Storage != jetstream.FileStorage {
-		rep.Warnings = append(rep.Warnings, fmt.Sprintf("stream %s uses memory storage: acknowledged events are lost when the server restarts", spec.Name))
+	rep.Durable, rep.DurableReason = Durability(info.Config)
+	if !rep.Durable {
+		if spec.RequireDurable {
+			return nil, fmt.Errorf("%w: stream %s: %s (nats.require_durable_stream is set: recreate the stream with file storage and 3 replicas, or unset it)", ErrNotDurable, spec.Name, rep.DurableReason)
+		}
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("stream %s acks are not durable: %s", spec.Name, rep.DurableReason))
 	}
-	if spec.Duplicates > 0 && info.Config.Duplicates < spec.Duplicates {
-		rep.Warnings = append(rep.Warnings, fmt.Sprintf("stream %s duplicate window %s is shorter than the configured %s: a relay outage longer than %s can store events twice", spec.Name, info.Config.Duplicates, spec.Duplicates, info.Config.Duplicates))
+	minDup := max(spec.MinDuplicates, spec.Duplicates)
+	if minDup > 0 && info.Config.Duplicates < minDup {
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("stream %s duplicate window %s is shorter than %s (nats.max_expected_outage/duplicate_window): a relay outage longer than %s can store events twice", spec.Name, info.Config.Duplicates, minDup, info.Config.Duplicates))
 	}
 	return rep, nil
 }

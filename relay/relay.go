@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -44,8 +45,9 @@ type Relay struct {
 	obs     Observer
 	router  *router.Router
 	pub     *publisher.Publisher
-	tracker *publisher.Tracker
+	tracker atomic.Pointer[publisher.Tracker]
 	ready   func(bool)
+	durable atomic.Int32 // 1 when the event stream's acks are durable, 0 when not, -1 unknown
 }
 
 // Option configures a Relay.
@@ -72,6 +74,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 		cfg.ReconnectMax = max(30*time.Second, cfg.ReconnectMin)
 	}
 	r := &Relay{cfg: cfg, nc: nc, log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
+	r.durable.Store(-1)
 	for _, o := range opts {
 		o(r)
 	}
@@ -90,12 +93,16 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 		return nil, err
 	}
 	r.pub = pub
-	r.tracker = publisher.NewTracker(0)
+	r.tracker.Store(publisher.NewTracker(0))
 	return r, nil
 }
 
+// StreamDurable returns 1 when the event stream's acks survive a server
+// crash (file storage, ≥3 replicas), 0 when not, -1 before the check.
+func (r *Relay) StreamDurable() int { return int(r.durable.Load()) }
+
 // Tracker returns the ack tracker, for metrics.
-func (r *Relay) Tracker() *publisher.Tracker { return r.tracker }
+func (r *Relay) Tracker() *publisher.Tracker { return r.tracker.Load() }
 
 // Publisher returns the publisher, for metrics.
 func (r *Relay) Publisher() *publisher.Publisher { return r.pub }
@@ -118,10 +125,17 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 func (r *Relay) checkStreams(ctx context.Context) error {
-	for _, spec := range []publisher.StreamSpec{r.cfg.Stream, r.cfg.DeadLetterStream} {
+	for i, spec := range []publisher.StreamSpec{r.cfg.Stream, r.cfg.DeadLetterStream} {
 		rep, err := publisher.EnsureStream(ctx, r.js, spec, r.cfg.CreateStreams)
 		if err != nil {
 			return err
+		}
+		if i == 0 {
+			if rep.Durable {
+				r.durable.Store(1)
+			} else {
+				r.durable.Store(0)
+			}
 		}
 		if rep.Created {
 			r.log.Info("created stream", zap.String("stream", spec.Name), zap.Strings("subjects", spec.Subjects))
@@ -182,13 +196,14 @@ func (r *Relay) streamOnce(ctx context.Context) (bool, error) {
 	// Messages still in flight from a previous session settle in the old
 	// tracker; the server re-sends everything after the confirmed LSN, and
 	// the publisher's per-key queue keeps those re-sends behind them.
-	r.tracker = publisher.NewTracker(0)
-	st, err := replication.Open(ctx, r.cfg.Replication, r.tracker, replication.WithLogger(r.log.Named("replication")))
+	tracker := publisher.NewTracker(0)
+	r.tracker.Store(tracker)
+	st, err := replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
 	if err != nil {
 		return false, err
 	}
 	r.ready(true)
-	p := pipeline{r: r, st: st, tracker: r.tracker}
+	p := pipeline{r: r, st: st, tracker: tracker}
 	err = p.run(ctx)
 	if ctx.Err() != nil {
 		// Graceful stop: wait for the acks, then confirm them.

@@ -26,6 +26,16 @@ type Config struct {
 	Messages bool
 	// ApplicationName identifies the relay in pg_stat_replication.
 	ApplicationName string
+	// ReceiveTimeout is how long the stream waits without receiving
+	// anything (data or keepalive) before it treats the connection as dead.
+	// Status updates ask the server for a keepalive once a third of it has
+	// passed in silence, so a healthy idle server always answers in time.
+	// Default 30s.
+	ReceiveTimeout time.Duration
+	// FailoverSlot creates the slot with failover = true (PostgreSQL 17+),
+	// so it is synchronised to standbys that have sync_replication_slots on
+	// and survives a promotion.
+	FailoverSlot bool
 }
 
 var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
@@ -42,6 +52,12 @@ func (c *Config) setDefaults() error {
 	}
 	if c.StatusInterval <= 0 {
 		c.StatusInterval = time.Second
+	}
+	if c.ReceiveTimeout <= 0 {
+		c.ReceiveTimeout = 30 * time.Second
+	}
+	if c.ReceiveTimeout < 3*c.StatusInterval {
+		return fmt.Errorf("replication: receive timeout %s must be at least 3 status intervals (%s)", c.ReceiveTimeout, c.StatusInterval)
 	}
 	if c.ApplicationName == "" {
 		c.ApplicationName = "outbox-relay"

@@ -29,6 +29,12 @@ var (
 	ErrPublicationMissing = errors.New("publication does not exist")
 	// ErrTableMissing means a configured outbox table does not exist.
 	ErrTableMissing = errors.New("outbox table does not exist")
+	// ErrServerSilent means nothing arrived from the server within the
+	// receive timeout; the relay reconnects.
+	ErrServerSilent = errors.New("replication connection silent")
+	// ErrFailoverUnsupported means failover slots were requested from a
+	// server older than PostgreSQL 17.
+	ErrFailoverUnsupported = errors.New("failover slots need PostgreSQL 17 or later")
 	// ErrProtocol reports a replication message the relay cannot decode or
 	// that breaks the protocol's rules; it is not retryable by reconnecting.
 	ErrProtocol = errors.New("replication protocol error")
@@ -62,7 +68,7 @@ func actionable(err error, hint string, detailFormat string, args ...any) error 
 // IsPermanent reports whether err needs an operator rather than a
 // reconnect: bad settings, a lost or foreign slot, an undecodable stream.
 func IsPermanent(err error) bool {
-	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrTableMissing, ErrProtocol} {
+	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrTableMissing, ErrProtocol, ErrFailoverUnsupported} {
 		if errors.Is(err, p) {
 			return true
 		}

@@ -213,6 +213,15 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 }
 
 func ensureSlot(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport, create bool) error {
+	if cfg.FailoverSlot {
+		var version int
+		if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
+			return fmt.Errorf("read server version: %w", err)
+		}
+		if version < 170000 {
+			return actionable(ErrFailoverUnsupported, "upgrade to PostgreSQL 17 (and set sync_replication_slots = on on the standbys), or set postgres.failover_slot: false and recover after a failover with reconciliation", "server version %d", version)
+		}
+	}
 	st, err := slotStatus(ctx, conn, cfg.Slot)
 	if err != nil {
 		return err
@@ -221,7 +230,12 @@ func ensureSlot(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupRepor
 		if !create {
 			return actionable(ErrSlotMissing, "run `outbox-relay setup`", "slot %q", cfg.Slot)
 		}
-		_, err := conn.Exec(ctx, "SELECT pg_create_logical_replication_slot($1, 'pgoutput')", cfg.Slot)
+		create := "SELECT pg_create_logical_replication_slot($1, 'pgoutput')"
+		if cfg.FailoverSlot {
+			// pg_create_logical_replication_slot(name, plugin, temporary, twophase, failover)
+			create = "SELECT pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+		}
+		_, err := conn.Exec(ctx, create, cfg.Slot)
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateObject {
 			// Another instance created it between our look-up and now.

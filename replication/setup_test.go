@@ -76,6 +76,21 @@ func TestSetupErrors(t *testing.T) {
 			t.Fatalf("err = %v", err)
 		}
 	})
+	t.Run("failover slot on PostgreSQL < 17", func(t *testing.T) {
+		var version int
+		if err := db.Pool.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
+			t.Fatal(err)
+		}
+		if version >= 170000 {
+			t.Skip("server supports failover slots")
+		}
+		c := cfg
+		c.FailoverSlot = true
+		_, err := replication.Setup(ctx, c)
+		if !errors.Is(err, replication.ErrFailoverUnsupported) || !strings.Contains(err.Error(), "PostgreSQL 17") {
+			t.Fatalf("err = %v", err)
+		}
+	})
 	t.Run("slot in use", func(t *testing.T) {
 		if _, err := replication.Setup(ctx, cfg); err != nil {
 			t.Fatal(err)

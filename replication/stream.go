@@ -47,6 +47,7 @@ type Stream struct {
 	serverEnd  LSN // server's sent position from the last keepalive
 	sentFlush  LSN // flush position of the last status update
 	nextStatus time.Time
+	lastRecv   time.Time // when the server was last heard from
 
 	relations map[uint32]*Relation
 
@@ -125,6 +126,7 @@ func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Strea
 	s.sentFlush = st.ConfirmedFlushLSN
 	s.received = st.ConfirmedFlushLSN
 	s.nextStatus = time.Now().Add(cfg.StatusInterval)
+	s.lastRecv = time.Now()
 	s.log.Info("replication started", zap.String("slot", cfg.Slot), zap.String("publication", cfg.Publication), zap.Stringer("lsn", s.start))
 	return s, nil
 }
@@ -165,10 +167,17 @@ func (s *Stream) Next(ctx context.Context) (any, error) {
 		cancel()
 		if err != nil {
 			if pgconn.Timeout(err) && ctx.Err() == nil {
+				if silent := time.Since(s.lastRecv); silent > s.cfg.ReceiveTimeout {
+					// A stalled network or a hung server: no FIN ever comes,
+					// so only silence tells. Reconnecting is safe: nothing
+					// is confirmed that was not acked.
+					return nil, fmt.Errorf("%w: nothing received from PostgreSQL for %s", ErrServerSilent, silent.Round(time.Millisecond))
+				}
 				continue // time for a status update
 			}
 			return nil, fmt.Errorf("receive replication message: %w", err)
 		}
+		s.lastRecv = time.Now()
 		switch msg := raw.(type) {
 		case *pgproto3.CopyData:
 			if len(msg.Data) == 0 {
@@ -359,6 +368,9 @@ func (s *Stream) SendStatus(ctx context.Context) error {
 		WALWritePosition: write,
 		WALFlushPosition: flush,
 		WALApplyPosition: flush,
+		// After a third of the receive timeout in silence, ask for a
+		// keepalive: an idle but healthy server then always answers.
+		ReplyRequested: time.Since(s.lastRecv) > s.cfg.ReceiveTimeout/3,
 	})
 	if err != nil {
 		return fmt.Errorf("send standby status (flush %s): %w", flush, err)

@@ -12,6 +12,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"regexp"
 	"strings"
@@ -55,6 +56,11 @@ type Postgres struct {
 	StatusInterval time.Duration `yaml:"status_interval"`
 	// AutoSetup creates a missing publication and slot when run starts.
 	AutoSetup bool `yaml:"auto_setup"`
+	// ReceiveTimeout: silence from the server this long means a dead
+	// connection (stalled network, hung server); the relay reconnects.
+	ReceiveTimeout time.Duration `yaml:"receive_timeout"`
+	// FailoverSlot creates a PostgreSQL 17 failover slot.
+	FailoverSlot bool `yaml:"failover_slot"`
 }
 
 // NATS configures the JetStream side.
@@ -76,6 +82,12 @@ type NATS struct {
 	CAFile           string        `yaml:"ca_file"`
 	CertFile         string        `yaml:"cert_file"`
 	KeyFile          string        `yaml:"key_file"`
+	// RequireDurableStream refuses to run unless the event stream is
+	// file-backed with at least 3 replicas.
+	RequireDurableStream bool `yaml:"require_durable_stream"`
+	// MaxExpectedOutage is the longest relay outage to plan for; the relay
+	// warns when the stream's duplicate window is shorter.
+	MaxExpectedOutage time.Duration `yaml:"max_expected_outage"`
 }
 
 // HTTP configures the metrics and health listener.
@@ -100,17 +112,19 @@ func Default() Config {
 			Publication:    "outbox_relay",
 			StatusInterval: time.Second,
 			AutoSetup:      true,
+			ReceiveTimeout: 30 * time.Second,
 		},
 		NATS: NATS{
-			URL:              "nats://127.0.0.1:4222",
-			Stream:           "OUTBOX",
-			DeadLetterStream: "OUTBOX_DLQ",
-			CreateStreams:    true,
-			Replicas:         1,
-			DuplicateWindow:  2 * time.Minute,
-			AckTimeout:       5 * time.Second,
-			MaxInFlight:      4096,
-			MaxInFlightBytes: 64 << 20,
+			URL:               "nats://127.0.0.1:4222",
+			Stream:            "OUTBOX",
+			DeadLetterStream:  "OUTBOX_DLQ",
+			CreateStreams:     true,
+			Replicas:          1,
+			DuplicateWindow:   2 * time.Minute,
+			AckTimeout:        5 * time.Second,
+			MaxInFlight:       4096,
+			MaxInFlightBytes:  64 << 20,
+			MaxExpectedOutage: 2 * time.Minute,
 		},
 		HTTP:            HTTP{Listen: "127.0.0.1:9187"},
 		Log:             Log{Level: "info", Format: "json"},
@@ -142,6 +156,12 @@ func (c *Config) Validate() error {
 	}
 	if c.Postgres.StatusInterval < 10*time.Millisecond || c.Postgres.StatusInterval > 30*time.Second {
 		bad("postgres.status_interval", "%s is out of range: use 10ms to 30s (well below the server's wal_sender_timeout)", c.Postgres.StatusInterval)
+	}
+	if c.Postgres.ReceiveTimeout < 3*c.Postgres.StatusInterval {
+		bad("postgres.receive_timeout", "%s must be at least 3 × postgres.status_interval (%s): status updates ask the server for a keepalive after a third of it", c.Postgres.ReceiveTimeout, c.Postgres.StatusInterval)
+	}
+	if c.NATS.MaxExpectedOutage < 0 {
+		bad("nats.max_expected_outage", "%s is negative", c.NATS.MaxExpectedOutage)
 	}
 	if c.NATS.URL == "" {
 		bad("nats.url", "is required: set it in the file, OUTBOX_RELAY_NATS_URL or --nats-url (e.g. nats://127.0.0.1:4222)")
@@ -179,8 +199,22 @@ func (c *Config) Validate() error {
 	if c.NATS.CredentialsFile != "" && (c.NATS.User != "" || c.NATS.NKeySeedFile != "") {
 		bad("nats.credentials_file", "set only one of credentials_file, user/password and nkey_seed_file")
 	}
-	if (c.NATS.CertFile == "") != (c.NATS.KeyFile == "") {
-		bad("nats.cert_file", "cert_file and key_file go together")
+	switch {
+	case c.NATS.CertFile != "" && c.NATS.KeyFile == "":
+		bad("nats.key_file", "is required with nats.cert_file: a client certificate needs its private key")
+	case c.NATS.KeyFile != "" && c.NATS.CertFile == "":
+		bad("nats.cert_file", "is required with nats.key_file: set the client certificate, or remove key_file")
+	}
+	if c.NATS.Password != "" && c.NATS.User == "" {
+		bad("nats.password", "is set without nats.user: set the user too")
+	}
+	if c.NATS.User != "" && c.NATS.NKeySeedFile != "" {
+		bad("nats.nkey_seed_file", "set only one of user/password and nkey_seed_file")
+	}
+	if c.HTTP.Listen != "" {
+		if _, port, err := net.SplitHostPort(c.HTTP.Listen); err != nil || port == "" {
+			bad("http.listen", "%q is not host:port: use e.g. 127.0.0.1:9187, or :9187 for every interface (empty disables the listener)", c.HTTP.Listen)
+		}
 	}
 	if c.Log.Level != "" {
 		switch c.Log.Level {
@@ -198,11 +232,15 @@ func (c *Config) Validate() error {
 		bad("shutdown_timeout", "%s is out of range: use 0 to 5m", c.ShutdownTimeout)
 	}
 	if err := c.Router.Validate(); err != nil {
-		var ce *router.ConfigError
-		if errors.As(err, &ce) {
-			errs = append(errs, &Error{Path: ce.Path, Msg: ce.Msg})
-		} else {
-			errs = append(errs, fmt.Errorf("%w: %w", ErrInvalid, err))
+		// The router joins one error per problem: convert each, so that
+		// none is lost and all of them match ErrInvalid.
+		for _, e := range unjoin(err) {
+			var ce *router.ConfigError
+			if errors.As(e, &ce) {
+				errs = append(errs, &Error{Path: ce.Path, Msg: ce.Msg})
+			} else {
+				errs = append(errs, fmt.Errorf("%w: %w", ErrInvalid, e))
+			}
 		}
 	} else {
 		if len(c.NATS.StreamSubjects) == 0 {
@@ -259,7 +297,20 @@ func checkNATSURL(s string) string {
 // redactURL hides a password in a URL for error messages and logs.
 func redactURL(s string) string {
 	u, err := url.Parse(s)
-	if err != nil || u.User == nil {
+	if err != nil || (u.User == nil && strings.Contains(s, "@")) {
+		// An unparsable URL, or one parsed as opaque ("user:pw@host"), may
+		// still hold user:password@: hide everything between the scheme
+		// and the last '@'.
+		if at := strings.LastIndex(s, "@"); at >= 0 {
+			start := strings.Index(s, "://") + 3
+			if start < 3 || start > at {
+				start = 0
+			}
+			return s[:start] + "xxxxx" + s[at:]
+		}
+		return s
+	}
+	if u.User == nil {
 		return s
 	}
 	if _, ok := u.User.Password(); ok {
@@ -270,6 +321,14 @@ func redactURL(s string) string {
 
 // RedactURL hides the password of a connection URL.
 func RedactURL(s string) string { return redactURL(s) }
+
+// unjoin returns the errors joined in err (errors.Join), or err alone.
+func unjoin(err error) []error {
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		return j.Unwrap()
+	}
+	return []error{err}
+}
 
 func coveredBy(subjects []string, filter string) bool {
 	for _, s := range subjects {

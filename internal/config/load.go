@@ -77,20 +77,40 @@ func decodeYAML(b []byte, cfg *Config) error {
 }
 
 // checkKeys walks the YAML tree against the struct type so that an unknown
-// or misspelt key is reported with its full path, e.g. tables[0].colums.
+// or misspelt key (e.g. tables[0].colums), a key given twice, or a value of
+// the wrong shape or type (a list where a mapping belongs, "5" where a
+// duration needs a unit, "yes" for a boolean) is reported with its full path
+// and line. The YAML decoder's own errors name only a line.
 func checkKeys(n *yaml.Node, t reflect.Type, path string) error {
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
 	}
-	switch t.Kind() {
-	case reflect.Struct:
-		if t == reflect.TypeOf(time.Duration(0)) {
-			return nil
+	if n.Kind == yaml.AliasNode && n.Alias != nil {
+		n = n.Alias
+	}
+	if n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null" {
+		return nil // an empty value leaves the field at its zero value
+	}
+	bad := func(format string, args ...any) error {
+		return &Error{Path: orRoot(path), Msg: fmt.Sprintf("line %d: ", n.Line) + fmt.Sprintf(format, args...)}
+	}
+	switch {
+	case t == durationType:
+		if n.Kind != yaml.ScalarNode {
+			return bad("expected a duration such as 500ms, 5s or 2m")
 		}
+		if n.ShortTag() == "!!int" || n.ShortTag() == "!!float" {
+			return bad("%s has no unit: write e.g. %ss (units: ms, s, m, h)", n.Value, n.Value)
+		}
+		if _, err := time.ParseDuration(n.Value); err != nil {
+			return bad("%q is not a duration: use e.g. 500ms, 5s or 2m", n.Value)
+		}
+	case t.Kind() == reflect.Struct:
 		if n.Kind != yaml.MappingNode {
-			return &Error{Path: orRoot(path), Msg: fmt.Sprintf("line %d: expected a mapping of keys", n.Line)}
+			return bad("expected a mapping of keys")
 		}
 		fields := yamlFields(t)
+		seen := make(map[string]int, len(n.Content)/2)
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			k, v := n.Content[i], n.Content[i+1]
 			sub := join(path, k.Value)
@@ -98,21 +118,52 @@ func checkKeys(n *yaml.Node, t reflect.Type, path string) error {
 			if !ok {
 				return &Error{Path: sub, Msg: fmt.Sprintf("line %d: unknown key (known keys here: %s)", k.Line, strings.Join(sortedKeys(fields), ", "))}
 			}
+			if first, dup := seen[k.Value]; dup {
+				return &Error{Path: sub, Msg: fmt.Sprintf("line %d: given twice (first on line %d): keep one", k.Line, first)}
+			}
+			seen[k.Value] = k.Line
 			if err := checkKeys(v, ft, sub); err != nil {
 				return err
 			}
 		}
-	case reflect.Slice:
-		if t.Elem().Kind() == reflect.Struct && n.Kind == yaml.SequenceNode {
-			for i, c := range n.Content {
-				if err := checkKeys(c, t.Elem(), fmt.Sprintf("%s[%d]", path, i)); err != nil {
-					return err
-				}
+	case t.Kind() == reflect.Slice:
+		if n.Kind != yaml.SequenceNode {
+			return bad("expected a list (e.g. [a, b] or one \"- item\" per line)")
+		}
+		for i, c := range n.Content {
+			if err := checkKeys(c, t.Elem(), fmt.Sprintf("%s[%d]", path, i)); err != nil {
+				return err
 			}
+		}
+	case t.Kind() == reflect.Map:
+		if n.Kind != yaml.MappingNode {
+			return bad("expected a mapping (key: value per line)")
+		}
+		for i := 0; i+1 < len(n.Content); i += 2 {
+			if err := checkKeys(n.Content[i+1], t.Elem(), join(path, n.Content[i].Value)); err != nil {
+				return err
+			}
+		}
+	case t.Kind() == reflect.Bool:
+		if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!bool" {
+			return bad("expected true or false")
+		}
+	case t.Kind() == reflect.Int:
+		if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!int" {
+			return bad("expected an integer")
+		}
+		if _, err := strconv.ParseInt(strings.ReplaceAll(n.Value, "_", ""), 0, strconv.IntSize); err != nil {
+			return bad("%s is not an integer in range", n.Value)
+		}
+	case t.Kind() == reflect.String:
+		if n.Kind != yaml.ScalarNode {
+			return bad("expected a single value, not a list or mapping (quote it if it contains ': ' or starts with '[' or '{')")
 		}
 	}
 	return nil
 }
+
+var durationType = reflect.TypeOf(time.Duration(0))
 
 func orRoot(p string) string {
 	if p == "" {

@@ -35,6 +35,8 @@ func (c *Config) Replication() replication.Config {
 		Publication:    c.Postgres.Publication,
 		Tables:         c.Tables(),
 		StatusInterval: c.Postgres.StatusInterval,
+		ReceiveTimeout: c.Postgres.ReceiveTimeout,
+		FailoverSlot:   c.Postgres.FailoverSlot,
 	}
 }
 
@@ -45,6 +47,9 @@ func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
 		Subjects:   c.NATS.StreamSubjects,
 		Duplicates: c.NATS.DuplicateWindow,
 		Replicas:   c.NATS.Replicas,
+		// The dedup window must cover the longest outage: warn below it.
+		MinDuplicates:  c.NATS.MaxExpectedOutage,
+		RequireDurable: c.NATS.RequireDurableStream,
 	}
 	deadLetters = publisher.StreamSpec{
 		Name:       c.NATS.DeadLetterStream,
