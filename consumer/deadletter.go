@@ -20,6 +20,10 @@ const maxReasonBytes = 16 << 10
 // reasonText renders a failure for the reason column, with the stack of a
 // recovered panic, which is what the owner needs to fix it.
 func reasonText(err error) string {
+	// The failure_class column already says what the class prefix would.
+	if ce, ok := err.(*ClassError); ok && ce.Err != nil {
+		err = ce.Err
+	}
 	s := err.Error()
 	var pe *PanicError
 	if errors.As(err, &pe) {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime/debug"
 	"strings"
 	"time"
@@ -221,7 +222,15 @@ func (c *Consumer) checkVersion(ctx context.Context, tx pgx.Tx, it *item) (resul
 	if errors.Is(err, pgx.ErrNoRows) {
 		start := c.cfg.InitialVersion
 		switch {
-		case start == 0 || v == start:
+		case start == 0:
+			// The first version seen starts the aggregate, unless an
+			// earlier one is dead-lettered: then this one must wait for
+			// its replay like any later version.
+			if res := c.gap(ctx, tx, it, math.MinInt64); res.kind != resGap || res.blockedBy != 0 {
+				return res, nil
+			}
+			return result{kind: resApplied}, nil
+		case v == start:
 			return result{kind: resApplied}, nil
 		case v < start:
 			return result{kind: resConflict, err: fmt.Errorf("%w: version %d of %s is below the configured initial version %d",
@@ -267,8 +276,12 @@ func (c *Consumer) gap(ctx context.Context, tx pgx.Tx, it *item, current int64) 
 	switch {
 	case err == nil:
 		res.blockedBy = id
-		res.err = fmt.Errorf("%w: %s is at version %d, received version %d; version %d is dead-lettered (record %d): replay it first",
-			ErrGap, aggregateName(ev.AggregateType, ev.AggregateID), current, ev.AggregateVersion, version, id)
+		at := fmt.Sprintf("is at version %d", current)
+		if current == math.MinInt64 {
+			at = "has no applied version yet"
+		}
+		res.err = fmt.Errorf("%w: version %d of %s is dead-lettered (record %d), replay it first; %s %s, received version %d",
+			ErrGap, version, aggregateName(ev.AggregateType, ev.AggregateID), id, aggregateName(ev.AggregateType, ev.AggregateID), at, ev.AggregateVersion)
 	case errors.Is(err, pgx.ErrNoRows):
 		res.err = fmt.Errorf("%w: %s is at version %d, received version %d (missing %s)",
 			ErrGap, aggregateName(ev.AggregateType, ev.AggregateID), current, ev.AggregateVersion, missing(current, ev.AggregateVersion))

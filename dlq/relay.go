@@ -1,0 +1,330 @@
+package dlq
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+)
+
+// Defaults of the relay's dead-letter stream and of the audit stream of
+// actions on it.
+const (
+	DefaultRelayStream  = "OUTBOX_DLQ"
+	DefaultAuditStream  = "OUTBOX_DLQ_AUDIT"
+	DefaultAuditSubject = "outbox_dlq_audit"
+)
+
+// RelayRecord is one record of the relay's dead-letter stream: an outbox row
+// the relay could not turn into an event (headers Outbox-DLQ-*, body with
+// the row, see the README's dead-letter section).
+type RelayRecord struct {
+	Seq         uint64              `json:"seq"`
+	Subject     string              `json:"subject"`
+	Time        time.Time           `json:"time"`
+	MsgID       string              `json:"msg_id"`
+	Table       string              `json:"table"`
+	Reason      string              `json:"reason"`
+	ReasonClass string              `json:"reason_class"`
+	LSN         string              `json:"lsn"`
+	CommitLSN   string              `json:"commit_lsn"`
+	CommitTime  string              `json:"commit_time"`
+	Header      map[string][]string `json:"headers"`
+	// Body is the record's JSON body: table, lsn, commit_lsn, commit_time,
+	// reason, reason_class, subject and the row's columns under "row".
+	Body json.RawMessage `json:"body"`
+}
+
+// RelayFilter selects relay records. Zero fields do not filter.
+type RelayFilter struct {
+	Class     string
+	Table     string
+	OlderThan time.Duration
+	NewerThan time.Duration
+	Limit     int
+}
+
+// RelayDLQ reads and discards records of the relay's dead-letter stream.
+// Discards are audited in a separate stream before the record is deleted.
+type RelayDLQ struct {
+	js           jetstream.JetStream
+	stream       string
+	auditStream  string
+	auditSubject string
+	now          func() time.Time
+}
+
+// NewRelayDLQ returns access to the dead-letter stream named stream; empty
+// names take the defaults.
+func NewRelayDLQ(js jetstream.JetStream, stream, auditStream, auditSubject string) *RelayDLQ {
+	if stream == "" {
+		stream = DefaultRelayStream
+	}
+	if auditStream == "" {
+		auditStream = DefaultAuditStream
+	}
+	if auditSubject == "" {
+		auditSubject = DefaultAuditSubject
+	}
+	return &RelayDLQ{js: js, stream: stream, auditStream: auditStream, auditSubject: auditSubject, now: time.Now}
+}
+
+// Stream returns the dead-letter stream's name.
+func (r *RelayDLQ) Stream() string { return r.stream }
+
+func toRelayRecord(seq uint64, subject string, t time.Time, h nats.Header, data []byte) RelayRecord {
+	rec := RelayRecord{
+		Seq: seq, Subject: subject, Time: t, Header: h,
+		MsgID:       h.Get(contract.MsgID),
+		Table:       h.Get(contract.Table),
+		Reason:      h.Get(contract.DLQReason),
+		ReasonClass: h.Get(contract.DLQReasonClass),
+		LSN:         h.Get(contract.DLQLSN),
+		CommitLSN:   h.Get(contract.CommitLSN),
+		CommitTime:  h.Get(contract.CommitTime),
+	}
+	if json.Valid(data) {
+		rec.Body = data
+	} else {
+		rec.Body, _ = json.Marshal(string(data))
+	}
+	// The body repeats the headers; it fills what a header lacks.
+	var body struct {
+		Table       string `json:"table"`
+		LSN         string `json:"lsn"`
+		CommitLSN   string `json:"commit_lsn"`
+		CommitTime  string `json:"commit_time"`
+		Reason      string `json:"reason"`
+		ReasonClass string `json:"reason_class"`
+	}
+	if json.Unmarshal(data, &body) == nil {
+		fill := func(dst *string, v string) {
+			if *dst == "" {
+				*dst = v
+			}
+		}
+		fill(&rec.Table, body.Table)
+		fill(&rec.LSN, body.LSN)
+		fill(&rec.CommitLSN, body.CommitLSN)
+		fill(&rec.CommitTime, body.CommitTime)
+		fill(&rec.Reason, body.Reason)
+		fill(&rec.ReasonClass, body.ReasonClass)
+	}
+	return rec
+}
+
+func (f RelayFilter) match(rec *RelayRecord, now time.Time) bool {
+	switch {
+	case f.Class != "" && rec.ReasonClass != f.Class:
+		return false
+	case f.Table != "" && rec.Table != f.Table:
+		return false
+	case f.OlderThan > 0 && !rec.Time.Before(now.Add(-f.OlderThan)):
+		return false
+	case f.NewerThan > 0 && rec.Time.Before(now.Add(-f.NewerThan)):
+		return false
+	}
+	return true
+}
+
+// List returns the records matching f, oldest first.
+func (r *RelayDLQ) List(ctx context.Context, f RelayFilter) ([]RelayRecord, error) {
+	var out []RelayRecord
+	now := r.now()
+	err := r.scan(ctx, r.stream, func(m jetstream.Msg, md *jetstream.MsgMetadata) bool {
+		rec := toRelayRecord(md.Sequence.Stream, m.Subject(), md.Timestamp, m.Headers(), m.Data())
+		if f.match(&rec, now) {
+			out = append(out, rec)
+		}
+		return f.Limit == 0 || len(out) < f.Limit
+	})
+	return out, err
+}
+
+// scan reads every message of stream in order with an ordered consumer,
+// calling fn until it returns false.
+func (r *RelayDLQ) scan(ctx context.Context, stream string, fn func(jetstream.Msg, *jetstream.MsgMetadata) bool) error {
+	s, err := r.js.Stream(ctx, stream)
+	if err != nil {
+		return fmt.Errorf("open stream %s: %w", stream, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("read stream %s: %w", stream, err)
+	}
+	last := info.State.LastSeq
+	if info.State.Msgs == 0 {
+		return nil
+	}
+	cons, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		return fmt.Errorf("read stream %s: %w", stream, err)
+	}
+	for {
+		batch, err := cons.Fetch(256, jetstream.FetchMaxWait(2*time.Second))
+		if err != nil {
+			return fmt.Errorf("read stream %s: %w", stream, err)
+		}
+		n := 0
+		for m := range batch.Messages() {
+			n++
+			md, err := m.Metadata()
+			if err != nil {
+				return fmt.Errorf("read stream %s: %w", stream, err)
+			}
+			if !fn(m, md) || md.Sequence.Stream >= last || md.NumPending == 0 {
+				return nil
+			}
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
+			return fmt.Errorf("read stream %s: %w", stream, err)
+		}
+		if n == 0 {
+			return nil // everything after the snapshot was deleted meanwhile
+		}
+	}
+}
+
+// Get returns the record at stream sequence seq.
+func (r *RelayDLQ) Get(ctx context.Context, seq uint64) (RelayRecord, error) {
+	s, err := r.js.Stream(ctx, r.stream)
+	if err != nil {
+		return RelayRecord{}, fmt.Errorf("open stream %s: %w", r.stream, err)
+	}
+	m, err := s.GetMsg(ctx, seq)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return RelayRecord{}, fmt.Errorf("%w: sequence %d of stream %s", ErrNotFound, seq, r.stream)
+	}
+	if err != nil {
+		return RelayRecord{}, fmt.Errorf("read sequence %d of stream %s: %w", seq, r.stream, err)
+	}
+	return toRelayRecord(m.Sequence, m.Subject, m.Time, m.Header, m.Data), nil
+}
+
+// relayAudit is the JSON record of an action on a relay dead letter.
+type relayAudit struct {
+	At          time.Time `json:"at"`
+	Actor       string    `json:"actor"`
+	Action      string    `json:"action"`
+	Stream      string    `json:"stream"`
+	Seq         uint64    `json:"seq"`
+	MsgID       string    `json:"msg_id,omitempty"`
+	Table       string    `json:"table,omitempty"`
+	ReasonClass string    `json:"reason_class,omitempty"`
+	DLQReason   string    `json:"dlq_reason,omitempty"`
+	Reason      string    `json:"reason"`
+}
+
+// Discard deletes the records at seqs from the dead-letter stream. Each
+// discard is first written, with the record's identity and failure, to the
+// audit stream and acknowledged there, so no record leaves without a trace.
+func (r *RelayDLQ) Discard(ctx context.Context, act Action, seqs []uint64) error {
+	if act.Actor == "" {
+		return ErrActorRequired
+	}
+	if strings.TrimSpace(act.Reason) == "" {
+		return fmt.Errorf("%w: say why the dead letters may be dropped (--reason)", ErrReasonRequired)
+	}
+	if len(seqs) == 0 {
+		return fmt.Errorf("%w: name the stream sequences to discard", ErrUsage)
+	}
+	recs := make([]RelayRecord, 0, len(seqs))
+	for _, seq := range seqs {
+		rec, err := r.Get(ctx, seq)
+		if err != nil {
+			return err
+		}
+		recs = append(recs, rec)
+	}
+	if err := r.ensureAuditStream(ctx); err != nil {
+		return err
+	}
+	s, err := r.js.Stream(ctx, r.stream)
+	if err != nil {
+		return fmt.Errorf("open stream %s: %w", r.stream, err)
+	}
+	for _, rec := range recs {
+		entry, _ := json.Marshal(relayAudit{At: r.now().UTC(), Actor: act.Actor, Action: ActionDiscard, Stream: r.stream,
+			Seq: rec.Seq, MsgID: rec.MsgID, Table: rec.Table, ReasonClass: rec.ReasonClass, DLQReason: rec.Reason, Reason: act.Reason})
+		if _, err := r.js.Publish(ctx, r.auditSubject, entry); err != nil {
+			return fmt.Errorf("audit discard of sequence %d: %w", rec.Seq, err)
+		}
+		if err := s.DeleteMsg(ctx, rec.Seq); err != nil {
+			return fmt.Errorf("delete sequence %d of stream %s (the audit entry says it was discarded; run discard again): %w", rec.Seq, r.stream, err)
+		}
+	}
+	return nil
+}
+
+func (r *RelayDLQ) ensureAuditStream(ctx context.Context) error {
+	_, err := r.js.Stream(ctx, r.auditStream)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("open audit stream %s: %w", r.auditStream, err)
+	}
+	_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name:        r.auditStream,
+		Description: "audit trail of outbox-relay dead-letter actions",
+		Subjects:    []string{r.auditSubject},
+		Storage:     jetstream.FileStorage,
+		Retention:   jetstream.LimitsPolicy,
+	})
+	if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		return fmt.Errorf("create audit stream %s: %w", r.auditStream, err)
+	}
+	return nil
+}
+
+// Audit returns the audited actions on relay dead letters, oldest first;
+// with a Limit, the latest Limit entries.
+func (r *RelayDLQ) Audit(ctx context.Context, f AuditFilter) ([]AuditEntry, error) {
+	_, err := r.js.Stream(ctx, r.auditStream)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil, nil // nothing was ever discarded
+	}
+	var out []AuditEntry
+	since := time.Time{}
+	if f.Since > 0 {
+		since = r.now().Add(-f.Since)
+	}
+	err = r.scan(ctx, r.auditStream, func(m jetstream.Msg, _ *jetstream.MsgMetadata) bool {
+		var a relayAudit
+		if json.Unmarshal(m.Data(), &a) != nil || a.At.Before(since) {
+			return true
+		}
+		detail, _ := json.Marshal(map[string]string{"msg_id": a.MsgID, "table": a.Table, "reason_class": a.ReasonClass, "reason": a.DLQReason})
+		out = append(out, AuditEntry{At: a.At, Actor: a.Actor, Action: a.Action, Queue: "relay:" + a.Stream,
+			Record: int64(a.Seq), EventID: a.MsgID, Reason: a.Reason, Detail: detail})
+		return true
+	})
+	if err != nil {
+		return nil, err
+	}
+	if f.Limit > 0 && len(out) > f.Limit {
+		out = out[len(out)-f.Limit:]
+	}
+	return slices.Clip(out), nil
+}
+
+func parseSeqs(args []string) ([]uint64, error) {
+	seqs := make([]uint64, 0, len(args))
+	for _, a := range args {
+		n, err := strconv.ParseUint(a, 10, 64)
+		if err != nil || n == 0 {
+			return nil, fmt.Errorf("%w: %q is not a stream sequence", ErrUsage, a)
+		}
+		seqs = append(seqs, n)
+	}
+	return seqs, nil
+}
