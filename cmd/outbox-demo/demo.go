@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -37,18 +38,19 @@ type demo struct {
 	log      *zap.Logger
 	cleanups []func() // run in reverse order by cleanup
 
-	pg       *testenv.Postgres
-	nats     *testenv.NATS
-	appURL   string        // the application database: outbox + registration
-	appPool  *pgxpool.Pool //
-	cfg      config.Config // the relay's configuration, validated
-	nc       *nats.Conn
-	js       jetstream.JetStream
-	arrivals *arrivals
+	pg        *testenv.Postgres
+	nats      *testenv.NATS
+	appURL    string        // the application database: outbox + registration
+	appPool   *pgxpool.Pool //
+	cfg       config.Config // the relay's configuration, validated
+	nc        *nats.Conn
+	js        jetstream.JetStream
+	arrivals  *arrivals
+	streaming chan struct{} // closed when the relay first streams
 }
 
 func newDemo(out *printer, opts options) *demo {
-	return &demo{out: out, opts: opts, arrivals: newArrivals()}
+	return &demo{out: out, opts: opts, arrivals: newArrivals(), streaming: make(chan struct{})}
 }
 
 // stage is one step of the foreground flow. Stages run in order while the
@@ -64,6 +66,7 @@ type stage struct {
 // expected event is in the stream.
 func (d *demo) stages() []stage {
 	return []stage{
+		{"start the relay", d.waitStreaming},
 		{"confirm registrations", d.confirmRegistrations},
 		{"wait for events", d.waitForEvents},
 		{"summary", d.summary},
@@ -180,13 +183,26 @@ func (d *demo) setupRelay(ctx context.Context) (*relay.Relay, jetstream.Consumer
 	// Create the streams here rather than leave it to the relay, so the
 	// watcher can attach before the first event.
 	events, dlq := cfg.Streams()
+	durableNote := false
 	for _, spec := range []publisher.StreamSpec{events, dlq} {
-		if _, err := publisher.EnsureStream(ctx, d.js, spec, true); err != nil {
+		rep, err := publisher.EnsureStream(ctx, d.js, spec, true)
+		if err != nil {
 			return nil, nil, err
 		}
 		d.out.detail("stream %s on subjects %s (duplicate window %s)", spec.Name, strings.Join(spec.Subjects, ", "), spec.Duplicates)
+		if !rep.Durable {
+			durableNote = true
+		}
 	}
-	rl, err := relay.New(cfg.Relay(), nc, relay.WithLogger(d.log))
+	if durableNote {
+		d.out.detail("one NATS server, one replica: the relay warns (on stderr) that such acks are not durable; production streams use 3 replicas")
+	}
+	var once sync.Once
+	rl, err := relay.New(cfg.Relay(), nc, relay.WithLogger(d.log), relay.WithReadiness(func(streaming bool) {
+		if streaming {
+			once.Do(func() { close(d.streaming) })
+		}
+	}))
 	if err != nil {
 		return nil, nil, err
 	}
@@ -194,8 +210,21 @@ func (d *demo) setupRelay(ctx context.Context) (*relay.Relay, jetstream.Consumer
 	if err != nil {
 		return nil, nil, fmt.Errorf("ordered consumer on %s: %w", cfg.NATS.Stream, err)
 	}
-	d.out.step("relay running: public.outbox -> %s, slot %s, publication %s", cfg.NATS.Stream, cfg.Postgres.Slot, cfg.Postgres.Publication)
 	return rl, cons, nil
+}
+
+// waitStreaming waits until the relay's replication stream is open, so that
+// its start-up output comes before the registrations.
+func (d *demo) waitStreaming(ctx context.Context) error {
+	select {
+	case <-d.streaming:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d.opts.wait):
+		return fmt.Errorf("the relay did not start streaming within %s (run with -v to see its log)", d.opts.wait)
+	}
+	d.out.step("relay streaming: public.outbox -> stream %s, slot %s, publication %s", d.cfg.NATS.Stream, d.cfg.Postgres.Slot, d.cfg.Postgres.Publication)
+	return nil
 }
 
 func (d *demo) waitForEvents(ctx context.Context) error {
