@@ -21,6 +21,7 @@ type pipeline struct {
 
 	tx     *publisher.Tx
 	commit router.CommitInfo
+	msgs   *messageRoutes
 }
 
 // waitSlice is how long the loop waits for publish capacity before it sends
@@ -51,16 +52,45 @@ func (p *pipeline) run(ctx context.Context) error {
 			}
 			p.r.log.Warn("outbox table truncated: rows are removed, no events are published", zap.Strings("tables", names))
 		case *replication.Message:
-			// pgoutput sends logical messages only when asked, and the relay
-			// does not ask yet.
+			if err := p.message(ctx, e); err != nil {
+				return err
+			}
 		}
 	}
 }
 
+// message relays a table-less event written with pg_logical_emit_message.
+func (p *pipeline) message(ctx context.Context, msg *replication.Message) error {
+	ins, merr, ok := p.msgs.insert(msg)
+	if !ok {
+		return nil // another application's prefix
+	}
+	if p.tx == nil {
+		// A non-transactional message comes outside any transaction: give
+		// it one of its own, confirmable at its LSN once dead-lettered.
+		tx := p.tracker.Begin(time.Now())
+		defer tx.Commit(msg.LSN)
+		saved := p.commit
+		p.tx, p.commit = tx, router.CommitInfo{LSN: msg.LSN}
+		defer func() { p.tx, p.commit = nil, saved }()
+	}
+	return p.route(ctx, ins, merr)
+}
+
 func (p *pipeline) insert(ctx context.Context, ins *replication.Insert) error {
+	return p.route(ctx, ins, nil)
+}
+
+// route maps a row (or a logical message's synthetic row) and publishes it,
+// or dead-letters it with reason preErr or the router's reason.
+func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr error) error {
 	r := p.r
 	var m *publisher.Message
-	rm, err := r.router.Route(ins, p.commit)
+	var rm *router.Message
+	err := preErr
+	if err == nil {
+		rm, err = r.router.Route(ins, p.commit)
+	}
 	if err != nil {
 		// Unroutable rows are dead-lettered with the row itself; they still
 		// hold back the watermark until the record is acked.

@@ -28,6 +28,10 @@ type Config struct {
 	Stream           publisher.StreamSpec
 	DeadLetterStream publisher.StreamSpec
 	CreateStreams    bool
+	// MessagePrefixes are the pg_logical_emit_message prefixes relayed as
+	// table-less events. Router.Tables must map each one as the table
+	// MessageSchema.<prefix>.
+	MessagePrefixes []string
 	// ShutdownTimeout bounds the wait for in-flight acks on shutdown.
 	// Default 5s.
 	ShutdownTimeout time.Duration
@@ -72,6 +76,9 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	}
 	if cfg.ReconnectMax < cfg.ReconnectMin {
 		cfg.ReconnectMax = max(30*time.Second, cfg.ReconnectMin)
+	}
+	if len(cfg.MessagePrefixes) > 0 {
+		cfg.Replication.Messages = true
 	}
 	r := &Relay{cfg: cfg, nc: nc, log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
 	r.durable.Store(-1)
@@ -203,7 +210,7 @@ func (r *Relay) streamOnce(ctx context.Context) (bool, error) {
 		return false, err
 	}
 	r.ready(true)
-	p := pipeline{r: r, st: st, tracker: tracker}
+	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
 	err = p.run(ctx)
 	if ctx.Err() != nil {
 		// Graceful stop: wait for the acks, then confirm them.

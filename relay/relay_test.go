@@ -368,3 +368,71 @@ func TestRelayRefusesMissingSlot(t *testing.T) {
 		t.Fatalf("Run = %v, want ErrSlotMissing with a hint", err)
 	}
 }
+
+// Issue 4, acceptance 5: table-less events written with
+// pg_logical_emit_message flow with the same header contract; a
+// non-transactional one is dead-lettered; a rolled-back one never appears.
+func TestRelayLogicalMessages(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	prefix := "evt_" + strings.ToLower(f.stream[2:8])
+	f.cfg.MessagePrefixes = []string{prefix}
+	f.cfg.Router.Tables = append(f.cfg.Router.Tables, router.TableConfig{
+		Table:   relay.MessageSchema + "." + prefix,
+		Subject: f.cfg.Router.Tables[0].Subject,
+	})
+	f.setup(ctx)
+	f.start(ctx)
+	emit := func(transactional bool, commit bool, content string) {
+		t.Helper()
+		tx, err := f.db.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, "SELECT pg_logical_emit_message($1, $2, $3::text)", transactional, prefix, content); err != nil {
+			t.Fatal(err)
+		}
+		if commit {
+			err = tx.Commit(ctx)
+		} else {
+			err = tx.Rollback(ctx)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	env := func(id string, v int) string {
+		return `{"event_id":"` + id + `","aggregate_type":"order","aggregate_id":"o.1","aggregate_version":` + relaytest.Itoa(v) +
+			`,"event_type":"OrderPlaced","payload":{"total": 42},"occurred_at":"2026-11-29T09:35:21.5Z"}`
+	}
+	emit(true, true, env("m1", 1))
+	emit(true, false, env("rolled-back", 2))
+	emit(false, true, env("non-tx", 3))
+	emit(true, true, `{"event_id": "bad"}`)
+	// Another application's prefix is not ours: ignored.
+	if _, err := f.db.Pool.Exec(ctx, "SELECT pg_logical_emit_message(true, 'someone-else', 'x')"); err != nil {
+		t.Fatal(err)
+	}
+	emit(true, true, env("m2", 2))
+	f.waitCount(ctx, f.stream, 2, 30*time.Second)
+	f.waitCount(ctx, f.dlq, 2, 30*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	if len(got) != 2 || got[0].Event.ID != "m1" || got[1].Event.ID != "m2" {
+		t.Fatalf("events: %+v", got)
+	}
+	m := got[0]
+	if m.Subject != strings.ToLower(f.stream)+".order.o~2E1" || string(m.Data) != `{"total": 42}` || m.Event.AggregateVersion != 1 ||
+		m.Headers[contract.Table][0] != relay.MessageSchema+"."+prefix || m.Headers[contract.OccurredAt][0] != "2026-11-29T09:35:21.5Z" ||
+		m.Headers[contract.CommitLSN][0] == "" || m.Headers[contract.MsgID][0] != "m1" {
+		t.Fatalf("message event: subject %s data %s headers %v", m.Subject, m.Data, m.Headers)
+	}
+	dl := relaytest.ReadStream(ctx, t, f.js, f.dlq)
+	classes := []string{dl[0].Headers[contract.DLQReasonClass][0], dl[1].Headers[contract.DLQReasonClass][0]}
+	if strings.Join(classes, ",") != relay.ClassNonTransactional+","+relay.ClassInvalidEnvelope {
+		t.Fatalf("dead-letter classes %v", classes)
+	}
+	if !strings.Contains(string(dl[0].Data), "non-tx") {
+		t.Fatalf("non-transactional record lacks the content: %s", dl[0].Data)
+	}
+}

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
@@ -42,10 +43,20 @@ type Config struct {
 	NATS     NATS     `yaml:"nats"`
 	// Tables, dead_letter_subject and max_subject_bytes: the router's keys
 	// sit at the top level of the file.
-	Router          router.Config `yaml:",inline"`
+	Router router.Config `yaml:",inline"`
+	// Messages relays table-less events written with
+	// pg_logical_emit_message(true, prefix, envelope).
+	Messages        []Message     `yaml:"messages"`
 	HTTP            HTTP          `yaml:"http"`
 	Log             Log           `yaml:"log"`
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+}
+
+// Message maps one pg_logical_emit_message prefix, like a table.
+type Message struct {
+	Prefix        string `yaml:"prefix"`
+	Subject       string `yaml:"subject"`
+	AggregateType string `yaml:"aggregate_type"`
 }
 
 // Postgres configures the replication source.
@@ -132,7 +143,22 @@ func Default() Config {
 	}
 }
 
+// messagePath maps a router error path of a synthetic message table
+// (tables[n] with n past the real tables) back to messages[i].
+func messagePath(p string, realTables int) string {
+	var n int
+	var rest string
+	if _, err := fmt.Sscanf(p, "tables[%d]", &n); err != nil || n < realTables {
+		return p
+	}
+	if i := strings.Index(p, "]"); i >= 0 {
+		rest = p[i+1:]
+	}
+	return fmt.Sprintf("messages[%d]%s", n-realTables, rest)
+}
+
 var (
+	prefixRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,63}$`)
 	identRE  = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 	streamRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,255}$`)
 )
@@ -231,13 +257,39 @@ func (c *Config) Validate() error {
 	if c.ShutdownTimeout < 0 || c.ShutdownTimeout > 5*time.Minute {
 		bad("shutdown_timeout", "%s is out of range: use 0 to 5m", c.ShutdownTimeout)
 	}
+	realTables := len(c.Router.Tables)
+	if c.Router.Tables != nil || len(c.Messages) > 0 {
+		// Drop synthetic tables of an earlier Validate before re-adding them.
+		var keep []router.TableConfig
+		for _, t := range c.Router.Tables {
+			if !strings.HasPrefix(t.Table, relay.MessageSchema+".") {
+				keep = append(keep, t)
+			}
+		}
+		c.Router.Tables = keep
+		realTables = len(keep)
+	}
+	seenPrefix := map[string]bool{}
+	for i, m := range c.Messages {
+		path := fmt.Sprintf("messages[%d].prefix", i)
+		switch {
+		case !prefixRE.MatchString(m.Prefix):
+			bad(path, "%q is not a valid prefix: use 1-63 letters, digits, _ or - (the prefix passed to pg_logical_emit_message)", m.Prefix)
+			continue
+		case seenPrefix[m.Prefix]:
+			bad(path, "%q is mapped twice", m.Prefix)
+			continue
+		}
+		seenPrefix[m.Prefix] = true
+		c.Router.Tables = append(c.Router.Tables, router.TableConfig{Table: relay.MessageSchema + "." + m.Prefix, Subject: m.Subject, AggregateType: m.AggregateType})
+	}
 	if err := c.Router.Validate(); err != nil {
 		// The router joins one error per problem: convert each, so that
 		// none is lost and all of them match ErrInvalid.
 		for _, e := range unjoin(err) {
 			var ce *router.ConfigError
 			if errors.As(e, &ce) {
-				errs = append(errs, &Error{Path: ce.Path, Msg: ce.Msg})
+				errs = append(errs, &Error{Path: messagePath(ce.Path, realTables), Msg: ce.Msg})
 			} else {
 				errs = append(errs, fmt.Errorf("%w: %w", ErrInvalid, e))
 			}

@@ -1,19 +1,26 @@
 package config
 
 import (
+	"strings"
+
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
-// Tables returns the schema-qualified outbox tables.
+// Tables returns the schema-qualified outbox tables (the publication's),
+// without the synthetic tables of logical-message prefixes.
 func (c *Config) Tables() []string {
-	out := make([]string, len(c.Router.Tables))
-	for i, t := range c.Router.Tables {
-		out[i] = t.Table
-		if !containsDot(t.Table) {
-			out[i] = "public." + t.Table
+	var out []string
+	for _, t := range c.Router.Tables {
+		name := t.Table
+		if !containsDot(name) {
+			name = "public." + name
 		}
+		if strings.HasPrefix(name, relay.MessageSchema+".") {
+			continue
+		}
+		out = append(out, name)
 	}
 	return out
 }
@@ -75,5 +82,14 @@ func (c *Config) Relay() relay.Config {
 		DeadLetterStream: dlq,
 		CreateStreams:    c.NATS.CreateStreams,
 		ShutdownTimeout:  c.ShutdownTimeout,
+		MessagePrefixes:  c.messagePrefixes(),
 	}
+}
+
+func (c *Config) messagePrefixes() []string {
+	var out []string
+	for _, m := range c.Messages {
+		out = append(out, m.Prefix)
+	}
+	return out
 }
