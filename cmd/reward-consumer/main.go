@@ -1,0 +1,205 @@
+// Command reward-consumer is the seed lesson's reward service: it consumes
+// RegistrationConfirmed events from the relay's JetStream stream with the
+// idempotent consumer library and credits points to the registration's
+// player through apply_reward_event, once per event however often the event
+// is delivered.
+//
+// Its database needs sql/consumer.sql and sql/reward.sql. Each flag falls
+// back to an environment variable:
+//
+//	--postgres-url  REWARD_CONSUMER_POSTGRES_URL  the reward database (required)
+//	--nats-url      REWARD_CONSUMER_NATS_URL      default nats://127.0.0.1:4222
+//	--stream        REWARD_CONSUMER_STREAM        default OUTBOX
+//	--consumer      REWARD_CONSUMER_NAME          durable consumer name, default reward-consumer
+//	--filter-subject REWARD_CONSUMER_FILTER_SUBJECT  e.g. outbox.outbox.>; default the whole stream
+//	--points        REWARD_CONSUMER_POINTS        points per confirmed registration, default 10
+//	--owner         REWARD_CONSUMER_OWNER         owner of the dead letters, default rewards-team
+//	--metrics-listen REWARD_CONSUMER_METRICS_LISTEN  address for /metrics; empty disables
+//
+// REWARD_CONSUMER_TEST_CRASH_AFTER_COMMIT, for fault tests only, names a
+// file: after the first transaction commits, the process writes the event
+// id there and hangs before acknowledging, waiting to be killed.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/outbox-relay/outbox-relay/consumer"
+)
+
+const envPrefix = "REWARD_CONSUMER_"
+
+type options struct {
+	postgresURL   string
+	natsURL       string
+	stream        string
+	name          string
+	filterSubject string
+	points        int
+	ledger        string
+	owner         string
+	workers       int
+	ackWait       time.Duration
+	metricsListen string
+	logLevel      string
+}
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "reward-consumer:", err)
+		os.Exit(1)
+	}
+}
+
+func env(name, def string) string {
+	if v, ok := os.LookupEnv(envPrefix + name); ok {
+		return v
+	}
+	return def
+}
+
+func parseFlags() (options, error) {
+	var o options
+	points, err := strconv.Atoi(env("POINTS", "10"))
+	if err != nil {
+		return o, fmt.Errorf("%sPOINTS: %w", envPrefix, err)
+	}
+	fs := flag.NewFlagSet("reward-consumer", flag.ContinueOnError)
+	fs.StringVar(&o.postgresURL, "postgres-url", env("POSTGRES_URL", ""), "PostgreSQL URL of the reward database (sql/consumer.sql and sql/reward.sql applied)")
+	fs.StringVar(&o.natsURL, "nats-url", env("NATS_URL", nats.DefaultURL), "NATS server URL")
+	fs.StringVar(&o.stream, "stream", env("STREAM", "OUTBOX"), "JetStream stream the relay publishes to")
+	fs.StringVar(&o.name, "consumer", env("NAME", "reward-consumer"), "durable consumer name; also the consumer key of the dedup rows")
+	fs.StringVar(&o.filterSubject, "filter-subject", env("FILTER_SUBJECT", ""), "consume only this subject filter (default: the whole stream)")
+	fs.IntVar(&o.points, "points", points, "points credited per confirmed registration")
+	fs.StringVar(&o.ledger, "ledger", env("LEDGER", "reward_account"), "apply_reward_event's consumer key (names the effect, see README)")
+	fs.StringVar(&o.owner, "owner", env("OWNER", "rewards-team"), "who owns this consumer's dead letters")
+	fs.IntVar(&o.workers, "workers", consumer.DefaultWorkers, "parallel workers (keyed by aggregate)")
+	fs.DurationVar(&o.ackWait, "ack-wait", consumer.DefaultAckWait, "JetStream ack wait of the durable consumer")
+	fs.StringVar(&o.metricsListen, "metrics-listen", env("METRICS_LISTEN", ""), "address serving /metrics (e.g. 127.0.0.1:9464); empty disables")
+	fs.StringVar(&o.logLevel, "log-level", env("LOG_LEVEL", "info"), "debug, info, warn or error")
+	if err := fs.Parse(os.Args[1:]); err != nil {
+		return o, err
+	}
+	switch {
+	case o.postgresURL == "":
+		return o, fmt.Errorf("set --postgres-url or %sPOSTGRES_URL to the reward database", envPrefix)
+	case o.points < 1 || o.points > math.MaxInt32:
+		return o, fmt.Errorf("--points %d: want 1 to %d (apply_reward_event takes a positive integer)", o.points, math.MaxInt32)
+	}
+	return o, nil
+}
+
+func run() error {
+	o, err := parseFlags()
+	if err != nil {
+		return err
+	}
+	level, err := zap.ParseAtomicLevel(o.logLevel)
+	if err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	zcfg := zap.NewProductionConfig()
+	zcfg.Level = level
+	log, err := zcfg.Build()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = log.Sync() }()
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	pcfg, err := pgxpool.ParseConfig(o.postgresURL)
+	if err != nil {
+		return fmt.Errorf("--postgres-url: %w", err)
+	}
+	// One connection per worker plus the replay and gauge loops.
+	pcfg.MaxConns = int32(o.workers + 2)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return fmt.Errorf("connect to postgres: %w", err)
+	}
+	defer pool.Close()
+	nc, err := nats.Connect(o.natsURL, nats.Name("reward-consumer"), nats.MaxReconnects(-1))
+	if err != nil {
+		return fmt.Errorf("connect to nats: %w", err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	cfg := consumer.Config{
+		Name:    o.name,
+		Stream:  o.stream,
+		Owner:   o.owner,
+		Workers: o.workers,
+		AckWait: o.ackWait,
+		// Registrations change without emitting an event (creation), and
+		// this consumer takes one event type: versions skip legitimately,
+		// so version checking is off; the event id and the ledger dedup.
+		EventTypes: []string{EventType},
+	}
+	if o.filterSubject != "" {
+		cfg.FilterSubjects = []string{o.filterSubject}
+	}
+	opts := []consumer.Option{consumer.WithLogger(log), consumer.WithRegisterer(reg)}
+	if path := os.Getenv(envPrefix + "TEST_CRASH_AFTER_COMMIT"); path != "" {
+		opts = append(opts, consumer.WithAfterCommit(crashAfterCommit(path)))
+	}
+	c, err := consumer.New(pool, js, cfg, &rewardHandler{ledger: o.ledger, points: int32(o.points)}, opts...)
+	if err != nil {
+		return err
+	}
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return c.Run(gctx) })
+	if o.metricsListen != "" {
+		srv := &http.Server{Addr: o.metricsListen, Handler: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}), ReadHeaderTimeout: 5 * time.Second}
+		g.Go(func() error {
+			if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("metrics server: %w", err)
+			}
+			return nil
+		})
+		g.Go(func() error {
+			<-gctx.Done()
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			return srv.Shutdown(sctx)
+		})
+	}
+	return g.Wait()
+}
+
+// crashAfterCommit simulates a crash between commit and ack: it reports the
+// committed event in path and blocks the worker forever, so that the test
+// can kill the process before the ack is sent.
+func crashAfterCommit(path string) func(*consumer.Message) {
+	return func(m *consumer.Message) {
+		_ = os.WriteFile(path, []byte(m.ID), 0o600)
+		select {}
+	}
+}

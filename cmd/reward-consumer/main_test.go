@@ -1,0 +1,208 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/consumer"
+	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+
+const (
+	player       = "aaaaaaaa-0000-4000-8000-000000000001"
+	registration = "bbbbbbbb-0000-4000-8000-000000000001"
+	unmapped     = "bbbbbbbb-0000-4000-8000-000000000002"
+	eventID      = "0190a6e5-0000-7000-8000-000000000001"
+)
+
+type rig struct {
+	t      *testing.T
+	db     *testenv.Database
+	js     jetstream.JetStream
+	stream string
+	nats   string
+	bin    string
+}
+
+func newRig(t *testing.T) *rig {
+	t.Helper()
+	env := testenv.Get(t)
+	db := env.NewDatabase(t)
+	root := testenv.RepoRoot(t)
+	db.ExecFile(t, filepath.Join(root, "sql", "consumer.sql"))
+	db.ExecFile(t, filepath.Join(root, "sql", "reward.sql"))
+	_, err := db.Pool.Exec(context.Background(), `INSERT INTO reward_account (player_id, points) VALUES ($1, 0)`, player)
+	testenv.Must(t, err, "open reward account")
+	_, err = db.Pool.Exec(context.Background(), `INSERT INTO reward_registration (registration_id, player_id) VALUES ($1, $2)`, registration, player)
+	testenv.Must(t, err, "map registration to player")
+	nc, err := nats.Connect(env.NATS.URL)
+	testenv.Must(t, err, "nats")
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	testenv.Must(t, err, "jetstream")
+	stream := testenv.UniqueName("OUTBOX")
+	_, err = js.CreateStream(context.Background(), jetstream.StreamConfig{Name: stream, Subjects: []string{stream + ".>"}})
+	testenv.Must(t, err, "stream")
+	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), stream) })
+	return &rig{t: t, db: db, js: js, stream: stream, nats: env.NATS.URL, bin: testenv.BuildBinary(t, "./cmd/reward-consumer")}
+}
+
+// publish stores a RegistrationConfirmed event as the relay publishes it;
+// msgID differs per copy so that the stream keeps every copy.
+func (r *rig) publish(id, reg string, version int64, msgID string) {
+	r.t.Helper()
+	m := nats.NewMsg(r.stream + ".outbox." + reg)
+	m.Header.Set(contract.MsgID, msgID)
+	m.Header.Set(contract.EventID, id)
+	m.Header.Set(contract.EventType, EventType)
+	m.Header.Set(contract.AggregateType, "outbox")
+	m.Header.Set(contract.AggregateID, reg)
+	m.Header.Set(contract.AggregateVersion, strconv.FormatInt(version, 10))
+	m.Header.Set(contract.CommitTime, time.Now().UTC().Format(time.RFC3339Nano))
+	m.Data = fmt.Appendf(nil, `{"version": %d, "registrationId": %q}`, version, reg)
+	if _, err := r.js.PublishMsg(context.Background(), m); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+// start runs the binary; extraEnv adds environment variables.
+func (r *rig) start(extraEnv ...string) *exec.Cmd {
+	r.t.Helper()
+	cmd := exec.Command(r.bin, "--postgres-url", r.db.URL, "--nats-url", r.nats, "--stream", r.stream,
+		"--consumer", "rewards", "--points", "10", "--ack-wait", "2s", "--log-level", "warn")
+	cmd.Env = append(os.Environ(), extraEnv...)
+	logf, err := os.Create(filepath.Join(r.t.TempDir(), "consumer.log"))
+	testenv.Must(r.t, err, "log file")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	testenv.Must(r.t, cmd.Start(), "start reward-consumer")
+	r.t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+		logf.Close()
+		if r.t.Failed() {
+			b, _ := os.ReadFile(logf.Name())
+			r.t.Logf("reward-consumer log:\n%s", b)
+		}
+	})
+	return cmd
+}
+
+func (r *rig) queryInt(sql string, args ...any) int64 {
+	r.t.Helper()
+	var n int64
+	testenv.Must(r.t, r.db.Pool.QueryRow(context.Background(), sql, args...).Scan(&n), "%s", sql)
+	return n
+}
+
+func (r *rig) waitSettled() {
+	r.t.Helper()
+	ok := testenv.WaitFor(30*time.Second, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		c, err := r.js.Consumer(ctx, r.stream, "rewards")
+		if err != nil {
+			return false
+		}
+		info, err := c.Info(ctx)
+		return err == nil && info.NumPending == 0 && info.NumAckPending == 0
+	})
+	if !ok {
+		r.t.Fatal("consumer did not settle")
+	}
+}
+
+// Acceptance 1: the same event delivered three times, and redelivered after
+// the process is killed between commit and ack, credits points once.
+func TestCrashBetweenCommitAndAckCreditsOnce(t *testing.T) {
+	if testing.Short() {
+		t.Skip("fault test")
+	}
+	t.Parallel()
+	r := newRig(t)
+	r.publish(eventID, registration, 2, eventID)
+
+	marker := filepath.Join(t.TempDir(), "committed")
+	crashing := r.start("REWARD_CONSUMER_TEST_CRASH_AFTER_COMMIT=" + marker)
+	if !testenv.WaitFor(30*time.Second, func() bool { _, err := os.Stat(marker); return err == nil }) {
+		t.Fatal("the consumer never committed")
+	}
+	if p := r.queryInt(`SELECT points FROM reward_account WHERE player_id = $1`, player); p != 10 {
+		t.Fatalf("after the commit: %d points, want 10", p)
+	}
+	// The transaction committed; the ack was never sent.
+	testenv.Must(t, crashing.Process.Signal(syscall.SIGKILL), "kill -9")
+	_ = crashing.Wait()
+
+	// Two more deliveries of the same event (a relay republishing it).
+	r.publish(eventID, registration, 2, eventID+"/copy-1")
+	r.publish(eventID, registration, 2, eventID+"/copy-2")
+	// And one whose registration has no player: a permanent failure.
+	r.publish("0190a6e5-0000-7000-8000-000000000002", unmapped, 2, "other")
+
+	restarted := r.start()
+	r.waitSettled()
+	if p := r.queryInt(`SELECT points FROM reward_account WHERE player_id = $1`, player); p != 10 {
+		t.Fatalf("%d points after a crash and 3 deliveries, want 10", p)
+	}
+	if n := r.queryInt(`SELECT count(*) FROM consumed_message WHERE event_id = $1`, eventID); n != 2 {
+		t.Fatalf("%d dedup rows, want 2 (the library's and the ledger's)", n)
+	}
+	var reason string
+	testenv.Must(t, r.db.Pool.QueryRow(context.Background(), `SELECT reason FROM consumer_dead_letter
+		WHERE consumer = 'rewards' AND failure_class = 'permanent' AND aggregate_id = $1`, unmapped).Scan(&reason), "dead letter")
+	if !strings.Contains(reason, "has no player in reward_registration") {
+		t.Fatalf("dead letter reason %q", reason)
+	}
+
+	testenv.Must(t, restarted.Process.Signal(syscall.SIGTERM), "SIGTERM")
+	if err := restarted.Wait(); err != nil {
+		t.Fatalf("reward-consumer exited with %v after SIGTERM, want 0", err)
+	}
+}
+
+func TestParseConfirmed(t *testing.T) {
+	msg := func(payload string, agg string, version int64) *consumer.Message {
+		m := &consumer.Message{}
+		m.Payload, m.AggregateID, m.AggregateVersion = []byte(payload), agg, version
+		return m
+	}
+	ok := fmt.Sprintf(`{"registrationId": %q, "version": 3}`, registration)
+	for _, tc := range []struct {
+		name string
+		m    *consumer.Message
+		err  string
+	}{
+		{"valid", msg(ok, registration, 3), ""},
+		{"upper-case aggregate id", msg(ok, strings.ToUpper(registration), 3), ""},
+		{"not json", msg(`{`, registration, 3), "payload is not"},
+		{"no id", msg(`{"version": 3}`, registration, 3), "lacks registrationId"},
+		{"no version", msg(fmt.Sprintf(`{"registrationId": %q}`, registration), registration, 3), "lacks version"},
+		{"bad uuid", msg(`{"registrationId": "x", "version": 3}`, "x", 3), "not a UUID"},
+		{"other aggregate", msg(ok, unmapped, 3), "does not match the event's aggregate id"},
+		{"other version", msg(ok, registration, 4), "does not match the event's aggregate version"},
+	} {
+		_, err := parseConfirmed(tc.m)
+		switch {
+		case tc.err == "" && err != nil:
+			t.Errorf("%s: %v", tc.name, err)
+		case tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)):
+			t.Errorf("%s: err %v, want %q", tc.name, err, tc.err)
+		}
+	}
+}
