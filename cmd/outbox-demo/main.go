@@ -40,13 +40,20 @@ func main() {
 		os.Exit(2)
 	}
 
-	// Catch SIGINT/SIGTERM from the start, so that an interrupt at any
-	// moment still runs the cleanup: PostgreSQL runs in its own session
-	// (pg_ctl calls setsid) and would outlive the demo otherwise.
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	// Catch the signals that end the demo from the start, so that the
+	// cleanup runs whenever one arrives: PostgreSQL runs in its own session
+	// (pg_ctl calls setsid) and would outlive the demo otherwise. SIGHUP is
+	// a closed terminal.
+	sigCtx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	defer stop()
+	// A closed stdout (`make demo | head`) would kill the process with
+	// SIGPIPE on the next write, skipping the cleanup: ignore the signal,
+	// and let the printer end the demo when a write fails instead.
+	signal.Ignore(syscall.SIGPIPE)
+	ctx, cancel := context.WithCancel(sigCtx)
+	defer cancel()
 
-	out := newPrinter(os.Stdout)
+	out := newPrinter(os.Stdout, cancel)
 	err := newDemo(out, opts).run(ctx)
 	switch {
 	case err == nil:
@@ -54,6 +61,7 @@ func main() {
 	case ctx.Err() != nil:
 		out.step("interrupted: servers stopped and temporary files removed")
 		stop()
+		cancel()
 		os.Exit(130)
 	default:
 		fmt.Fprintln(os.Stderr, "outbox-demo:", err)
@@ -61,6 +69,7 @@ func main() {
 			fmt.Fprintln(os.Stderr, "outbox-demo: the relay did not deliver every event; run with -v to see its log")
 		}
 		stop()
+		cancel()
 		os.Exit(1)
 	}
 }

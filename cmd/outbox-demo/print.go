@@ -10,11 +10,12 @@ import (
 // printer writes the demo's output for people. The stream watcher and the
 // main flow print concurrently; the mutex keeps each block in one piece.
 type printer struct {
-	mu sync.Mutex
-	w  io.Writer
+	mu       sync.Mutex
+	w        io.Writer
+	onBroken func() // called when a write fails: nobody reads the output
 }
 
-func newPrinter(w io.Writer) *printer { return &printer{w: w} }
+func newPrinter(w io.Writer, onBroken func()) *printer { return &printer{w: w, onBroken: onBroken} }
 
 // step starts a new section of the demo.
 func (p *printer) step(format string, args ...any) {
@@ -38,7 +39,9 @@ func (p *printer) block(head string, body []string) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	_, _ = io.WriteString(p.w, b.String())
+	if _, err := io.WriteString(p.w, b.String()); err != nil {
+		p.onBroken()
+	}
 }
 
 // short abbreviates a UUID for prose; full ids appear in the event blocks.
