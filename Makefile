@@ -36,6 +36,15 @@ test-short: vet
 demo: postgres
 	$(GO) run ./cmd/outbox-demo
 
+# bench measures the relay against this machine's ceilings (PostgreSQL
+# decoding, JetStream storing) in one run and writes bench/results/*.json;
+# BENCH_FLAGS=--large adds the 2M-event backlog and the 1M-row transaction.
+BENCH_FLAGS ?=
+bench: postgres
+	$(GO) build -o bin/outbox-relay ./cmd/outbox-relay
+	$(GO) build -o bin/outbox-bench ./cmd/outbox-bench
+	bin/outbox-bench --relay-bin bin/outbox-relay $(BENCH_FLAGS)
+
 fuzz:
 	$(GO) test -run XXX -fuzz FuzzDecode -fuzztime 30s ./replication/internal/pgoutput/
 	$(GO) test -run XXX -fuzz FuzzEscapeToken -fuzztime 30s ./router/

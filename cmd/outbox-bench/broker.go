@@ -1,0 +1,175 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// brokerResult is the broker ceiling: what JetStream stores on this machine
+// without PostgreSQL or the relay in the way.
+type brokerResult struct {
+	Messages    int     `json:"messages"`
+	Window      int     `json:"window"`
+	AvgBytes    float64 `json:"avg_message_bytes"` // payload + encoded headers
+	Seconds     float64 `json:"seconds"`
+	Rate        float64 `json:"msgs_per_sec"`
+	Errors      int64   `json:"errors"`
+	BenchCores  float64 `json:"client_and_server_cores"` // this process: client + embedded server
+	SyncCount   int     `json:"sync_messages"`
+	SyncP50ms   float64 `json:"sync_p50_ms"`
+	SyncP99ms   float64 `json:"sync_p99_ms"`
+	SyncRate    float64 `json:"sync_msgs_per_sec"`
+	MachineCore float64 `json:"machine_cores"`
+}
+
+// outboxRelation is the relation pgoutput sends for sql/outbox.sql.
+var outboxRelation = &replication.Relation{ID: 1, Namespace: "public", Name: "outbox", Columns: []replication.Column{
+	{Name: "event_id"}, {Name: "aggregate_type"}, {Name: "aggregate_id"}, {Name: "aggregate_version"},
+	{Name: "event_type"}, {Name: "payload"}, {Name: "occurred_at"}, {Name: "publish_state"},
+}}
+
+// benchPayload is the JSON text PostgreSQL stores for bench_load's row g
+// (jsonb orders keys by length, then bytes).
+func benchPayload(g int64, aggs, pad int) string {
+	return fmt.Sprintf(`{"seq": %d, "note": "%s", "customer": "customer-%d", "amount_cents": %d}`,
+		g, padding(pad), g%int64(aggs), (g*7919)%100000)
+}
+
+var padCache string
+
+func padding(n int) string {
+	if len(padCache) != n {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = 'x'
+		}
+		padCache = string(b)
+	}
+	return padCache
+}
+
+// routedMessages builds n messages exactly as the relay would publish bench
+// rows: the router renders subject, headers and payload from a decoded row.
+func routedMessages(subjectPrefix string, first int64, n, aggs, pad int) ([]*nats.Msg, float64, error) {
+	rt, err := router.New(router.Config{
+		Tables:            []router.TableConfig{{Table: "public.outbox", Subject: subjectPrefix + ".{aggregate_type}.{aggregate_id}"}},
+		DeadLetterSubject: subjectPrefix + "_dlq",
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	commit := router.CommitInfo{LSN: 0x16B3748, Time: time.Now()}
+	msgs := make([]*nats.Msg, n)
+	var total int
+	for i := range n {
+		g := first + int64(i)
+		vals := []string{uuid.NewString(), "order", fmt.Sprintf("agg-%d", g%int64(aggs)), fmt.Sprint(g/int64(aggs) + 1),
+			"OrderPlaced", benchPayload(g, aggs, pad), "2026-01-02 03:04:05.123456+00", "PENDING"}
+		ins := &replication.Insert{Relation: outboxRelation, LSN: replication.LSN(0x16B3748 + g*512)}
+		for _, v := range vals {
+			ins.Values = append(ins.Values, replication.Value{Kind: replication.ValueText, Data: []byte(v)})
+		}
+		m, err := rt.Route(ins, commit)
+		if err != nil {
+			return nil, 0, err
+		}
+		msgs[i] = &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		total += len(m.Data) + headerBytes(m.Header)
+	}
+	return msgs, float64(total) / float64(n), nil
+}
+
+// headerBytes is the encoded size of a NATS header block.
+func headerBytes(h nats.Header) int {
+	n := len("NATS/1.0\r\n\r\n")
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + 2 + len(v) + 2
+		}
+	}
+	return n
+}
+
+// brokerCeiling publishes n routed messages to a fresh file-storage stream
+// with async publish and at most window unacknowledged, waiting for every
+// ack; then syncN synchronous publishes for the round-trip floor.
+func brokerCeiling(ctx context.Context, env *benchEnv, n, window, syncN, aggs, pad int) (brokerResult, error) {
+	stream, prefix := streamNames("broker")
+	spec := publisher.StreamSpec{Name: stream, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}
+	if _, err := publisher.EnsureStream(ctx, env.js, spec, true); err != nil {
+		return brokerResult{}, err
+	}
+	defer func() { _ = env.js.DeleteStream(context.Background(), stream) }()
+	msgs, avg, err := routedMessages(prefix, 0, n+syncN, aggs, pad)
+	if err != nil {
+		return brokerResult{}, err
+	}
+	var errs atomic.Int64
+	js, err := jetstream.New(env.nc,
+		jetstream.WithPublishAsyncMaxPending(window),
+		jetstream.WithPublishAsyncErrHandler(func(jetstream.JetStream, *nats.Msg, error) { errs.Add(1) }))
+	if err != nil {
+		return brokerResult{}, err
+	}
+	res := brokerResult{Messages: n, Window: window, AvgBytes: avg, SyncCount: syncN}
+	m0, c0 := readMachineCPU(), selfCPU()
+	start := time.Now()
+	for _, m := range msgs[:n] {
+		if _, err := js.PublishMsgAsync(m); err != nil {
+			return res, fmt.Errorf("publish async: %w", err)
+		}
+	}
+	select {
+	case <-js.PublishAsyncComplete():
+	case <-time.After(5 * time.Minute):
+		return res, fmt.Errorf("broker ceiling: acks missing after 5 minutes")
+	case <-ctx.Done():
+		return res, ctx.Err()
+	}
+	el := time.Since(start)
+	res.Seconds = el.Seconds()
+	res.Rate = float64(n) / el.Seconds()
+	res.Errors = errs.Load()
+	res.BenchCores = (selfCPU() - c0).Seconds() / el.Seconds()
+	res.MachineCore = busyCores(m0, readMachineCPU())
+
+	lat := make([]time.Duration, 0, syncN)
+	start = time.Now()
+	for _, m := range msgs[n:] {
+		t := time.Now()
+		if _, err := env.js.PublishMsg(ctx, m); err != nil {
+			return res, fmt.Errorf("publish sync: %w", err)
+		}
+		lat = append(lat, time.Since(t))
+	}
+	if syncN > 0 {
+		res.SyncRate = float64(syncN) / time.Since(start).Seconds()
+		slices.Sort(lat)
+		res.SyncP50ms = ms(percentile(lat, 0.50))
+		res.SyncP99ms = ms(percentile(lat, 0.99))
+	}
+	return res, nil
+}
+
+// percentile returns the nearest-rank q-quantile of sorted.
+func percentile(sorted []time.Duration, q float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	return sorted[max(0, min(i, len(sorted)-1))]
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

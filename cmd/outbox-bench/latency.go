@@ -1,0 +1,243 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+)
+
+// quantiles are latency percentiles in milliseconds.
+type quantiles struct {
+	P50  float64 `json:"p50_ms"`
+	P99  float64 `json:"p99_ms"`
+	P999 float64 `json:"p999_ms"`
+	Max  float64 `json:"max_ms"`
+	N    int     `json:"samples"`
+}
+
+func quantilesOf(d []time.Duration) quantiles {
+	slices.Sort(d)
+	q := quantiles{N: len(d), P50: ms(percentile(d, 0.50)), P99: ms(percentile(d, 0.99)), P999: ms(percentile(d, 0.999))}
+	if len(d) > 0 {
+		q.Max = ms(d[len(d)-1])
+	}
+	return q
+}
+
+// latencyResult is one steady offered load.
+type latencyResult struct {
+	Offered  int     `json:"offered_per_sec"`
+	Achieved float64 `json:"achieved_per_sec"`
+	Events   int     `json:"events"`
+	Writers  int     `json:"writers"`
+	// CommitToAck runs from the transaction's commit timestamp (pgoutput's
+	// Begin/Commit, carried in the Outbox-Commit-Time header) to the time
+	// JetStream stored the message (its stream timestamp; the ack leaves
+	// right after). Both clocks are this machine's.
+	CommitToAck quantiles `json:"commit_to_ack"`
+	// InsertToDelivery runs from the writer's clock just before it sent
+	// the INSERT (in the payload) to the consumer's receipt.
+	InsertToDelivery quantiles `json:"insert_to_delivery"`
+	// WriterLate is how far behind schedule the writers sent (load
+	// generator health: large values mean the offered load was not met).
+	WriterLate   quantiles `json:"writer_late"`
+	RelayCores   float64   `json:"relay_cores"`
+	CPUPer100k   float64   `json:"relay_cpu_s_per_100k"`
+	PeakRSSMB    float64   `json:"relay_peak_rss_mb"`
+	MachineCores float64   `json:"machine_cores"`
+}
+
+// latencyRun offers rate events/s in 1-row transactions from a writer pool
+// for warmup+dur, with the relay streaming and a JetStream consumer reading.
+// Samples from the warm-up are dropped.
+func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup, dur time.Duration) (latencyResult, error) {
+	res := latencyResult{Offered: rate}
+	slot := "relay"
+	db, err := env.newDB(ctx, slot)
+	if err != nil {
+		return res, err
+	}
+	defer db.drop()
+	r, err := startRelay(o.relayBin, env, db, slot, o.workDir, o.profileDir != "")
+	if err != nil {
+		return res, err
+	}
+	stopped := false
+	defer func() {
+		if !stopped {
+			_, _ = r.stop(env)
+		}
+	}()
+	// Wait until the relay streams: its stream exists and the slot is active.
+	var stream jetstream.Stream
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if err := r.exited(); err != nil {
+			return res, err
+		}
+		if time.Now().After(deadline) {
+			return res, fmt.Errorf("relay not streaming after 30s; log %s:\n%s", r.logPath, tail(r.logPath, 2000))
+		}
+		if db.walsenderPID(ctx, slot) != 0 {
+			if stream, err = env.js.Stream(ctx, r.stream); err == nil {
+				break
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	total := int(float64(rate) * (warmup + dur).Seconds())
+	t0 := time.Now().Add(50 * time.Millisecond)
+	measureFrom := t0.Add(warmup)
+
+	var (
+		mu         sync.Mutex
+		commitAck  = make([]time.Duration, 0, total)
+		insDeliver = make([]time.Duration, 0, total)
+		received   atomic.Int64
+		consumeErr atomic.Value
+	)
+	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		return res, err
+	}
+	cc, err := cons.Consume(func(m jetstream.Msg) {
+		now := time.Now()
+		var p struct {
+			Ins int64 `json:"ins"`
+		}
+		md, err := m.Metadata()
+		if err == nil {
+			err = json.Unmarshal(m.Data(), &p)
+		}
+		var commit time.Time
+		if err == nil {
+			commit, err = time.Parse(time.RFC3339Nano, m.Headers().Get(contract.CommitTime))
+		}
+		if err != nil {
+			consumeErr.Store(err)
+			return
+		}
+		ins := time.Unix(0, p.Ins)
+		if !ins.Before(measureFrom) {
+			mu.Lock()
+			commitAck = append(commitAck, md.Timestamp.Sub(commit))
+			insDeliver = append(insDeliver, now.Sub(ins))
+			mu.Unlock()
+		}
+		received.Add(1)
+	})
+	if err != nil {
+		return res, err
+	}
+	defer cc.Stop()
+
+	// Writers: event i is due at t0 + i/rate; each writer takes the next
+	// ticket, waits for its time and inserts one row in its own transaction.
+	writers := max(4, min(16, rate/400))
+	res.Writers = writers
+	var ticket atomic.Int64
+	late := make([][]time.Duration, writers)
+	errs := make(chan error, writers)
+	cpu0, _ := procCPU(r.pid())
+	m0 := readMachineCPU()
+	period := time.Second / time.Duration(rate)
+	for w := range writers {
+		go func() {
+			conn, err := db.pool.Acquire(ctx)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer conn.Release()
+			for {
+				i := ticket.Add(1) - 1
+				if i >= int64(total) {
+					errs <- nil
+					return
+				}
+				due := t0.Add(time.Duration(i) * period)
+				if d := time.Until(due); d > 0 {
+					time.Sleep(d)
+				}
+				now := time.Now()
+				late[w] = append(late[w], now.Sub(due))
+				payload := fmt.Sprintf(`{"ins": %d, "seq": %d, "note": "%s", "customer": "customer-%d"}`, now.UnixNano(), i, padding(180), i%1000)
+				_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'order', $2, $3, 'OrderPlaced', $4)`,
+					uuid.NewString(), fmt.Sprintf("agg-%d", i%1000), i/1000+1, payload)
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	profErr := make(chan error, 1)
+	if o.profileDir != "" {
+		go func() {
+			// Profile the sampled part of the run.
+			select {
+			case <-time.After(time.Until(measureFrom)):
+			case <-ctx.Done():
+			}
+			profErr <- r.profile(ctx, max(1, int(dur.Seconds())), filepath.Join(o.profileDir, fmt.Sprintf("relay-latency-%d.pprof", rate)))
+		}()
+	} else {
+		profErr <- nil
+	}
+	for range writers {
+		if err := <-errs; err != nil {
+			return res, fmt.Errorf("writer: %w", err)
+		}
+	}
+	res.Achieved = float64(total) / time.Since(t0).Seconds()
+	deadline = time.Now().Add(60 * time.Second)
+	for received.Load() < int64(total) {
+		if e := consumeErr.Load(); e != nil {
+			return res, fmt.Errorf("consumer: %v", e)
+		}
+		if err := r.exited(); err != nil {
+			return res, err
+		}
+		if time.Now().After(deadline) {
+			return res, fmt.Errorf("consumer got %d of %d events within 60s", received.Load(), total)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := <-profErr; err != nil {
+		return res, fmt.Errorf("profile: %w", err)
+	}
+	el := time.Since(t0)
+	cpu1, _ := procCPU(r.pid())
+	res.MachineCores = busyCores(m0, readMachineCPU())
+	res.Events = total
+	res.RelayCores = (cpu1 - cpu0).Seconds() / el.Seconds()
+	res.CPUPer100k = (cpu1 - cpu0).Seconds() / float64(total) * 100000
+	cc.Stop()
+	stopped = true
+	rss, err := r.stop(env)
+	if err != nil {
+		return res, err
+	}
+	res.PeakRSSMB = float64(rss) / (1 << 20)
+	mu.Lock()
+	res.CommitToAck = quantilesOf(commitAck)
+	res.InsertToDelivery = quantilesOf(insDeliver)
+	mu.Unlock()
+	var all []time.Duration
+	for _, l := range late {
+		all = append(all, l...)
+	}
+	res.WriterLate = quantilesOf(all)
+	return res, nil
+}

@@ -1,0 +1,400 @@
+// Command outbox-bench measures outbox-relay against the physical ceilings
+// of the machine it runs on, in one run: what PostgreSQL can decode (a bare
+// pglogrepl reader and pg_recvlogical), what JetStream can store (async
+// publish with a bounded window, and the synchronous round trip), and what
+// the relay achieves between them (drain of a pre-loaded backlog, latency
+// at steady offered loads, CPU and peak RSS). Every relay figure is printed
+// next to the ceilings and as a ratio to them: the machine is shared and
+// noisy, absolute numbers drift, ratios hold.
+//
+// It starts the test harness's private PostgreSQL cluster and embedded
+// JetStream server (or uses --postgres-url / --nats-url), runs the real
+// outbox-relay binary as a child process (built by `make bench`, or named
+// by --relay-bin), prints a table and writes JSON to bench/results.
+//
+//	go build -o bin/outbox-relay ./cmd/outbox-relay
+//	go run ./cmd/outbox-bench --relay-bin bin/outbox-relay [--large]
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+type options struct {
+	pgURL, natsURL string
+	relayBin       string
+	out            string
+	events         int64
+	aggs           int
+	pad            int
+	window         int
+	syncN          int
+	rates          []int
+	warmup, dur    time.Duration
+	large          bool
+	largeBacklog   int64
+	largeTx        int64
+	profileDir     string
+	phases         map[string]bool
+	drainTimeout   time.Duration
+	quietWait      time.Duration
+	workDir        string
+}
+
+func main() {
+	if len(os.Args) > 1 && os.Args[1] == readerCommand {
+		if err := runReader(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "decode reader:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	o, err := parseFlags(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, o); err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+		os.Exit(1)
+	}
+}
+
+func parseFlags(args []string) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
+	fs.StringVar(&o.pgURL, "postgres-url", "", "superuser URL of an external PostgreSQL (wal_level=logical); default: a private cluster")
+	fs.StringVar(&o.natsURL, "nats-url", "", "URL of an external JetStream server; default: an embedded one")
+	fs.StringVar(&o.relayBin, "relay-bin", "bin/outbox-relay", "the outbox-relay binary to measure (go build -o bin/outbox-relay ./cmd/outbox-relay)")
+	fs.StringVar(&o.out, "out", "bench/results", "directory for the JSON results (empty: JSON to stdout)")
+	fs.Int64Var(&o.events, "events", 200000, "events per drain backlog")
+	fs.IntVar(&o.aggs, "aggregates", 1000, "aggregates the events are spread over")
+	fs.IntVar(&o.pad, "pad", 176, "filler bytes in each payload (176 makes ~256 B JSON)")
+	fs.IntVar(&o.window, "window", 4096, "broker ceiling: async publishes in flight (the relay's default max_in_flight)")
+	fs.IntVar(&o.syncN, "sync", 5000, "broker ceiling: synchronous publishes for the round trip")
+	rates := fs.String("rates", "1000,2000,5000", "latency: offered loads in events/s")
+	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "latency: warm-up per load, not sampled")
+	fs.DurationVar(&o.dur, "duration", 10*time.Second, "latency: sampled time per load")
+	fs.BoolVar(&o.large, "large", false, "also measure peak RSS for a large backlog and one huge transaction")
+	fs.Int64Var(&o.largeBacklog, "large-backlog", 2000000, "--large: events of the large backlog (100 rows/tx)")
+	fs.Int64Var(&o.largeTx, "large-tx", 1000000, "--large: rows of the huge transaction")
+	fs.StringVar(&o.profileDir, "profile-dir", "", "write CPU profiles of the decode reader and the relay drains here")
+	phases := fs.String("phases", "broker,drain,latency", "phases to run: broker, drain, latency (and large, implied by --large)")
+	fs.DurationVar(&o.drainTimeout, "drain-timeout", 5*time.Minute, "give up on a relay drain after this long")
+	fs.DurationVar(&o.quietWait, "quiet-wait", 0, "wait up to this long for other processes to leave the CPUs idle (< 0.25 busy cores) before measuring")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	o.phases = map[string]bool{}
+	for _, p := range strings.Split(*phases, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			o.phases[p] = true
+		}
+	}
+	if o.large {
+		o.phases["large"] = true
+	}
+	for _, s := range strings.Split(*rates, ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			continue
+		}
+		r, err := strconv.Atoi(s)
+		if err != nil || r <= 0 {
+			return nil, fmt.Errorf("--rates: %q is not a positive integer", s)
+		}
+		o.rates = append(o.rates, r)
+	}
+	if _, err := os.Stat(o.relayBin); err != nil {
+		return nil, fmt.Errorf("--relay-bin %s: %w (build it: go build -o bin/outbox-relay ./cmd/outbox-relay)", o.relayBin, err)
+	}
+	abs, err := filepath.Abs(o.relayBin)
+	if err != nil {
+		return nil, err
+	}
+	o.relayBin = abs
+	if o.profileDir != "" {
+		if err := os.MkdirAll(o.profileDir, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	return o, nil
+}
+
+// results is the JSON document of one run.
+type results struct {
+	Date       string            `json:"date"`
+	Machine    machineInfo       `json:"machine"`
+	PostgreSQL string            `json:"postgresql"`
+	PGSettings map[string]string `json:"postgresql_settings"`
+	NATS       string            `json:"nats_server"`
+	Commit     string            `json:"commit,omitempty"`
+	Args       []string          `json:"args"`
+	Events     int64             `json:"events"`
+	Aggregates int               `json:"aggregates"`
+	Broker     *brokerResult     `json:"broker_ceiling,omitempty"`
+	Backlogs   []backlogResult   `json:"drain,omitempty"`
+	Latency    []latencyResult   `json:"latency,omitempty"`
+	Large      []largeResult     `json:"large,omitempty"`
+	Targets    []target          `json:"targets"`
+	// BackgroundCores is the CPU other processes used just before the run
+	// (sampled over 2 s with the servers idle): above ~0.2 the figures are
+	// not trustworthy.
+	BackgroundCores float64 `json:"background_cores"`
+	WallSeconds     float64 `json:"wall_seconds"`
+}
+
+// backlogResult is one backlog shape drained by every reader.
+type backlogResult struct {
+	RowsPerTx    int          `json:"rows_per_tx"`
+	Events       int64        `json:"events"`
+	AvgPayload   float64      `json:"avg_payload_bytes"`
+	LoadSeconds  float64      `json:"load_seconds"`
+	Recvlogical  *drainResult `json:"pg_recvlogical,omitempty"`
+	Decode       drainResult  `json:"decode_ceiling"`
+	Relay        drainResult  `json:"relay"`
+	RatioDecode  float64      `json:"relay_to_decode"`
+	RatioCeiling float64      `json:"relay_to_min_ceiling"`
+	RatioCPU     float64      `json:"relay_cpu_to_reader_cpu"`
+}
+
+// largeResult is a relay drain sized for memory, not speed.
+type largeResult struct {
+	Name        string      `json:"name"`
+	RowsPerTx   int64       `json:"rows_per_tx"`
+	LoadSeconds float64     `json:"load_seconds"`
+	Relay       drainResult `json:"relay"`
+}
+
+// target is one of issue 5's targets, judged on this run.
+type target struct {
+	Name  string  `json:"name"`
+	Value float64 `json:"value"`
+	Limit float64 `json:"limit"`
+	Le    bool    `json:"at_most"` // the value must be ≤ limit (else ≥)
+	OK    bool    `json:"ok"`
+}
+
+func run(ctx context.Context, o *options) error {
+	began := time.Now()
+	work, err := os.MkdirTemp("", "outbox-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+	o.workDir = work
+	logf("starting PostgreSQL and NATS")
+	env, err := startEnv(ctx, o.pgURL, o.natsURL)
+	if err != nil {
+		return err
+	}
+	defer env.close()
+	res := &results{
+		Date: began.UTC().Format(time.RFC3339), Machine: readMachineInfo(),
+		PostgreSQL: env.PGVersion, PGSettings: env.PGSettings, NATS: env.NATSVersion,
+		Commit: gitCommit(), Args: os.Args[1:], Events: o.events, Aggregates: o.aggs,
+	}
+	res.BackgroundCores = waitQuiet(ctx, o.quietWait)
+	if o.phases["broker"] {
+		logf("broker ceiling: %d async publishes (window %d), %d sync", o.events, o.window, o.syncN)
+		b, err := brokerCeiling(ctx, env, int(o.events), o.window, o.syncN, o.aggs, o.pad)
+		if err != nil {
+			return fmt.Errorf("broker ceiling: %w", err)
+		}
+		res.Broker = &b
+	}
+	if o.phases["drain"] {
+		for _, perTx := range []int{1, 100} {
+			b, err := drainBacklog(ctx, o, env, perTx, res.Broker)
+			if err != nil {
+				return fmt.Errorf("drain %d rows/tx: %w", perTx, err)
+			}
+			res.Backlogs = append(res.Backlogs, b)
+		}
+	}
+	if o.phases["latency"] {
+		for _, rate := range o.rates {
+			logf("latency: %d events/s for %s (+%s warm-up)", rate, o.dur, o.warmup)
+			l, err := latencyRun(ctx, o, env, rate, o.warmup, o.dur)
+			if err != nil {
+				return fmt.Errorf("latency at %d/s: %w", rate, err)
+			}
+			res.Latency = append(res.Latency, l)
+		}
+	}
+	if o.phases["large"] {
+		for _, l := range []struct {
+			name          string
+			events, perTx int64
+		}{
+			{fmt.Sprintf("%d-event backlog", o.largeBacklog), o.largeBacklog, 100},
+			{fmt.Sprintf("one %d-row transaction", o.largeTx), o.largeTx, o.largeTx},
+		} {
+			r, err := largeDrain(ctx, o, env, l.name, l.events, l.perTx)
+			if err != nil {
+				return fmt.Errorf("%s: %w", l.name, err)
+			}
+			res.Large = append(res.Large, r)
+		}
+	}
+	res.Targets = judge(res)
+	res.WallSeconds = time.Since(began).Seconds()
+	printTable(os.Stdout, res)
+	return writeJSON(o.out, res)
+}
+
+// drainBacklog loads one backlog into three slots and drains it with
+// pg_recvlogical, the bare reader and the relay, in that order.
+func drainBacklog(ctx context.Context, o *options, env *benchEnv, perTx int, broker *brokerResult) (backlogResult, error) {
+	b := backlogResult{RowsPerTx: perTx, Events: o.events}
+	db, err := env.newDB(ctx, "relay", "reader", "recvlogical")
+	if err != nil {
+		return b, err
+	}
+	defer db.drop()
+	logf("drain %d rows/tx: loading %d events", perTx, o.events)
+	el, err := db.load(ctx, 0, o.events, perTx, 2, o.aggs, o.pad)
+	if err != nil {
+		return b, fmt.Errorf("load: %w", err)
+	}
+	b.LoadSeconds = el.Seconds()
+	if b.AvgPayload, err = db.avgPayload(ctx); err != nil {
+		return b, err
+	}
+	var endpos string
+	if err := db.pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&endpos); err != nil {
+		return b, err
+	}
+	logf("drain %d rows/tx: pg_recvlogical", perTx)
+	if b.Recvlogical, err = recvlogical(ctx, db, "recvlogical", o.events, endpos); err != nil {
+		return b, err
+	}
+	logf("drain %d rows/tx: bare pglogrepl reader", perTx)
+	prof := func(name string) string {
+		if o.profileDir == "" {
+			return ""
+		}
+		return filepath.Join(o.profileDir, fmt.Sprintf("%s-%drow.pprof", name, perTx))
+	}
+	if b.Decode, err = decodeCeiling(ctx, db, "reader", o.events, prof("reader")); err != nil {
+		return b, err
+	}
+	logf("drain %d rows/tx: relay", perTx)
+	profName, profSecs := "", 0
+	if o.profileDir != "" {
+		profName = fmt.Sprintf("relay-%drow.pprof", perTx)
+		profSecs = int(0.8 * b.Decode.Seconds)
+	}
+	if b.Relay, err = drainRelay(ctx, o, env, db, "relay", o.events, profName, profSecs); err != nil {
+		return b, err
+	}
+	b.RatioDecode = ratio(b.Relay.Rate, b.Decode.Rate)
+	ceiling := b.Decode.Rate
+	if broker != nil && broker.Rate < ceiling {
+		ceiling = broker.Rate
+	}
+	b.RatioCeiling = ratio(b.Relay.Rate, ceiling)
+	b.RatioCPU = ratio(b.Relay.CPUPer100k, b.Decode.CPUPer100k)
+	return b, nil
+}
+
+func largeDrain(ctx context.Context, o *options, env *benchEnv, name string, events, perTx int64) (largeResult, error) {
+	r := largeResult{Name: name, RowsPerTx: perTx}
+	db, err := env.newDB(ctx, "relay")
+	if err != nil {
+		return r, err
+	}
+	defer db.drop()
+	logf("large: loading %s", name)
+	workers := 2
+	if perTx >= events {
+		workers = 1
+	}
+	el, err := db.load(ctx, 0, events, int(perTx), workers, o.aggs, o.pad)
+	if err != nil {
+		return r, fmt.Errorf("load: %w", err)
+	}
+	r.LoadSeconds = el.Seconds()
+	logf("large: relay drains %s", name)
+	if r.Relay, err = drainRelay(ctx, o, env, db, "relay", events, "", 0); err != nil {
+		return r, err
+	}
+	return r, nil
+}
+
+// waitQuiet samples how busy the machine is while the bench is idle, for up
+// to patience until it is quiet, and returns the last sample.
+func waitQuiet(ctx context.Context, patience time.Duration) float64 {
+	deadline := time.Now().Add(patience)
+	for {
+		m0 := readMachineCPU()
+		select {
+		case <-ctx.Done():
+			return 0
+		case <-time.After(2 * time.Second):
+		}
+		busy := busyCores(m0, readMachineCPU())
+		if busy < 0.25 || time.Now().After(deadline) {
+			if busy >= 0.25 {
+				logf("WARNING: other processes keep %.2f cores busy: figures will be low and noisy", busy)
+			}
+			return busy
+		}
+		logf("waiting for a quiet machine: %.2f cores busy", busy)
+	}
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return a / b
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "%s  %s\n", time.Now().Format("15:04:05"), fmt.Sprintf(format, args...))
+}
+
+func gitCommit() string {
+	out, err := exec.Command("git", "rev-parse", "--short", "HEAD").Output()
+	if err != nil {
+		return ""
+	}
+	s := strings.TrimSpace(string(out))
+	if d, err := exec.Command("git", "status", "--porcelain", "--untracked-files=no").Output(); err == nil && len(d) > 0 {
+		s += "+dirty"
+	}
+	return s
+}
+
+func writeJSON(dir string, res *results) error {
+	b, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		return err
+	}
+	if dir == "" {
+		_, err = os.Stdout.Write(append(b, '\n'))
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	path := filepath.Join(dir, time.Now().UTC().Format("2006-01-02T150405Z")+".json")
+	if err := os.WriteFile(path, append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	logf("results written to %s", path)
+	return nil
+}

@@ -1,0 +1,125 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+)
+
+// judge evaluates issue 5's targets on this run's figures.
+func judge(r *results) []target {
+	var ts []target
+	add := func(name string, v, limit float64, le bool) {
+		ok := v >= limit
+		if le {
+			ok = v <= limit
+		}
+		ts = append(ts, target{Name: name, Value: v, Limit: limit, Le: le, OK: ok})
+	}
+	for _, b := range r.Backlogs {
+		switch b.RowsPerTx {
+		case 1:
+			add("drain 1 row/tx ÷ decode ceiling", b.RatioDecode, 0.85, false)
+		case 100:
+			add("drain 100 rows/tx ÷ min(decode, broker)", b.RatioCeiling, 0.70, false)
+		}
+		add(fmt.Sprintf("relay CPU/event ÷ reader CPU/event (%d rows/tx)", b.RowsPerTx), b.RatioCPU, 1.5, true)
+	}
+	for _, l := range r.Latency {
+		if l.Offered == 2000 {
+			add("commit→ack p50 at 2,000/s (ms)", l.CommitToAck.P50, 1, true)
+			add("commit→ack p99 at 2,000/s (ms)", l.CommitToAck.P99, 3, true)
+		}
+	}
+	for _, l := range r.Large {
+		add("peak RSS, "+l.Name+" (MB)", l.Relay.PeakRSSMB, 64, true)
+	}
+	return ts
+}
+
+func printTable(w io.Writer, r *results) {
+	fmt.Fprintf(w, "\noutbox-bench %s  commit %s\n", r.Date, r.Commit)
+	fmt.Fprintf(w, "machine: %s, %d × %s, %d MB; PostgreSQL %s (synchronous_commit=%s, fsync=%s); nats-server %s; %s\n",
+		r.Machine.Hostname, r.Machine.CPUs, r.Machine.CPUModel, r.Machine.MemoryMB, r.PostgreSQL,
+		r.PGSettings["synchronous_commit"], r.PGSettings["fsync"], r.NATS, r.Machine.GoVer)
+	fmt.Fprintf(w, "background load before the run: %.2f cores busy\n", r.BackgroundCores)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	row := func(cells ...string) { fmt.Fprintln(tw, strings.Join(cells, "\t")+"\t") }
+
+	if b := r.Broker; b != nil {
+		fmt.Fprintf(w, "\nBroker ceiling (file storage, %.0f B messages incl. headers, unique Nats-Msg-Id)\n", b.AvgBytes)
+		row("", "msgs/s", "seconds", "client+server cores", "machine cores", "errors")
+		row(fmt.Sprintf("async, window %d", b.Window), num(b.Rate), f2(b.Seconds), f2(b.BenchCores), f2(b.MachineCore), fmt.Sprint(b.Errors))
+		row("sync round trip", num(b.SyncRate), fmt.Sprintf("p50 %.3f ms", b.SyncP50ms), fmt.Sprintf("p99 %.3f ms", b.SyncP99ms), "", "")
+		tw.Flush()
+	}
+	for _, b := range r.Backlogs {
+		fmt.Fprintf(w, "\nDrain: %s events, %d rows/tx, %d aggregates, %.0f B payloads (loaded in %.1f s)\n", num(float64(b.Events)), b.RowsPerTx, r.Aggregates, b.AvgPayload, b.LoadSeconds)
+		row("", "events/s", "seconds", "CPU s/100k", "peak RSS MB", "walsender cores", "machine cores")
+		if d := b.Recvlogical; d != nil {
+			row("pg_recvlogical (wall)", num(d.Rate), f2(d.Seconds), f3(d.CPUPer100k), f1(d.PeakRSSMB), f2(d.WalsenderCPU), f2(d.MachineCores))
+		}
+		d := b.Decode
+		row("decode ceiling (pglogrepl)", num(d.Rate), f2(d.Seconds), f3(d.CPUPer100k), f1(d.PeakRSSMB), f2(d.WalsenderCPU), f2(d.MachineCores))
+		if r.Broker != nil {
+			row("broker ceiling", num(r.Broker.Rate), "", "", "", "", "")
+		}
+		d = b.Relay
+		row("relay", num(d.Rate), f2(d.Seconds), f3(d.CPUPer100k), f1(d.PeakRSSMB), f2(d.WalsenderCPU), f2(d.MachineCores))
+		row("relay ÷ decode", f2(b.RatioDecode), "", f2(b.RatioCPU), "", "", "")
+		row("relay ÷ min(decode, broker)", f2(b.RatioCeiling), "", "", "", "", "")
+		tw.Flush()
+	}
+	if len(r.Latency) > 0 {
+		fmt.Fprintf(w, "\nLatency, 1-row transactions from a writer pool (ms). commit→ack: pgoutput commit timestamp to JetStream store time;\ninsert→delivery: writer clock before INSERT to consumer receipt")
+		if r.Broker != nil {
+			fmt.Fprintf(w, " (sync publish round trip: p50 %.3f, p99 %.3f)", r.Broker.SyncP50ms, r.Broker.SyncP99ms)
+		}
+		fmt.Fprintln(w)
+		row("offered/s", "achieved/s", "c→a p50", "p99", "p999", "i→d p50", "p99", "p999", "relay cores", "CPU s/100k", "RSS MB", "machine cores")
+		for _, l := range r.Latency {
+			row(fmt.Sprint(l.Offered), num(l.Achieved),
+				f3(l.CommitToAck.P50), f3(l.CommitToAck.P99), f3(l.CommitToAck.P999),
+				f3(l.InsertToDelivery.P50), f3(l.InsertToDelivery.P99), f3(l.InsertToDelivery.P999),
+				f2(l.RelayCores), f3(l.CPUPer100k), f1(l.PeakRSSMB), f2(l.MachineCores))
+		}
+		tw.Flush()
+	}
+	if len(r.Large) > 0 {
+		fmt.Fprintln(w, "\nMemory")
+		row("", "events/s", "CPU s/100k", "peak RSS MB")
+		for _, l := range r.Large {
+			row(l.Name, num(l.Relay.Rate), f3(l.Relay.CPUPer100k), f1(l.Relay.PeakRSSMB))
+		}
+		tw.Flush()
+	}
+	fmt.Fprintln(w, "\nTargets")
+	for _, t := range r.Targets {
+		op, mark := "≥", "ok"
+		if t.Le {
+			op = "≤"
+		}
+		if !t.OK {
+			mark = "MISSED"
+		}
+		fmt.Fprintf(w, "  %-52s %8.3f  %s %-6g %s\n", t.Name, t.Value, op, t.Limit, mark)
+	}
+	fmt.Fprintf(w, "\nwall time %.0f s\n", r.WallSeconds)
+}
+
+func num(v float64) string {
+	s := fmt.Sprintf("%.0f", v)
+	var b strings.Builder
+	for i, c := range s {
+		if i > 0 && (len(s)-i)%3 == 0 && s[0] != '-' {
+			b.WriteByte(',')
+		}
+		b.WriteRune(c)
+	}
+	return b.String()
+}
+
+func f1(v float64) string { return fmt.Sprintf("%.1f", v) }
+func f2(v float64) string { return fmt.Sprintf("%.2f", v) }
+func f3(v float64) string { return fmt.Sprintf("%.3f", v) }
