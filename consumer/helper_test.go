@@ -232,7 +232,16 @@ func (f *fixture) waitSettled(name string, timeout time.Duration) {
 			return false
 		}
 		last = info
-		return info.NumPending == 0 && info.NumAckPending == 0 && info.NumRedelivered == 0
+		// The ack floor at the stream's last sequence means everything was
+		// delivered and acknowledged (the counters alone can be read before
+		// a just-created consumer has computed them).
+		s, err := f.js.Stream(ctx, f.stream)
+		if err != nil {
+			return false
+		}
+		sinfo, err := s.Info(ctx)
+		return err == nil && info.AckFloor.Stream >= sinfo.State.LastSeq &&
+			info.NumPending == 0 && info.NumAckPending == 0 && info.NumRedelivered == 0
 	})
 	if !ok {
 		f.t.Fatalf("consumer %s not settled within %s: %+v", name, timeout, last)

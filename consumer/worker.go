@@ -121,6 +121,10 @@ func (w *worker) heartbeat() {
 		for _, it := range b.held {
 			_ = it.msg.InProgress()
 		}
+		if now.After(b.until) && w.queued(b.head) {
+			b.until = now.Add(w.c.cfg.AckWait) // redelivered, not yet reached
+			continue
+		}
 		if now.After(b.until) {
 			// The retried message was not redelivered to this process (taken
 			// by another process sharing the durable consumer, or deleted
@@ -130,6 +134,16 @@ func (w *worker) heartbeat() {
 			w.unblock(key, b)
 		}
 	}
+}
+
+// queued reports whether a delivery of the message at seq waits in the queue.
+func (w *worker) queued(seq uint64) bool {
+	for _, it := range w.queue {
+		if it.msg != nil && it.m.StreamSeq == seq {
+			return true
+		}
+	}
+	return false
 }
 
 // release gives the queued and held messages back to the broker on shutdown,
@@ -170,9 +184,9 @@ func (w *worker) handle(ctx context.Context, it *item) {
 	retryDelay, retry := w.settle(ctx, it, res)
 	switch {
 	case retry && b == nil:
-		w.blocked[it.key] = &block{head: seq, until: time.Now().Add(retryDelay + w.c.cfg.AckWait)}
+		w.blocked[it.key] = &block{head: seq, until: time.Now().Add(retryDelay + 2*w.c.cfg.AckWait)}
 	case retry:
-		b.head, b.until = seq, time.Now().Add(retryDelay+w.c.cfg.AckWait)
+		b.head, b.until = seq, time.Now().Add(retryDelay+2*w.c.cfg.AckWait)
 	case b != nil && seq == b.head:
 		w.unblock(it.key, b)
 	}

@@ -120,7 +120,15 @@ func (r *rig) waitSettled() {
 			return false
 		}
 		info, err := c.Info(ctx)
-		return err == nil && info.NumPending == 0 && info.NumAckPending == 0
+		if err != nil {
+			return false
+		}
+		s, err := r.js.Stream(ctx, r.stream)
+		if err != nil {
+			return false
+		}
+		sinfo, err := s.Info(ctx)
+		return err == nil && info.AckFloor.Stream >= sinfo.State.LastSeq && info.NumPending == 0 && info.NumAckPending == 0
 	})
 	if !ok {
 		r.t.Fatal("consumer did not settle")
