@@ -50,6 +50,26 @@ type Config struct {
 	HTTP            HTTP          `yaml:"http"`
 	Log             Log           `yaml:"log"`
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
+	// Metrics configures the gauges polled from PostgreSQL and JetStream.
+	Metrics Metrics `yaml:"metrics"`
+	// Reconcile configures the relay's periodic reconciliation.
+	Reconcile Reconcile `yaml:"reconcile"`
+}
+
+// Metrics configures the polled gauges.
+type Metrics struct {
+	// PollInterval is how often the slot (pg_replication_slots) and the
+	// event and dead-letter streams are polled for their gauges.
+	PollInterval time.Duration `yaml:"poll_interval"`
+}
+
+// Reconcile configures the reconciliation loop inside `run`, which exports
+// its differences as outbox_relay_reconcile_* metrics.
+type Reconcile struct {
+	// Interval between runs; 0 disables the loop.
+	Interval time.Duration `yaml:"interval"`
+	// Window is how far back each run looks (rows' occurred-at time).
+	Window time.Duration `yaml:"window"`
 }
 
 // Message maps one pg_logical_emit_message prefix, like a table.
@@ -140,6 +160,8 @@ func Default() Config {
 		HTTP:            HTTP{Listen: "127.0.0.1:9187"},
 		Log:             Log{Level: "info", Format: "json"},
 		ShutdownTimeout: 5 * time.Second,
+		Metrics:         Metrics{PollInterval: 15 * time.Second},
+		Reconcile:       Reconcile{Window: time.Hour},
 	}
 }
 
@@ -256,6 +278,15 @@ func (c *Config) Validate() error {
 	}
 	if c.ShutdownTimeout < 0 || c.ShutdownTimeout > 5*time.Minute {
 		bad("shutdown_timeout", "%s is out of range: use 0 to 5m", c.ShutdownTimeout)
+	}
+	if c.Metrics.PollInterval < 100*time.Millisecond || c.Metrics.PollInterval > 10*time.Minute {
+		bad("metrics.poll_interval", "%s is out of range: use 100ms to 10m (default 15s, the usual scrape interval)", c.Metrics.PollInterval)
+	}
+	if c.Reconcile.Interval != 0 && (c.Reconcile.Interval < 10*time.Second || c.Reconcile.Interval > 24*time.Hour) {
+		bad("reconcile.interval", "%s is out of range: use 10s to 24h, or 0 to disable the loop (each run reads the window's rows and events)", c.Reconcile.Interval)
+	}
+	if c.Reconcile.Window < time.Second || c.Reconcile.Window > 31*24*time.Hour {
+		bad("reconcile.window", "%s is out of range: use 1s to 744h (default 1h; memory grows with the rows in the window)", c.Reconcile.Window)
 	}
 	realTables := len(c.Router.Tables)
 	if c.Router.Tables != nil || len(c.Messages) > 0 {
