@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // RelayOwnerKey is the key of the relay's dead-letter queue in Deps.Owners.
@@ -240,8 +241,7 @@ func (st *cmdState) showCmd() *cobra.Command {
 
 func (st *cmdState) replayCmd() *cobra.Command {
 	var (
-		f       Filter
-		all     bool
+		sel     selection
 		reason  string
 		noWait  bool
 		timeout time.Duration
@@ -262,13 +262,9 @@ Select records by id, or with --consumer and filters (--class, --older-than) or 
 			if st.relay {
 				return fmt.Errorf("%w: relay dead letters are rows the relay could not route; fix the row or the relay configuration, insert the event into the outbox again, then discard the record", ErrNotSupported)
 			}
-			ids, err := parseIDs(args)
+			f, err := sel.filter(args)
 			if err != nil {
 				return err
-			}
-			f.IDs = ids
-			if len(ids) == 0 && (f.Consumer == "" || (!all && f.Class == "" && f.OlderThan == 0 && f.NewerThan == 0)) {
-				return fmt.Errorf("%w: name record ids, or --consumer with --all or a filter (--class, --older-than, --newer-than)", ErrUsage)
 			}
 			ctx := cmd.Context()
 			s, closeFn, err := st.store(ctx)
@@ -289,11 +285,7 @@ Select records by id, or with --consumer and filters (--class, --older-than) or 
 		},
 	}
 	fl := c.Flags()
-	fl.StringVar(&f.Consumer, "consumer", "", "replay this consumer's dead letters")
-	fl.StringVar(&f.Class, "class", "", "only this failure class")
-	fl.DurationVar(&f.OlderThan, "older-than", 0, "only dead letters older than this age")
-	fl.DurationVar(&f.NewerThan, "newer-than", 0, "only dead letters younger than this age")
-	fl.BoolVar(&all, "all", false, "with --consumer: every open dead letter of the consumer")
+	sel.register(fl, "replay")
 	fl.StringVar(&reason, "reason", "", "why the dead letters can be replayed now (recorded in the audit trail)")
 	fl.BoolVar(&noWait, "no-wait", false, "return after handing the records back, without waiting for the consumer")
 	fl.DurationVar(&timeout, "timeout", 10*time.Minute, "how long to wait for the consumer to replay everything")
@@ -338,8 +330,7 @@ func (st *cmdState) waitReplay(ctx context.Context, out io.Writer, s *Store, t T
 
 func (st *cmdState) discardCmd() *cobra.Command {
 	var (
-		f      Filter
-		all    bool
+		sel    selection
 		reason string
 	)
 	c := &cobra.Command{
@@ -374,13 +365,9 @@ audit entry is stored.`,
 				fmt.Fprintf(cmd.OutOrStdout(), "discarded %d relay dead letter(s) from %s\n", len(seqs), r.Stream())
 				return nil
 			}
-			ids, err := parseIDs(args)
+			f, err := sel.filter(args)
 			if err != nil {
 				return err
-			}
-			f.IDs = ids
-			if len(ids) == 0 && (f.Consumer == "" || (!all && f.Class == "" && f.OlderThan == 0 && f.NewerThan == 0)) {
-				return fmt.Errorf("%w: name record ids, or --consumer with --all or a filter", ErrUsage)
 			}
 			s, closeFn, err := st.store(ctx)
 			if err != nil {
@@ -397,11 +384,7 @@ audit entry is stored.`,
 	}
 	fl := c.Flags()
 	fl.StringVar(&reason, "reason", "", "why the dead letters may be dropped (required)")
-	fl.StringVar(&f.Consumer, "consumer", "", "discard this consumer's dead letters")
-	fl.StringVar(&f.Class, "class", "", "only this failure class")
-	fl.DurationVar(&f.OlderThan, "older-than", 0, "only dead letters older than this age")
-	fl.DurationVar(&f.NewerThan, "newer-than", 0, "only dead letters younger than this age")
-	fl.BoolVar(&all, "all", false, "with --consumer: every open dead letter of the consumer")
+	sel.register(fl, "discard")
 	return c
 }
 
@@ -440,6 +423,37 @@ func (st *cmdState) auditCmd() *cobra.Command {
 	c.Flags().DurationVar(&f.Since, "since", 0, "only entries younger than this age (e.g. 24h)")
 	c.Flags().IntVar(&f.Limit, "limit", 200, "at most the latest this many entries (0: all)")
 	return c
+}
+
+// selection is how replay and discard choose consumer records: by id, or
+// by consumer with --all or filters.
+type selection struct {
+	f   Filter
+	all bool
+}
+
+func (sel *selection) register(fl *pflag.FlagSet, verb string) {
+	fl.StringVar(&sel.f.Consumer, "consumer", "", verb+" this consumer's dead letters")
+	fl.StringVar(&sel.f.Class, "class", "", "only this failure class")
+	fl.DurationVar(&sel.f.OlderThan, "older-than", 0, "only dead letters older than this age")
+	fl.DurationVar(&sel.f.NewerThan, "newer-than", 0, "only dead letters younger than this age")
+	fl.BoolVar(&sel.all, "all", false, "with --consumer: every open dead letter of the consumer")
+}
+
+// filter combines the ids in args with the flags, refusing a selection
+// that names nothing, so that a bare command never acts on everything.
+func (sel *selection) filter(args []string) (Filter, error) {
+	ids, err := parseIDs(args)
+	if err != nil {
+		return Filter{}, err
+	}
+	f := sel.f
+	f.IDs = ids
+	filtered := sel.all || f.Class != "" || f.OlderThan > 0 || f.NewerThan > 0
+	if len(ids) == 0 && (f.Consumer == "" || !filtered) {
+		return Filter{}, fmt.Errorf("%w: name record ids, or --consumer with --all or a filter (--class, --older-than, --newer-than)", ErrUsage)
+	}
+	return f, nil
 }
 
 func parseIDs(args []string) ([]int64, error) {
