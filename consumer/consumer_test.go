@@ -369,3 +369,56 @@ func metricValue(t *testing.T, m prometheus.Metric) float64 {
 	t.Fatalf("metric is neither counter nor gauge")
 	return 0
 }
+
+// TransientAttempts bounds transient retries; InitialVersion makes a new
+// aggregate wait for its first version; EventTypes skips other events
+// without a transaction.
+func TestLimitsAndFilters(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	down := newRecorder("lim")
+	down.fail = func(m *Message, _ int) error {
+		if m.AggregateID == "down" {
+			return Transient(errors.New("partner API unavailable"))
+		}
+		return nil
+	}
+	cfg := f.baseConfig("lim")
+	cfg.TransientAttempts = 2
+	cfg.VersionCheck = true
+	cfg.InitialVersion = 1
+	cfg.GapWait = 300 * time.Millisecond
+	cfg.GapRecheck = 50 * time.Millisecond
+	f.start(cfg, down)
+	f.publish(event{ID: uuidN(1), AggID: "down", Version: 1}, event{ID: uuidN(2), AggID: "late", Version: 2})
+	f.waitSettled("lim", 15*time.Second)
+	var class string
+	var attempts int
+	testenv.Must(t, f.pool.QueryRow(context.Background(), `SELECT failure_class, attempts FROM consumer_dead_letter WHERE event_id = $1`,
+		uuidN(1)).Scan(&class, &attempts), "transient dead letter")
+	if class != "transient" || attempts != 2 || down.callCount(uuidN(1)) != 2 {
+		t.Fatalf("transient: class %q attempts %d calls %d, want transient after 2", class, attempts, down.callCount(uuidN(1)))
+	}
+	var reason string
+	testenv.Must(t, f.pool.QueryRow(context.Background(), `SELECT failure_class, reason FROM consumer_dead_letter WHERE event_id = $1`,
+		uuidN(2)).Scan(&class, &reason), "gap dead letter")
+	if class != "gap" || !strings.Contains(reason, "at version 0, received version 2") {
+		t.Fatalf("initial version: class %q reason %q", class, reason)
+	}
+
+	skip := newRecorder("skip")
+	cfg = f.baseConfig("skip")
+	cfg.EventTypes = []string{"Wanted"}
+	f.start(cfg, skip)
+	f.publish(event{ID: uuidN(3), Type: "Wanted", AggID: "s", Version: 1}, event{ID: uuidN(4), Type: "Other", AggID: "s", Version: 2})
+	f.waitSettled("skip", 15*time.Second)
+	if skip.callCount(uuidN(3)) != 1 || skip.callCount(uuidN(4)) != 0 {
+		t.Fatalf("EventTypes: calls %d and %d, want 1 and 0", skip.callCount(uuidN(3)), skip.callCount(uuidN(4)))
+	}
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'skip'`); n != 1 {
+		t.Fatalf("%d dedup rows, want 1 (skipped events get none)", n)
+	}
+	if got := metricValue(t, mustVec(t, f).processed.WithLabelValues("skip", "skipped")); got < 1 {
+		t.Fatalf("skipped = %v", got)
+	}
+}
