@@ -47,6 +47,9 @@ type demo struct {
 	js        jetstream.JetStream
 	arrivals  *arrivals
 	streaming chan struct{} // closed when the relay first streams
+	// republished counts the duplicates the demo itself published to the
+	// event stream (the reward stage's redelivery).
+	republished uint64
 }
 
 func newDemo(out *printer, opts options) *demo {
@@ -61,14 +64,14 @@ type stage struct {
 	run  func(ctx context.Context) error
 }
 
-// stages lists the foreground flow. A downstream stage (for example a
-// consumer applying the events) goes after "wait for events": by then every
-// expected event is in the stream.
+// stages lists the foreground flow. Downstream stages (the reward service)
+// go after "wait for events": by then every expected event is in the stream.
 func (d *demo) stages() []stage {
 	return []stage{
 		{"start the relay", d.waitStreaming},
 		{"confirm registrations", d.confirmRegistrations},
 		{"wait for events", d.waitForEvents},
+		{"reward service", d.rewards},
 		{"summary", d.summary},
 	}
 }
@@ -241,7 +244,7 @@ func (d *demo) waitForEvents(ctx context.Context) error {
 // confirmed position catching up with the published commits.
 func (d *demo) summary(ctx context.Context) error {
 	d.out.step("summary")
-	want := uint64(len(d.arrivals.expected))
+	want := uint64(len(d.arrivals.expected)) + d.republished
 	events, err := streamMsgs(ctx, d.js, d.cfg.NATS.Stream)
 	if err != nil {
 		return err
@@ -250,7 +253,11 @@ func (d *demo) summary(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	d.out.detail("stream %s: %d events (expected %d)", d.cfg.NATS.Stream, events, want)
+	if d.republished > 0 {
+		d.out.detail("stream %s: %d messages (expected %d: %d events from the outbox and %d duplicate the demo published)", d.cfg.NATS.Stream, events, want, len(d.arrivals.expected), d.republished)
+	} else {
+		d.out.detail("stream %s: %d events (expected %d)", d.cfg.NATS.Stream, events, want)
+	}
 	d.out.detail("stream %s: %d dead letters", d.cfg.NATS.DeadLetterStream, dead)
 
 	// The relay confirms a commit only after JetStream acknowledged its
@@ -259,18 +266,24 @@ func (d *demo) summary(ctx context.Context) error {
 	target := d.arrivals.maxLSN
 	d.arrivals.mu.Unlock()
 	var st replication.SlotStatus
-	caughtUp := testenv.WaitFor(10*time.Second, func() bool {
+	caughtUp := poll(ctx, 10*time.Second, func() bool {
 		st, err = replication.Status(ctx, d.appURL, d.cfg.Postgres.Slot)
 		return err == nil && st.ConfirmedFlushLSN >= target
 	})
 	if err != nil {
 		return err
 	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	current := st.ConfirmedFlushLSN + replication.LSN(st.LagBytes)
-	d.out.detail("slot %s: confirmed_flush_lsn %s, current WAL %s (%d bytes behind), newest published commit %s",
-		d.cfg.Postgres.Slot, st.ConfirmedFlushLSN, current, st.LagBytes, target)
+	d.out.detail("slot %s: confirmed_flush_lsn %s, newest published commit %s, current WAL %s",
+		d.cfg.Postgres.Slot, st.ConfirmedFlushLSN, target, current)
 	if caughtUp {
 		d.out.detail("the slot confirmed every published commit: a restart would not send them again")
+		if st.LagBytes > 0 {
+			d.out.detail("the %d bytes of WAL after the confirmed position hold no outbox rows (e.g. the rewards database); an idle relay confirms them from keepalives", st.LagBytes)
+		}
 	} else {
 		d.out.detail("the slot has not confirmed the newest published commit yet: a restart would send it again (JetStream drops the duplicate by Nats-Msg-Id)")
 	}

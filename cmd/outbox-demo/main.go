@@ -57,7 +57,7 @@ func main() {
 	err := newDemo(out, opts).run(ctx)
 	switch {
 	case err == nil:
-		out.step("demo finished: every expected event arrived")
+		out.step("demo finished: every expected event arrived and was applied once")
 	case ctx.Err() != nil:
 		out.step("interrupted: servers stopped and temporary files removed")
 		stop()

@@ -24,13 +24,13 @@ var errMissingEvents = errors.New("expected events missing from the stream")
 type arrivals struct {
 	mu       sync.Mutex
 	expected map[string]confirmedEvent
-	seen     map[string]bool
-	maxLSN   replication.LSN // highest Outbox-Commit-LSN seen
-	changed  chan struct{}   // capacity 1: "something was recorded"
+	seen     map[string]uint64 // event id -> stream sequence of its first copy
+	maxLSN   replication.LSN   // highest Outbox-Commit-LSN seen
+	changed  chan struct{}     // capacity 1: "something was recorded"
 }
 
 func newArrivals() *arrivals {
-	return &arrivals{expected: map[string]confirmedEvent{}, seen: map[string]bool{}, changed: make(chan struct{}, 1)}
+	return &arrivals{expected: map[string]confirmedEvent{}, seen: map[string]uint64{}, changed: make(chan struct{}, 1)}
 }
 
 func (a *arrivals) expect(ev confirmedEvent) {
@@ -39,9 +39,11 @@ func (a *arrivals) expect(ev confirmedEvent) {
 	a.expected[ev.EventID] = ev
 }
 
-func (a *arrivals) arrived(eventID string, lsn replication.LSN) {
+func (a *arrivals) arrived(eventID string, seq uint64, lsn replication.LSN) {
 	a.mu.Lock()
-	a.seen[eventID] = true
+	if _, dup := a.seen[eventID]; !dup {
+		a.seen[eventID] = seq
+	}
 	a.maxLSN = max(a.maxLSN, lsn)
 	a.mu.Unlock()
 	select {
@@ -56,7 +58,7 @@ func (a *arrivals) missing() []confirmedEvent {
 	defer a.mu.Unlock()
 	var out []confirmedEvent
 	for id, ev := range a.expected {
-		if !a.seen[id] {
+		if _, ok := a.seen[id]; !ok {
 			out = append(out, ev)
 		}
 	}
@@ -105,18 +107,56 @@ func (d *demo) watch(ctx context.Context, cons jetstream.Consumer) error {
 			}
 			return fmt.Errorf("read stream %s: %w", d.cfg.NATS.Stream, err)
 		}
-		d.printEvent(msg)
+		seq := uint64(0)
+		if md, err := msg.Metadata(); err == nil {
+			seq = md.Sequence.Stream
+		}
+		d.printEvent(msg, seq)
 		h := msg.Headers()
 		lsn, _ := replication.ParseLSN(h.Get(contract.CommitLSN))
-		d.arrivals.arrived(h.Get(contract.EventID), lsn)
+		d.arrivals.arrived(h.Get(contract.EventID), seq, lsn)
 	}
 }
 
-func (d *demo) printEvent(msg jetstream.Msg) {
-	seq := uint64(0)
-	if md, err := msg.Metadata(); err == nil {
-		seq = md.Sequence.Stream
+// expectedEvents returns the events written to the outbox with the stream
+// sequence of their first copy (0 if not seen), in a stable order.
+func (a *arrivals) expectedEvents() ([]confirmedEvent, []uint64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	evs := make([]confirmedEvent, 0, len(a.expected))
+	for _, ev := range a.expected {
+		evs = append(evs, ev)
 	}
+	sort.Slice(evs, func(i, j int) bool { return a.seen[evs[i].EventID] < a.seen[evs[j].EventID] })
+	seqs := make([]uint64, len(evs))
+	for i, ev := range evs {
+		seqs[i] = a.seen[ev.EventID]
+	}
+	return evs, seqs
+}
+
+// poll calls cond every 50ms until it returns true (then poll returns true),
+// the timeout passes or ctx ends.
+func poll(ctx context.Context, timeout time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(timeout)
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if cond() {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-tick.C:
+		}
+	}
+}
+
+func (d *demo) printEvent(msg jetstream.Msg, seq uint64) {
 	h := msg.Headers()
 	keys := make([]string, 0, len(h))
 	for k := range h {
