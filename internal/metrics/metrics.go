@@ -1,6 +1,3 @@
-// Package metrics exports the relay's Prometheus metrics. Names follow the
-// Prometheus conventions: the outbox_relay_ prefix, units in the name and
-// _total on counters. The README's "Metrics" section documents each one.
 package metrics
 
 import (

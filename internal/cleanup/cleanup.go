@@ -1,0 +1,292 @@
+package cleanup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/internal/reconcile"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// Mode says how a row is proven relayed.
+type Mode string
+
+// Modes.
+const (
+	// ModeStream deletes rows whose event id is in the event stream.
+	ModeStream Mode = "stream"
+	// ModePublished deletes rows whose publish_state is 'PUBLISHED'.
+	ModePublished Mode = "published"
+)
+
+// Defaults of Config fields left at their zero value.
+const (
+	DefaultBatchSize = 1000
+	DefaultClockSkew = time.Minute
+	// MaxBatchSize bounds a batch: one DELETE holds its rows' locks until
+	// it commits.
+	MaxBatchSize = 10_000
+)
+
+// Config says what to delete.
+type Config struct {
+	// Router is the relay's table mapping.
+	Router router.Config
+	// Stream is the event stream (ModeStream).
+	Stream string
+	// Mode is ModeStream (default) or ModePublished.
+	Mode Mode
+	// OlderThan keeps rows whose occurred-at time is within this long of
+	// now; 0 allows every proven row.
+	OlderThan time.Duration
+	// BatchSize is the rows per DELETE transaction. Default
+	// DefaultBatchSize, at most MaxBatchSize.
+	BatchSize int
+	// ClockSkew is subtracted from the oldest candidate's time where the
+	// stream is read by storage time. Default DefaultClockSkew.
+	ClockSkew time.Duration
+	// Pause is slept between batches, to spread the load. Default none.
+	Pause time.Duration
+	// DryRun counts what would be deleted and deletes nothing.
+	DryRun bool
+}
+
+func (c *Config) setDefaults() error {
+	if c.Mode == "" {
+		c.Mode = ModeStream
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.ClockSkew == 0 {
+		c.ClockSkew = DefaultClockSkew
+	}
+	switch {
+	case c.Mode != ModeStream && c.Mode != ModePublished:
+		return fmt.Errorf("%w: mode %q: use %s or %s", ErrInvalidConfig, c.Mode, ModeStream, ModePublished)
+	case c.Mode == ModeStream && c.Stream == "":
+		return fmt.Errorf("%w: mode stream needs the event stream", ErrInvalidConfig)
+	case c.OlderThan < 0:
+		return fmt.Errorf("%w: older-than %s is negative", ErrInvalidConfig, c.OlderThan)
+	case c.BatchSize < 1 || c.BatchSize > MaxBatchSize:
+		return fmt.Errorf("%w: batch size %d: use 1 to %d", ErrInvalidConfig, c.BatchSize, MaxBatchSize)
+	case c.ClockSkew < 0 || c.Pause < 0:
+		return fmt.Errorf("%w: clock skew and pause must not be negative", ErrInvalidConfig)
+	}
+	return nil
+}
+
+// TableReport is one table's outcome.
+type TableReport struct {
+	Table string `json:"table"`
+	// Candidates is the rows older than the cutoff before cleanup.
+	Candidates int64 `json:"candidates"`
+	// Deleted is the rows deleted (with DryRun: that would be deleted).
+	Deleted int64 `json:"deleted"`
+	// Remaining is the rows older than the cutoff left afterwards: not
+	// proven relayed (or locked, or inserted meanwhile).
+	Remaining int64 `json:"remaining"`
+	// Batches is the DELETE transactions run.
+	Batches int `json:"batches"`
+}
+
+// Report is the outcome of Run.
+type Report struct {
+	Mode   Mode          `json:"mode"`
+	Cutoff time.Time     `json:"cutoff"`
+	DryRun bool          `json:"dry_run"`
+	Tables []TableReport `json:"tables"`
+	// StreamMessages is the messages read (ModeStream).
+	StreamMessages uint64        `json:"stream_messages_read"`
+	Duration       time.Duration `json:"duration_ns"`
+}
+
+// Option configures Run.
+type Option func(*options)
+
+type options struct {
+	log      *zap.Logger
+	progress func(TableReport)
+}
+
+// WithLogger sets the logger (default zap.NewNop()).
+func WithLogger(l *zap.Logger) Option { return func(o *options) { o.log = l } }
+
+// WithProgress calls f after every batch with the table's running totals.
+func WithProgress(f func(TableReport)) Option { return func(o *options) { o.progress = f } }
+
+// Run deletes the rows older than the cutoff that cfg.Mode proves relayed.
+func Run(ctx context.Context, db reconcile.DB, js jetstream.JetStream, cfg Config, opts ...Option) (*Report, error) {
+	o := options{log: zap.NewNop(), progress: func(TableReport) {}}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	tables, err := reconcile.LoadTables(ctx, db, cfg.Router)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Mode == ModePublished {
+		for _, t := range tables {
+			if t.StateColumn == "" {
+				return nil, fmt.Errorf("%w: %s (mode published deletes rows marked publish_state = 'PUBLISHED'; use mode stream)", ErrNoStateColumn, t.Qualified)
+			}
+		}
+	}
+	c := &cleaner{db: db, cfg: cfg, log: o.log, progress: o.progress, rep: &Report{Mode: cfg.Mode, Cutoff: start.Add(-cfg.OlderThan).UTC(), DryRun: cfg.DryRun}}
+	c.rep.Tables = make([]TableReport, len(tables))
+	var oldest time.Time
+	for i, t := range tables {
+		tr := &c.rep.Tables[i]
+		tr.Table = t.Qualified
+		var min *time.Time
+		if err := db.QueryRow(ctx, fmt.Sprintf("SELECT count(*), min(%s) FROM %s WHERE %s < $1", t.Time, t.Ident, t.Time), c.rep.Cutoff).Scan(&tr.Candidates, &min); err != nil {
+			return nil, fmt.Errorf("count %s: %w", t.Qualified, err)
+		}
+		if min != nil && (oldest.IsZero() || min.Before(oldest)) {
+			oldest = *min
+		}
+	}
+	if !oldest.IsZero() {
+		switch cfg.Mode {
+		case ModeStream:
+			err = c.byStream(ctx, js, tables, oldest)
+		case ModePublished:
+			err = c.byState(ctx, tables)
+		}
+		if err != nil {
+			return c.rep, err
+		}
+	}
+	for i, t := range tables {
+		tr := &c.rep.Tables[i]
+		if err := db.QueryRow(ctx, fmt.Sprintf("SELECT count(*) FROM %s WHERE %s < $1", t.Ident, t.Time), c.rep.Cutoff).Scan(&tr.Remaining); err != nil {
+			return c.rep, fmt.Errorf("count %s: %w", t.Qualified, err)
+		}
+	}
+	c.rep.Duration = time.Since(start)
+	return c.rep, nil
+}
+
+type cleaner struct {
+	db       reconcile.DB
+	cfg      Config
+	log      *zap.Logger
+	progress func(TableReport)
+	rep      *Report
+}
+
+// byStream reads the stream's headers from the oldest candidate's time and
+// deletes, batch by batch, the rows whose event it found. Memory holds one
+// batch of ids per table.
+func (c *cleaner) byStream(ctx context.Context, js jetstream.JetStream, tables []*reconcile.Table, oldest time.Time) error {
+	idx := map[string]int{}
+	for i, t := range tables {
+		idx[t.Qualified] = i
+	}
+	batches := make([][]string, len(tables))
+	n, err := reconcile.ScanStream(ctx, js, c.cfg.Stream, c.cfg.Router.SubjectFilters(), oldest.Add(-c.cfg.ClockSkew), func(ev *reconcile.StreamEvent) error {
+		i, ok := idx[ev.Table]
+		if !ok || !tables[i].ValidID(ev.EventID) {
+			return nil
+		}
+		// Only an event older than the cutoff can have a row to delete; the
+		// DELETE checks the row's own time again.
+		if !ev.OccurredAt.IsZero() && !ev.OccurredAt.Before(c.rep.Cutoff) {
+			return nil
+		}
+		batches[i] = append(batches[i], ev.EventID)
+		if len(batches[i]) < c.cfg.BatchSize {
+			return nil
+		}
+		err := c.deleteIDs(ctx, tables[i], &c.rep.Tables[i], batches[i])
+		batches[i] = batches[i][:0]
+		return err
+	})
+	c.rep.StreamMessages = n
+	if err != nil {
+		return err
+	}
+	for i, b := range batches {
+		if len(b) > 0 {
+			if err := c.deleteIDs(ctx, tables[i], &c.rep.Tables[i], b); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// deleteIDs deletes, in one short transaction, the rows of t with these
+// event ids (all found in the stream) that are older than the cutoff.
+func (c *cleaner) deleteIDs(ctx context.Context, t *reconcile.Table, tr *TableReport, ids []string) error {
+	var q string
+	if c.cfg.DryRun {
+		q = fmt.Sprintf("SELECT count(*) FROM %s WHERE %s AND %s < $2", t.Ident, t.IDIn("$1"), t.Time)
+	} else {
+		q = fmt.Sprintf("WITH d AS (DELETE FROM %s WHERE ctid IN (SELECT ctid FROM %s WHERE %s AND %s < $2 FOR UPDATE SKIP LOCKED) RETURNING 1) SELECT count(*) FROM d",
+			t.Ident, t.Ident, t.IDIn("$1"), t.Time)
+	}
+	return c.batch(ctx, t, tr, q, ids, c.rep.Cutoff)
+}
+
+// byState deletes rows marked published, batch by batch, until a batch
+// finds none.
+func (c *cleaner) byState(ctx context.Context, tables []*reconcile.Table) error {
+	for i, t := range tables {
+		tr := &c.rep.Tables[i]
+		if c.cfg.DryRun {
+			q := fmt.Sprintf("SELECT count(*) FROM %s WHERE %s = 'PUBLISHED' AND %s < $1", t.Ident, t.StateColumn, t.Time)
+			if err := c.batch(ctx, t, tr, q, c.rep.Cutoff); err != nil {
+				return err
+			}
+			continue
+		}
+		q := fmt.Sprintf("WITH d AS (DELETE FROM %s WHERE ctid IN (SELECT ctid FROM %s WHERE %s = 'PUBLISHED' AND %s < $1 LIMIT %d FOR UPDATE SKIP LOCKED) RETURNING 1) SELECT count(*) FROM d",
+			t.Ident, t.Ident, t.StateColumn, t.Time, c.cfg.BatchSize)
+		for {
+			before := tr.Deleted
+			if err := c.batch(ctx, t, tr, q, c.rep.Cutoff); err != nil {
+				return err
+			}
+			if tr.Deleted == before {
+				break
+			}
+		}
+	}
+	return nil
+}
+
+// batch runs one counting statement as its own transaction and adds its
+// count to tr.
+func (c *cleaner) batch(ctx context.Context, t *reconcile.Table, tr *TableReport, q string, args ...any) error {
+	var n int64
+	err := c.db.QueryRow(ctx, q, args...).Scan(&n)
+	if errors.Is(err, pgx.ErrNoRows) {
+		n, err = 0, nil
+	}
+	if err != nil {
+		return fmt.Errorf("clean %s: %w", t.Qualified, err)
+	}
+	tr.Deleted += n
+	tr.Batches++
+	c.progress(*tr)
+	c.log.Debug("cleanup batch", zap.String("table", t.Qualified), zap.Int64("deleted", n), zap.Int64("total", tr.Deleted))
+	if c.cfg.Pause > 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(c.cfg.Pause):
+		}
+	}
+	return nil
+}

@@ -1,0 +1,494 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// Defaults of Config fields left at their zero value.
+const (
+	DefaultClockSkew   = time.Minute
+	DefaultConfirmWait = 30 * time.Second
+	DefaultMaxRows     = 5_000_000
+	// MaxListed bounds the unexpected events listed in a Report (all are
+	// counted).
+	MaxListed = 1000
+)
+
+// Config says what to compare.
+type Config struct {
+	// Router is the relay's table mapping (the configuration's tables).
+	Router router.Config
+	// Stream and DeadLetterStream are the relay's streams.
+	Stream, DeadLetterStream string
+	// Slot is the relay's replication slot, whose confirmed position proves
+	// that the rows read were relayed (see the package doc).
+	Slot string
+	// Since and Until bound the rows' occurred-at time: Since <= t < Until.
+	// Until defaults to now.
+	Since, Until time.Time
+	// ClockSkew is subtracted from Since where the stream is read by storage
+	// time. Default DefaultClockSkew.
+	ClockSkew time.Duration
+	// ConfirmWait bounds the wait for the slot to confirm the rows read.
+	// Default DefaultConfirmWait; negative does not wait.
+	ConfirmWait time.Duration
+	// MaxRows bounds the rows read (memory: about 200 bytes each). Default
+	// DefaultMaxRows.
+	MaxRows int
+}
+
+func (c *Config) setDefaults(now time.Time) error {
+	if c.Until.IsZero() {
+		c.Until = now
+	}
+	if c.ClockSkew == 0 {
+		c.ClockSkew = DefaultClockSkew
+	}
+	if c.ConfirmWait == 0 {
+		c.ConfirmWait = DefaultConfirmWait
+	}
+	if c.MaxRows == 0 {
+		c.MaxRows = DefaultMaxRows
+	}
+	switch {
+	case c.Since.IsZero():
+		return fmt.Errorf("%w: since is required (e.g. --since 24h)", ErrInvalidConfig)
+	case !c.Until.After(c.Since):
+		return fmt.Errorf("%w: until %s is not after since %s", ErrInvalidConfig, c.Until.Format(time.RFC3339), c.Since.Format(time.RFC3339))
+	case c.Stream == "":
+		return fmt.Errorf("%w: no event stream", ErrInvalidConfig)
+	case c.ClockSkew < 0:
+		return fmt.Errorf("%w: clock skew %s is negative", ErrInvalidConfig, c.ClockSkew)
+	}
+	return nil
+}
+
+// Event is one event reported by Run: a row (missing, pending or
+// dead-lettered) or a stream message (unexpected).
+type Event struct {
+	Table            string    `json:"table"`
+	AggregateType    string    `json:"aggregate_type"`
+	AggregateID      string    `json:"aggregate_id"`
+	AggregateVersion string    `json:"aggregate_version"`
+	EventID          string    `json:"event_id"`
+	OccurredAt       time.Time `json:"occurred_at"`
+	// StreamSeq is set for unexpected events.
+	StreamSeq uint64 `json:"stream_seq,omitempty"`
+}
+
+// Group counts one (table, aggregate type).
+type Group struct {
+	Table         string `json:"table"`
+	AggregateType string `json:"aggregate_type"`
+	// Rows is the rows in the window.
+	Rows int `json:"rows"`
+	// InStream is the rows whose event is in the stream.
+	InStream int `json:"in_stream"`
+	// Missing is the rows the relay provably had its chance to publish and
+	// whose event is neither in the stream nor dead-lettered.
+	Missing int `json:"missing"`
+	// Pending is rows not in the stream while the slot has not confirmed
+	// them yet: the relay may still be publishing them.
+	Pending int `json:"pending"`
+	// DeadLettered is rows whose event is only in the dead-letter stream.
+	DeadLettered int `json:"dead_lettered"`
+	// Unexpected is the events in the stream, in the window, whose row is
+	// not in the table (deleted, or never written by this database).
+	Unexpected int `json:"unexpected"`
+	// Duplicates is extra copies of an event stored more than once (a
+	// re-publish after the duplicate window passed).
+	Duplicates int `json:"duplicates"`
+}
+
+// Report is the outcome of Run.
+type Report struct {
+	Since time.Time `json:"since"`
+	Until time.Time `json:"until"`
+	// SnapshotLSN is pg_current_wal_insert_lsn() in the rows' snapshot.
+	SnapshotLSN string `json:"snapshot_lsn"`
+	// ConfirmedLSN is the slot's confirmed_flush_lsn when checked; empty
+	// when the slot does not exist.
+	ConfirmedLSN string `json:"slot_confirmed_lsn,omitempty"`
+	// Confirmed reports that the slot confirmed the snapshot: Missing is
+	// definitive. Otherwise those rows are Pending.
+	Confirmed bool `json:"confirmed"`
+	// StreamMessages and DeadLetterMessages count the messages read.
+	StreamMessages     uint64  `json:"stream_messages_read"`
+	DeadLetterMessages uint64  `json:"dead_letter_messages_read"`
+	Groups             []Group `json:"groups"`
+	Total              Group   `json:"total"`
+	// Missing lists every missing row; Pending every pending row,
+	// DeadLettered every dead-lettered row, in (table, aggregate,
+	// version) order.
+	Missing      []Event `json:"missing"`
+	Pending      []Event `json:"pending"`
+	DeadLettered []Event `json:"dead_lettered"`
+	// Unexpected lists up to MaxListed unexpected events.
+	Unexpected []Event `json:"unexpected"`
+	// Duration is how long the run took.
+	Duration time.Duration `json:"duration_ns"`
+}
+
+// Differences is the number of missing, pending and unexpected events.
+func (r *Report) Differences() int { return r.Total.Missing + r.Total.Pending + r.Total.Unexpected }
+
+// row is one outbox row of the window.
+type row struct {
+	ev    Event
+	group *Group
+	found int
+	dlq   bool
+}
+
+// Option configures Run and Repair.
+type Option func(*options)
+
+type options struct {
+	log *zap.Logger
+	now func() time.Time
+}
+
+// WithLogger sets the logger (default zap.NewNop()).
+func WithLogger(l *zap.Logger) Option { return func(o *options) { o.log = l } }
+
+func newOptions(opts []Option) options {
+	o := options{log: zap.NewNop(), now: time.Now}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	return o
+}
+
+// Run compares the rows whose occurred-at time is in [Since, Until) with
+// the streams. It changes nothing.
+func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ...Option) (*Report, error) {
+	o := newOptions(opts)
+	start := o.now()
+	if err := cfg.setDefaults(start); err != nil {
+		return nil, err
+	}
+	tables, err := LoadTables(ctx, db, cfg.Router)
+	if err != nil {
+		return nil, err
+	}
+	rep := &Report{Since: cfg.Since.UTC(), Until: cfg.Until.UTC()}
+	groups := map[[2]string]*Group{}
+	group := func(table, aggType string) *Group {
+		k := [2]string{table, aggType}
+		g := groups[k]
+		if g == nil {
+			g = &Group{Table: table, AggregateType: aggType}
+			groups[k] = g
+		}
+		return g
+	}
+
+	// 1. The rows, in one snapshot, and an LSN past all of their commits.
+	rows := map[string]*row{}
+	snapshot, err := readRows(ctx, db, tables, cfg, func(r *row) error {
+		if len(rows) >= cfg.MaxRows {
+			return fmt.Errorf("%w: more than %d rows between %s and %s (reconcile a narrower window, e.g. --since/--until one day apart)",
+				ErrTooManyRows, cfg.MaxRows, cfg.Since.Format(time.RFC3339), cfg.Until.Format(time.RFC3339))
+		}
+		r.group = group(r.ev.Table, r.ev.AggregateType)
+		r.group.Rows++
+		rows[key(r.ev.Table, r.ev.EventID)] = r
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	rep.SnapshotLSN = snapshot.String()
+
+	// 2. Wait until the relay confirmed them: from then on each is in a
+	// stream, unless it was never decoded or was deleted since.
+	confirmed, exists, err := waitConfirmed(ctx, db, cfg.Slot, snapshot, cfg.ConfirmWait)
+	if err != nil {
+		return nil, err
+	}
+	rep.Confirmed = confirmed >= snapshot && exists
+	if exists {
+		rep.ConfirmedLSN = confirmed.String()
+	}
+
+	known := make(map[string]bool, len(tables))
+	for _, t := range tables {
+		known[t.Qualified] = true
+	}
+	// 3. Dead letters: rows the relay could not publish are accounted for.
+	if cfg.DeadLetterStream != "" {
+		n, err := ScanStream(ctx, js, cfg.DeadLetterStream, []string{cfg.Router.DeadLetterFilter()}, time.Time{}, func(ev *StreamEvent) error {
+			if r := rows[key(ev.Table, ev.EventID)]; r != nil {
+				r.dlq = true
+			}
+			return nil
+		})
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return nil, err
+		}
+		rep.DeadLetterMessages = n
+	}
+
+	// 4. The events.
+	var unexpected []*StreamEvent
+	n, err := ScanStream(ctx, js, cfg.Stream, cfg.Router.SubjectFilters(), cfg.Since.Add(-cfg.ClockSkew), func(ev *StreamEvent) error {
+		if !known[ev.Table] {
+			return nil
+		}
+		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
+			r.found++
+			return nil
+		}
+		if ev.OccurredAt.IsZero() || ev.OccurredAt.Before(cfg.Since) || !ev.OccurredAt.Before(cfg.Until) {
+			return nil
+		}
+		if len(unexpected) >= cfg.MaxRows {
+			return fmt.Errorf("%w: more than %d events in the stream without a row between %s and %s (reconcile a narrower window)",
+				ErrTooManyRows, cfg.MaxRows, cfg.Since.Format(time.RFC3339), cfg.Until.Format(time.RFC3339))
+		}
+		cp := *ev
+		unexpected = append(unexpected, &cp)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	rep.StreamMessages = n
+
+	// 5. An event without a row in the snapshot may belong to a transaction
+	// that committed after it: look again.
+	unexpected, err = recheck(ctx, db, tables, unexpected)
+	if err != nil {
+		return nil, err
+	}
+	for _, ev := range unexpected {
+		g := group(ev.Table, ev.AggregateType)
+		g.Unexpected++
+		if len(rep.Unexpected) < MaxListed {
+			rep.Unexpected = append(rep.Unexpected, Event{
+				Table: ev.Table, AggregateType: ev.AggregateType, AggregateID: ev.AggregateID,
+				AggregateVersion: ev.Version, EventID: ev.EventID, OccurredAt: ev.OccurredAt.UTC(), StreamSeq: ev.Seq,
+			})
+		}
+	}
+
+	for _, r := range rows {
+		switch {
+		case r.found > 0:
+			r.group.InStream++
+			r.group.Duplicates += r.found - 1
+		case r.dlq:
+			r.group.DeadLettered++
+			rep.DeadLettered = append(rep.DeadLettered, r.ev)
+		case rep.Confirmed:
+			r.group.Missing++
+			rep.Missing = append(rep.Missing, r.ev)
+		default:
+			r.group.Pending++
+			rep.Pending = append(rep.Pending, r.ev)
+		}
+	}
+	for _, g := range groups {
+		rep.Groups = append(rep.Groups, *g)
+		t := &rep.Total
+		t.Rows += g.Rows
+		t.InStream += g.InStream
+		t.Missing += g.Missing
+		t.Pending += g.Pending
+		t.DeadLettered += g.DeadLettered
+		t.Unexpected += g.Unexpected
+		t.Duplicates += g.Duplicates
+	}
+	sort.Slice(rep.Groups, func(i, j int) bool {
+		a, b := rep.Groups[i], rep.Groups[j]
+		if a.Table != b.Table {
+			return a.Table < b.Table
+		}
+		return a.AggregateType < b.AggregateType
+	})
+	SortEvents(rep.Missing)
+	SortEvents(rep.Pending)
+	SortEvents(rep.DeadLettered)
+	rep.Duration = o.now().Sub(start)
+	return rep, nil
+}
+
+func key(table, id string) string { return table + "\x00" + id }
+
+// SortEvents orders events by table, aggregate type, aggregate id and
+// numeric version: the order Repair publishes them in.
+func SortEvents(evs []Event) {
+	sort.SliceStable(evs, func(i, j int) bool {
+		a, b := &evs[i], &evs[j]
+		switch {
+		case a.Table != b.Table:
+			return a.Table < b.Table
+		case a.AggregateType != b.AggregateType:
+			return a.AggregateType < b.AggregateType
+		case a.AggregateID != b.AggregateID:
+			return a.AggregateID < b.AggregateID
+		}
+		va, errA := strconv.ParseInt(a.AggregateVersion, 10, 64)
+		vb, errB := strconv.ParseInt(b.AggregateVersion, 10, 64)
+		if errA != nil || errB != nil {
+			return a.AggregateVersion < b.AggregateVersion
+		}
+		return va < vb
+	})
+}
+
+// readRows reads the window's rows of every table in one REPEATABLE READ
+// snapshot and returns an LSN after the commit of every row it saw.
+func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, fn func(*row) error) (replication.LSN, error) {
+	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return 0, fmt.Errorf("begin snapshot: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	// The first statement takes the snapshot; the insert position read
+	// while it runs is past the commit record of every transaction the
+	// snapshot sees (a commit record is written before the transaction
+	// becomes visible).
+	var lsnText string
+	if err := tx.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text, set_config('TimeZone', 'UTC', true)").Scan(&lsnText, new(string)); err != nil {
+		return 0, fmt.Errorf("read WAL position: %w", err)
+	}
+	lsn, err := replication.ParseLSN(lsnText)
+	if err != nil {
+		return 0, fmt.Errorf("parse WAL position %q: %w", lsnText, err)
+	}
+	for _, t := range tables {
+		q := fmt.Sprintf(`SELECT %s::text, %s, %s::text, %s::text, %s FROM %s WHERE %s >= $1 AND %s < $2`,
+			t.EventID, t.aggType, t.aggID, t.version, t.Time, t.Ident, t.Time, t.Time)
+		rs, err := tx.Query(ctx, q, cfg.Since, cfg.Until)
+		if err != nil {
+			return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
+		}
+		for rs.Next() {
+			var id, aggType string
+			var aggID, version *string
+			var at time.Time
+			if err := rs.Scan(&id, &aggType, &aggID, &version, &at); err != nil {
+				rs.Close()
+				return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
+			}
+			r := &row{ev: Event{Table: t.Qualified, AggregateType: aggType, EventID: id, OccurredAt: at.UTC()}}
+			if aggID != nil {
+				r.ev.AggregateID = *aggID
+			}
+			if version != nil {
+				r.ev.AggregateVersion = *version
+			}
+			if err := fn(r); err != nil {
+				rs.Close()
+				return 0, err
+			}
+		}
+		if err := rs.Err(); err != nil {
+			return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
+		}
+	}
+	return lsn, tx.Commit(ctx)
+}
+
+// waitConfirmed polls the slot until its confirmed_flush_lsn reaches lsn or
+// wait passes. exists is false when there is no such slot.
+func waitConfirmed(ctx context.Context, db DB, slot string, lsn replication.LSN, wait time.Duration) (confirmed replication.LSN, exists bool, err error) {
+	if slot == "" {
+		return 0, false, nil
+	}
+	deadline := time.Now().Add(max(wait, 0))
+	for {
+		var text *string
+		err := db.QueryRow(ctx, "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1", slot).Scan(&text)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			return 0, false, nil
+		case err != nil:
+			return 0, false, fmt.Errorf("read slot %s: %w", slot, err)
+		}
+		if text != nil {
+			if confirmed, err = replication.ParseLSN(*text); err != nil {
+				return 0, true, fmt.Errorf("parse confirmed_flush_lsn %q: %w", *text, err)
+			}
+		}
+		if confirmed >= lsn || !time.Now().Before(deadline) {
+			return confirmed, true, nil
+		}
+		select {
+		case <-ctx.Done():
+			return confirmed, true, ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+// recheck drops the events whose row exists now.
+func recheck(ctx context.Context, db DB, tables []*Table, evs []*StreamEvent) ([]*StreamEvent, error) {
+	if len(evs) == 0 {
+		return evs, nil
+	}
+	byTable := map[string]*Table{}
+	for _, t := range tables {
+		byTable[t.Qualified] = t
+	}
+	present := map[string]bool{}
+	const chunk = 1000
+	pending := map[string][]string{}
+	flush := func(table string) error {
+		ids := pending[table]
+		if len(ids) == 0 {
+			return nil
+		}
+		pending[table] = ids[:0]
+		t := byTable[table]
+		rs, err := db.Query(ctx, fmt.Sprintf("SELECT %s::text FROM %s WHERE %s", t.EventID, t.Ident, t.IDIn("$1")), ids)
+		if err != nil {
+			return fmt.Errorf("recheck %s: %w", table, err)
+		}
+		defer rs.Close()
+		for rs.Next() {
+			var id string
+			if err := rs.Scan(&id); err != nil {
+				return fmt.Errorf("recheck %s: %w", table, err)
+			}
+			present[key(table, id)] = true
+		}
+		return rs.Err()
+	}
+	for _, ev := range evs {
+		if !byTable[ev.Table].ValidID(ev.EventID) {
+			continue // cannot be the id of a row
+		}
+		pending[ev.Table] = append(pending[ev.Table], ev.EventID)
+		if len(pending[ev.Table]) >= chunk {
+			if err := flush(ev.Table); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for table := range pending {
+		if err := flush(table); err != nil {
+			return nil, err
+		}
+	}
+	out := evs[:0]
+	for _, ev := range evs {
+		if !present[key(ev.Table, ev.EventID)] {
+			out = append(out, ev)
+		}
+	}
+	return out, nil
+}

@@ -1,0 +1,287 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// RepairedAtHeader marks an event republished by Repair; its value is the
+// time of the repair (RFC 3339, UTC). Such an event has no
+// Outbox-Commit-LSN or Outbox-Commit-Time: the WAL that held its commit is
+// gone or was never read.
+const RepairedAtHeader = "Outbox-Repaired-At"
+
+// Defaults of RepairConfig.
+const (
+	DefaultRepairWorkers = 8
+	// repairChunk is how many rows are read and published at a time: memory
+	// stays bounded however many events are missing.
+	repairChunk = 1000
+	// publishAttempts bounds the attempts per event on transient errors.
+	publishAttempts = 5
+)
+
+// RepairConfig says where to republish.
+type RepairConfig struct {
+	// Router is the relay's table mapping.
+	Router router.Config
+	// Stream is the event stream; every publish expects it.
+	Stream string
+	// Workers publish different aggregates in parallel; one aggregate's
+	// events are published one after the other. Default
+	// DefaultRepairWorkers.
+	Workers int
+}
+
+// RepairFailure is an event Repair could not republish.
+type RepairFailure struct {
+	Event  Event  `json:"event"`
+	Reason string `json:"reason"`
+}
+
+// RepairReport is the outcome of Repair.
+type RepairReport struct {
+	// Published is the events the stream stored.
+	Published int `json:"published"`
+	// Duplicates is the events the stream acknowledged as duplicates: their
+	// id is still in its duplicate window (deleted within the window, or
+	// stored meanwhile). Rerun after the window passes if reconcile still
+	// reports them missing.
+	Duplicates int `json:"duplicates"`
+	// Gone is the events whose row was deleted since reconcile read it.
+	Gone int `json:"gone"`
+	// Failed lists the events not republished, and the later events of
+	// their aggregates, which are held back to keep the order.
+	Failed []RepairFailure `json:"failed"`
+}
+
+// Repair republishes events (e.g. Report.Missing) from their rows, in
+// (table, aggregate, version) order per aggregate, with the router's
+// subject and headers and Nats-Msg-Id = event id. Rows that cannot be
+// routed are reported in Failed; nothing is dead-lettered. The error is for
+// failures that stop the whole repair (database, configuration).
+func Repair(ctx context.Context, db DB, js jetstream.JetStream, cfg RepairConfig, events []Event, opts ...Option) (*RepairReport, error) {
+	o := newOptions(opts)
+	if cfg.Stream == "" {
+		return nil, fmt.Errorf("%w: no event stream", ErrInvalidConfig)
+	}
+	if cfg.Workers <= 0 {
+		cfg.Workers = DefaultRepairWorkers
+	}
+	tables, err := LoadTables(ctx, db, cfg.Router)
+	if err != nil {
+		return nil, err
+	}
+	byName := map[string]*Table{}
+	for _, t := range tables {
+		byName[t.Qualified] = t
+	}
+	var ropts []router.Option
+	if nc := js.Conn(); nc != nil && nc.MaxPayload() > 0 {
+		ropts = append(ropts, router.WithMaxPayload(int(nc.MaxPayload())))
+	}
+	rt, err := router.New(cfg.Router, ropts...)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	evs := append([]Event(nil), events...)
+	SortEvents(evs)
+	rp := &repairer{db: db, js: js, cfg: cfg, rt: rt, log: o.log, rep: &RepairReport{}, failedKeys: map[string]string{},
+		repairedAt: o.now().UTC().Format(time.RFC3339Nano)}
+	for start := 0; start < len(evs); {
+		// A chunk holds one table's events.
+		end := start + 1
+		for end < len(evs) && end-start < repairChunk && evs[end].Table == evs[start].Table {
+			end++
+		}
+		t := byName[evs[start].Table]
+		if t == nil {
+			for _, ev := range evs[start:end] {
+				rp.fail(ev, "", "the table is not in the configuration")
+			}
+		} else if err := rp.chunk(ctx, t, evs[start:end]); err != nil {
+			return rp.rep, err
+		}
+		start = end
+	}
+	return rp.rep, nil
+}
+
+type repairer struct {
+	db         DB
+	js         jetstream.JetStream
+	cfg        RepairConfig
+	rt         *router.Router
+	log        *zap.Logger
+	repairedAt string
+
+	mu         sync.Mutex
+	rep        *RepairReport
+	failedKeys map[string]string // aggregate key -> event id that failed
+}
+
+func (rp *repairer) fail(ev Event, aggKey, reason string) {
+	rp.mu.Lock()
+	defer rp.mu.Unlock()
+	rp.rep.Failed = append(rp.rep.Failed, RepairFailure{Event: ev, Reason: reason})
+	if aggKey != "" {
+		if _, ok := rp.failedKeys[aggKey]; !ok {
+			rp.failedKeys[aggKey] = ev.EventID
+		}
+	}
+}
+
+type routed struct {
+	ev  Event
+	msg *router.Message
+}
+
+// chunk reads the rows of evs (all of table t), routes them in order and
+// publishes them, one aggregate per worker at a time.
+func (rp *repairer) chunk(ctx context.Context, t *Table, evs []Event) error {
+	cols := make([]string, len(t.Relation.Columns))
+	for i, c := range t.Relation.Columns {
+		cols[i] = quoteIdent(c.Name) + "::text"
+	}
+	ids := make([]string, 0, len(evs))
+	for _, ev := range evs {
+		if t.ValidID(ev.EventID) {
+			ids = append(ids, ev.EventID)
+		}
+	}
+	q := fmt.Sprintf("SELECT %s FROM %s WHERE %s", strings.Join(cols, ", "), t.Ident, t.IDIn("$1"))
+	rs, err := rp.db.Query(ctx, q, ids)
+	if err != nil {
+		return fmt.Errorf("read rows of %s: %w", t.Qualified, err)
+	}
+	idIdx := t.Relation.ColumnIndex(t.Config.Columns.EventID)
+	byID := make(map[string][]replication.Value, len(ids))
+	for rs.Next() {
+		texts := make([]*string, len(cols))
+		dst := make([]any, len(cols))
+		for i := range texts {
+			dst[i] = &texts[i]
+		}
+		if err := rs.Scan(dst...); err != nil {
+			rs.Close()
+			return fmt.Errorf("read rows of %s: %w", t.Qualified, err)
+		}
+		vals := make([]replication.Value, len(cols))
+		for i, s := range texts {
+			if s == nil {
+				vals[i] = replication.Value{Kind: replication.ValueNull}
+			} else {
+				vals[i] = replication.Value{Kind: replication.ValueText, Data: []byte(*s)}
+			}
+		}
+		if texts[idIdx] != nil {
+			byID[*texts[idIdx]] = vals
+		}
+	}
+	if err := rs.Err(); err != nil {
+		return fmt.Errorf("read rows of %s: %w", t.Qualified, err)
+	}
+
+	// Route in order on this goroutine (the router is not safe for
+	// concurrent use), then publish each aggregate's events in order.
+	queues := make([][]routed, rp.cfg.Workers)
+	for _, ev := range evs {
+		vals, ok := byID[ev.EventID]
+		if !ok {
+			rp.mu.Lock()
+			rp.rep.Gone++
+			rp.mu.Unlock()
+			continue
+		}
+		ins := &replication.Insert{Relation: t.Relation, Values: vals}
+		m, err := rp.rt.Route(ins, router.CommitInfo{})
+		if err != nil {
+			rp.fail(ev, aggKey(ev), "cannot route the row: "+err.Error())
+			continue
+		}
+		m.Header.Del(contract.CommitLSN)
+		m.Header.Del(contract.CommitTime)
+		m.Header.Set(RepairedAtHeader, rp.repairedAt)
+		h := fnv.New32a()
+		_, _ = h.Write([]byte(aggKey(ev)))
+		w := int(h.Sum32() % uint32(rp.cfg.Workers))
+		queues[w] = append(queues[w], routed{ev: ev, msg: m})
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	for _, q := range queues {
+		if len(q) == 0 {
+			continue
+		}
+		g.Go(func() error {
+			for _, r := range q {
+				if err := rp.publish(gctx, r); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	}
+	return g.Wait()
+}
+
+// publish sends one event unless an earlier event of its aggregate failed.
+// It returns an error only when ctx ends.
+func (rp *repairer) publish(ctx context.Context, r routed) error {
+	rp.mu.Lock()
+	blocker, blocked := rp.failedKeys[aggKey(r.ev)]
+	rp.mu.Unlock()
+	if blocked {
+		rp.fail(r.ev, aggKey(r.ev), "held back: the earlier event "+blocker+" of the aggregate was not republished")
+		return nil
+	}
+	msg := &nats.Msg{Subject: r.msg.Subject, Header: r.msg.Header, Data: r.msg.Data}
+	var lastErr error
+	for attempt := 1; attempt <= publishAttempts; attempt++ {
+		ack, err := rp.js.PublishMsg(ctx, msg, jetstream.WithExpectStream(rp.cfg.Stream))
+		if err == nil {
+			rp.mu.Lock()
+			if ack.Duplicate {
+				rp.rep.Duplicates++
+			} else {
+				rp.rep.Published++
+			}
+			rp.mu.Unlock()
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		lastErr = err
+		var api *jetstream.APIError
+		if errors.As(err, &api) && api.Code >= 400 && api.Code < 500 && api.Code != 408 && api.Code != 429 && api.Code != 503 {
+			break // a rejection: retrying the same message cannot help
+		}
+		rp.log.Debug("repair publish failed; retrying", zap.String("event_id", r.ev.EventID), zap.Int("attempt", attempt), zap.Error(err))
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Duration(attempt) * 200 * time.Millisecond):
+		}
+	}
+	rp.fail(r.ev, aggKey(r.ev), "publish: "+lastErr.Error())
+	return nil
+}
+
+// aggKey identifies an event's aggregate, as the router's ordering key does.
+func aggKey(ev Event) string { return ev.Table + "\x00" + ev.AggregateType + "\x00" + ev.AggregateID }
+
+func quoteIdent(s string) string { return `"` + strings.ReplaceAll(s, `"`, `""`) + `"` }
