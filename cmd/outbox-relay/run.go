@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -18,6 +20,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/reconcile"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
@@ -86,8 +89,24 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
+	// The pollers and the reconcile loop share a small pool, apart from
+	// the replication connection; it connects on first use.
+	pool, err := sqlPool(ctx, cfg.Postgres.URL, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	mon, err := newMonitors(reg, pool, js, cfg, ready.Load, log)
+	if err != nil {
+		return err
+	}
 
 	g, gctx := errgroup.WithContext(ctx)
+	mon.start(gctx, g)
 	if cfg.HTTP.Listen != "" {
 		srv := &http.Server{Handler: httpHandler(reg, cfg.HTTP.Pprof, func() bool { return ready.Load() && nc.IsConnected() }), ReadHeaderTimeout: 5 * time.Second}
 		ln, err := net.Listen("tcp", cfg.HTTP.Listen)
@@ -144,4 +163,46 @@ func httpHandler(reg *prometheus.Registry, withPprof bool, ready func() bool) ht
 		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	}
 	return mux
+}
+
+// monitors are the relay's metrics besides the pipeline's own: the slot and
+// the streams polled on an interval, and the optional reconcile loop.
+type monitors struct {
+	slots     *metrics.SlotPoller
+	streams   *metrics.StreamPoller
+	reconcile *metrics.Reconcile
+	loop      *reconcile.Loop // nil when reconcile.interval is 0
+}
+
+// newMonitors registers the monitors' metrics on reg; start runs them.
+func newMonitors(reg prometheus.Registerer, pool *pgxpool.Pool, js jetstream.JetStream, cfg config.Config, active func() bool, log *zap.Logger) (*monitors, error) {
+	mlog := log.Named("metrics")
+	m := &monitors{
+		slots:     metrics.NewSlotPoller(reg, pool, cfg.Postgres.Slot, cfg.Metrics.PollInterval, mlog),
+		streams:   metrics.NewStreamPoller(reg, js, cfg.NATS.Stream, cfg.NATS.DeadLetterStream, cfg.Metrics.PollInterval, mlog),
+		reconcile: metrics.NewReconcile(reg),
+	}
+	if cfg.Reconcile.Interval > 0 {
+		loop, err := reconcile.NewLoop(pool, js, reconcile.LoopConfig{
+			Config:   reconcileConfig(cfg),
+			Interval: cfg.Reconcile.Interval,
+			Window:   cfg.Reconcile.Window,
+			Active:   active,
+		}, m.reconcile, reconcile.WithLogger(log))
+		if err != nil {
+			return nil, err
+		}
+		m.loop = loop
+	}
+	return m, nil
+}
+
+// start runs the monitors in g until ctx ends. They never fail: a failed
+// poll is counted and logged, and must not stop the relay.
+func (m *monitors) start(ctx context.Context, g *errgroup.Group) {
+	g.Go(func() error { return m.slots.Run(ctx) })
+	g.Go(func() error { return m.streams.Run(ctx) })
+	if m.loop != nil {
+		g.Go(func() error { return m.loop.Run(ctx) })
+	}
 }
