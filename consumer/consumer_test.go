@@ -320,7 +320,7 @@ func TestManyAggregatesAppliedInOrderExactlyOnce(t *testing.T) {
 	t.Logf("published %d events in %s", aggregates*versions, time.Since(start))
 	start = time.Now()
 	f.start(cfg, r)
-	f.waitFor("20,000 events applied", 90*time.Second, func() bool {
+	f.waitFor("20,000 events applied", 4*time.Minute, func() bool {
 		return queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'bulk'`) == aggregates*versions
 	})
 	t.Logf("applied in %s", time.Since(start))

@@ -118,6 +118,10 @@ func TestEmitMessageIsDecodedOnlyOnCommit(t *testing.T) {
 		tx, err := db.Pool.Begin(ctx)
 		testenv.Must(t, err, "begin")
 		defer func() { _ = tx.Rollback(ctx) }()
+		// The test cluster commits asynchronously, and logical decoding
+		// reads only flushed WAL: flush this commit.
+		_, err = tx.Exec(ctx, "SET LOCAL synchronous_commit = on")
+		testenv.Must(t, err, "synchronous commit")
 		id, err := EmitMessage(ctx, tx, "", ev)
 		testenv.Must(t, err, "emit")
 		if commit {
