@@ -62,3 +62,32 @@ func TestPrunerRefusesShortRetentionAndKeepsOpenDeadLetters(t *testing.T) {
 		t.Fatalf("%d rows left, want 3 (the open dead letter's, the recent one, the other consumer's)", left)
 	}
 }
+
+// A message redelivered after its dead letter was written (the process died
+// before terminating it) updates the open record instead of adding one.
+func TestDeadLetterOfARedeliveryUpdatesTheOpenRecord(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	c, err := New(f.pool, f.js, f.baseConfig("upsert"), newRecorder("upsert"))
+	testenv.Must(t, err, "new")
+	m := event{ID: uuidN(1), AggID: "a", Version: 1}.msg(f.stream)
+	it := &item{m: Message{Subject: m.Subject, Header: m.Header, Stream: f.stream, StreamSeq: 7, Deliveries: 1}}
+	c.parse(it, m.Data)
+	now := time.Now()
+	id1, err := c.insertDeadLetter(context.Background(), it, ClassUnknown, errors.New("first"), &failState{attempts: 3, first: now, last: now})
+	testenv.Must(t, err, "first dead letter")
+	it.m.Deliveries = 4
+	id2, err := c.insertDeadLetter(context.Background(), it, ClassPermanent, errors.New("second"), &failState{attempts: 1, first: now, last: now.Add(time.Second)})
+	testenv.Must(t, err, "second dead letter")
+	if id1 != id2 {
+		t.Fatalf("second dead letter %d, want the open record %d", id2, id1)
+	}
+	var attempts int
+	var deliveries int64
+	var reason string
+	testenv.Must(t, f.pool.QueryRow(context.Background(), `SELECT attempts, deliveries, reason FROM consumer_dead_letter WHERE id = $1`, id1).
+		Scan(&attempts, &deliveries, &reason), "read")
+	if attempts != 4 || deliveries != 4 || reason != "second" {
+		t.Fatalf("attempts %d deliveries %d reason %q", attempts, deliveries, reason)
+	}
+}
