@@ -20,11 +20,7 @@ const maxReasonBytes = 16 << 10
 // reasonText renders a failure for the reason column, with the stack of a
 // recovered panic, which is what the owner needs to fix it.
 func reasonText(err error) string {
-	// The failure_class column already says what the class prefix would.
-	if ce, ok := err.(*ClassError); ok && ce.Err != nil {
-		err = ce.Err
-	}
-	s := err.Error()
+	s := unclassed(err).Error()
 	var pe *PanicError
 	if errors.As(err, &pe) {
 		s += "\n" + string(pe.Stack)
@@ -33,6 +29,15 @@ func reasonText(err error) string {
 		s = strings.ToValidUTF8(s[:maxReasonBytes], "") + "…"
 	}
 	return s
+}
+
+// unclassed drops the outermost ClassError, whose class prefix would repeat
+// the failure_class column in a reason.
+func unclassed(err error) error {
+	if ce, ok := err.(*ClassError); ok && ce.Err != nil {
+		return ce.Err
+	}
+	return err
 }
 
 // insertDeadLetter writes the record of a message that failed for good. A

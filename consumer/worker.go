@@ -258,7 +258,7 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 		return w.deadLetter(ctx, it, res.class, res.err, f)
 	}
 	if limit > 0 && f.attempts >= limit {
-		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d attempts)", res.err, f.attempts), f)
+		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d attempts)", unclassed(res.err), f.attempts), f)
 	}
 	return w.retry(it, res.class, res.err, f.attempts, log)
 }
