@@ -52,6 +52,9 @@ func TestLoadExamples(t *testing.T) {
 			if c.Router.DeadLetterSubject != router.DefaultDeadLetterSubject || c.Router.MaxSubjectBytes != router.DefaultMaxSubjectBytes {
 				t.Errorf("router defaults: %+v", c.Router)
 			}
+			if got := c.Tables(); !reflect.DeepEqual(got, []string{"public.outbox"}) {
+				t.Errorf("tables = %v: the messages example must not reach the publication", got)
+			}
 			tc := c.Router.Tables[0]
 			if tc.Subject != router.DefaultSubject || tc.Columns.EventID != router.DefaultEventIDColumn || tc.Columns.Payload != router.DefaultPayloadColumn {
 				t.Errorf("table defaults: %+v", tc)
@@ -102,7 +105,7 @@ func TestLoadExamples(t *testing.T) {
 				t.Fatalf("validating again: %v", err)
 			}
 			rc := c.Relay()
-			if rc.Replication.URL == "" || len(rc.Replication.Tables) != len(c.Router.Tables) || rc.Stream.Name != c.NATS.Stream {
+			if rc.Replication.URL == "" || !reflect.DeepEqual(rc.Replication.Tables, c.Tables()) || len(rc.MessagePrefixes) != len(c.Messages) || rc.Stream.Name != c.NATS.Stream {
 				t.Errorf("relay config: %+v", rc)
 			}
 			tc.check(t, c)
@@ -164,7 +167,7 @@ func TestFullExampleHasEveryKey(t *testing.T) {
 	documented := map[string]bool{}
 	yamlPaths(&root, "", documented)
 
-	want := map[string]bool{"tables": true}
+	want := map[string]bool{"tables": true, "messages": true}
 	for _, path := range config.EnvKeys() {
 		want[path] = true
 		if i := strings.LastIndex(path, "."); i > 0 {
@@ -172,6 +175,7 @@ func TestFullExampleHasEveryKey(t *testing.T) {
 		}
 	}
 	structPaths(reflect.TypeOf(router.TableConfig{}), "tables[]", want)
+	structPaths(reflect.TypeOf(config.Message{}), "messages[]", want)
 	var missing, unknown []string
 	for p := range want {
 		if !documented[p] {
