@@ -196,6 +196,16 @@ func TestLoadRejectsInvalidConfig(t *testing.T) {
 			path: "tables[0].headers", hint: "expected a mapping"},
 		{name: "column name too long", doc: pg + "tables: [{table: public.outbox, columns: {payload: " + strings.Repeat("c", 64) + "}}]\n",
 			path: "tables[0].columns.payload", hint: "longer than 63 bytes"},
+		// Table-less events: paths under messages[], also for the router's
+		// checks of their synthetic tables.
+		{name: "message prefix with a dot", doc: pg + tbl + "messages: [{prefix: a.b}]\n",
+			path: "messages[0].prefix", hint: "letters, digits, _ or -"},
+		{name: "message prefix twice", doc: pg + tbl + "messages: [{prefix: ev}, {prefix: ev}]\n",
+			path: "messages[1].prefix", hint: "mapped twice"},
+		{name: "message subject template", doc: pg + "tables: [{table: public.outbox}, {table: public.other}]\nmessages: [{prefix: ev}, {prefix: ev2, subject: 'ev.{nope}'}]\n",
+			path: "messages[1].subject", hint: "unknown placeholder {nope}"},
+		{name: "unknown message key", doc: pg + tbl + "messages: [{prefix: ev, subjet: x}]\n",
+			path: "messages[0].subjet", hint: "known keys here: aggregate_type, prefix, subject"},
 		{name: "dead-letter subject with wildcard", doc: pg + tbl + "dead_letter_subject: 'dlq.>'\n",
 			path: "dead_letter_subject", hint: "give a literal subject"},
 		{name: "max subject bytes too large", doc: pg + tbl + "max_subject_bytes: 5000\n",
