@@ -132,26 +132,38 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 func (r *Relay) checkStreams(ctx context.Context) error {
-	for i, spec := range []publisher.StreamSpec{r.cfg.Stream, r.cfg.DeadLetterStream} {
-		rep, err := publisher.EnsureStream(ctx, r.js, spec, r.cfg.CreateStreams)
-		if err != nil {
-			return err
-		}
-		if i == 0 {
-			if rep.Durable {
-				r.durable.Store(1)
-			} else {
-				r.durable.Store(0)
-			}
-		}
-		if rep.Created {
-			r.log.Info("created stream", zap.String("stream", spec.Name), zap.Strings("subjects", spec.Subjects))
-		}
-		for _, w := range rep.Warnings {
-			r.log.Warn(w, zap.String("stream", spec.Name))
-		}
+	durable, err := ensureStreams(ctx, r.js, r.cfg, r.log)
+	if err != nil {
+		return err
+	}
+	if durable {
+		r.durable.Store(1)
+	} else {
+		r.durable.Store(0)
 	}
 	return nil
+}
+
+// ensureStreams checks (and with CreateStreams creates) the event and
+// dead-letter streams, logs their warnings and reports whether the event
+// stream's acks are durable.
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) (durable bool, err error) {
+	for i, spec := range []publisher.StreamSpec{cfg.Stream, cfg.DeadLetterStream} {
+		rep, err := publisher.EnsureStream(ctx, js, spec, cfg.CreateStreams)
+		if err != nil {
+			return false, err
+		}
+		if i == 0 {
+			durable = rep.Durable
+		}
+		if rep.Created {
+			log.Info("created stream", zap.String("stream", spec.Name), zap.Strings("subjects", spec.Subjects))
+		}
+		for _, w := range rep.Warnings {
+			log.Warn(w, zap.String("stream", spec.Name))
+		}
+	}
+	return durable, nil
 }
 
 // stream (re)starts the replication stream until ctx ends or a permanent

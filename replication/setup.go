@@ -214,12 +214,8 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 
 func ensureSlot(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport, create bool) error {
 	if cfg.FailoverSlot {
-		var version int
-		if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
-			return fmt.Errorf("read server version: %w", err)
-		}
-		if version < 170000 {
-			return actionable(ErrFailoverUnsupported, "upgrade to PostgreSQL 17 (and set sync_replication_slots = on on the standbys), or set postgres.failover_slot: false and recover after a failover with reconciliation", "server version %d", version)
+		if err := checkFailoverSupport(ctx, conn); err != nil {
+			return err
 		}
 	}
 	st, err := slotStatus(ctx, conn, cfg.Slot)
@@ -258,6 +254,19 @@ func ensureSlot(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupRepor
 		return slotLostError(cfg.Slot)
 	}
 	rep.add("slot %s already exists (confirmed_flush_lsn %s)", cfg.Slot, st.ConfirmedFlushLSN)
+	return nil
+}
+
+// checkFailoverSupport fails unless the server has failover slots
+// (PostgreSQL 17+).
+func checkFailoverSupport(ctx context.Context, conn *pgx.Conn) error {
+	var version int
+	if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
+		return fmt.Errorf("read server version: %w", err)
+	}
+	if version < 170000 {
+		return actionable(ErrFailoverUnsupported, "upgrade to PostgreSQL 17 (and set sync_replication_slots = on on the standbys), or set postgres.failover_slot: false and recover after a failover with reconciliation", "server version %d", version)
+	}
 	return nil
 }
 

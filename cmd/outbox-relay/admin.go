@@ -28,9 +28,24 @@ func newSetupCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			ctx, cancel := context.WithTimeout(cmd.Context(), time.Minute)
+			// Backfilling a large outbox can take a while: SIGINT stops it.
+			ctx, cancel := signalContext()
 			defer cancel()
 			out := cmd.OutOrStdout()
+			nc, err := connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay setup")
+			if err != nil {
+				return err
+			}
+			defer nc.Close()
+			if cfg.Postgres.Backfill {
+				brep, err := backfill(ctx, cfg, nc, zap.NewNop(), cmd.ErrOrStderr())
+				if err != nil {
+					return err
+				}
+				if brep.SlotCreated {
+					fmt.Fprintf(out, "postgres: created slot %s with an exported snapshot (consistent point %s); backfilled %d waiting rows (%d dead-lettered)\n", cfg.Postgres.Slot, brep.ConsistentPoint, brep.Rows, brep.DeadLettered)
+				}
+			}
 			rep, err := replication.Setup(ctx, cfg.Replication())
 			if err != nil {
 				return err
@@ -38,11 +53,6 @@ func newSetupCmd(g *globals) *cobra.Command {
 			for _, a := range rep.Actions {
 				fmt.Fprintln(out, "postgres:", a)
 			}
-			nc, err := connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay setup")
-			if err != nil {
-				return err
-			}
-			defer nc.Close()
 			js, err := jetstream.New(nc)
 			if err != nil {
 				return err

@@ -6,10 +6,12 @@ import (
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"os"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -49,21 +51,17 @@ func newRunCmd(g *globals) *cobra.Command {
 
 func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 	log.Info("starting", zap.String("version", version), zap.String("slot", cfg.Postgres.Slot), zap.String("stream", cfg.NATS.Stream), zap.Strings("tables", cfg.Tables()))
-	if cfg.Postgres.AutoSetup {
-		rep, err := replication.Setup(ctx, cfg.Replication())
-		if err != nil {
-			log.Error("setup failed", zap.Error(err))
-			return err
-		}
-		for _, a := range rep.Actions {
-			log.Info("setup: " + a)
-		}
-	}
 	nc, err := connectNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
 	if err != nil {
 		return err
 	}
 	defer nc.Close()
+	if cfg.Postgres.AutoSetup {
+		if err := autoSetup(ctx, cfg, nc, log); err != nil {
+			log.Error("setup failed", zap.Error(err))
+			return err
+		}
+	}
 
 	var ready atomic.Bool
 	reg := prometheus.NewRegistry()
@@ -141,6 +139,29 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 		return nil
 	}
 	return err
+}
+
+// autoSetup creates what is missing before streaming: with backfill, a new
+// slot comes from an exported snapshot and the rows already waiting are
+// published first.
+func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.Logger) error {
+	if cfg.Postgres.Backfill {
+		rep, err := backfill(ctx, cfg, nc, log, os.Stderr)
+		if err != nil {
+			return err
+		}
+		if rep.SlotCreated {
+			log.Info("setup: created slot with snapshot and backfilled the outbox", zap.String("slot", cfg.Postgres.Slot), zap.Stringer("consistent_point", rep.ConsistentPoint), zap.Int("rows", rep.Rows), zap.Int("dead_lettered", rep.DeadLettered))
+		}
+	}
+	rep, err := replication.Setup(ctx, cfg.Replication())
+	if err != nil {
+		return err
+	}
+	for _, a := range rep.Actions {
+		log.Info("setup: " + a)
+	}
+	return nil
 }
 
 func httpHandler(reg *prometheus.Registry, withPprof bool, ready func() bool) http.Handler {

@@ -92,6 +92,11 @@ type Postgres struct {
 	ReceiveTimeout time.Duration `yaml:"receive_timeout"`
 	// FailoverSlot creates a PostgreSQL 17 failover slot.
 	FailoverSlot bool `yaml:"failover_slot"`
+	// Backfill publishes the rows already in the outbox (publish_state =
+	// 'PENDING') when the slot is created, from the slot's exported
+	// snapshot: a first install or a cut-over from a polling relay loses
+	// nothing and publishes nothing twice.
+	Backfill bool `yaml:"backfill"`
 }
 
 // NATS configures the JetStream side.
@@ -144,6 +149,7 @@ func Default() Config {
 			StatusInterval: time.Second,
 			AutoSetup:      true,
 			ReceiveTimeout: 30 * time.Second,
+			Backfill:       true,
 		},
 		NATS: NATS{
 			URL:               "nats://127.0.0.1:4222",

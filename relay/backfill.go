@@ -1,0 +1,224 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// BackfillReport says what Backfill did.
+type BackfillReport struct {
+	// SlotCreated is false when the slot already existed: nothing was
+	// backfilled, since rows before it were handled when it was created.
+	SlotCreated     bool
+	ConsistentPoint replication.LSN
+	Rows            int // rows published (events and dead letters)
+	DeadLettered    int
+}
+
+// Progress is told how many of the backfill's rows are published so far.
+type Progress func(table string, done, total int)
+
+// pendingColumn marks unpublished rows in tables that have it (the seed's
+// publish_state): a polling relay being replaced set it to PUBLISHED for
+// what it already sent.
+const pendingColumn = "publish_state"
+
+// Backfill creates the slot with an exported snapshot and publishes the
+// outbox rows committed before it — rows with publish_state = 'PENDING' in
+// tables that have that column, every row otherwise — in (aggregate id,
+// version) order. Streaming from the slot afterwards continues exactly
+// where the snapshot ends: no gap and no overlap. It is how a first install
+// or a cut-over from a polling relay publishes the rows already waiting.
+//
+// If Backfill fails half-way, drop the slot and run it again: rows
+// published twice are de-duplicated by their Nats-Msg-Id within the
+// stream's duplicate window.
+func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, progress Progress) (BackfillReport, error) {
+	var rep BackfillReport
+	if log == nil {
+		log = zap.NewNop()
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return rep, err
+	}
+	// Streams first: with no stream the publishes would only be retried.
+	if _, err := ensureStreams(ctx, js, cfg, log); err != nil {
+		return rep, err
+	}
+	snap, err := replication.CreateSlotWithSnapshot(ctx, cfg.Replication)
+	if errors.Is(err, replication.ErrSlotExists) {
+		return rep, nil
+	}
+	if err != nil {
+		return rep, err
+	}
+	defer snap.Close(context.Background())
+	rep.SlotCreated, rep.ConsistentPoint = true, snap.ConsistentPoint
+	log.Info("slot created with snapshot", zap.String("slot", cfg.Replication.Slot), zap.Stringer("consistent_point", snap.ConsistentPoint))
+
+	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
+	if err != nil {
+		return rep, err
+	}
+	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(log.Named("publisher")))
+	if err != nil {
+		return rep, err
+	}
+	defer pub.Close()
+	pctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- pub.Run(pctx) }()
+	defer func() { stop(); <-done }()
+
+	conn, err := pgx.Connect(ctx, cfg.Replication.URL)
+	if err != nil {
+		return rep, fmt.Errorf("connect for backfill: %w", err)
+	}
+	defer conn.Close(context.Background())
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return rep, err
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT '"+snap.Snapshot+"'"); err != nil {
+		return rep, fmt.Errorf("import snapshot %s: %w", snap.Snapshot, err)
+	}
+	// The rows are already committed; as commit information they carry the
+	// slot's consistent point (committed before it) and the backfill time.
+	commit := router.CommitInfo{LSN: snap.ConsistentPoint, Time: time.Now()}
+	var dead int
+	for _, table := range cfg.Replication.Tables {
+		n, d, err := backfillTable(ctx, tx, table, tableConfig(cfg.Router, table), rt, pub, commit, progress)
+		rep.Rows += n
+		dead += d
+		if err != nil {
+			return rep, fmt.Errorf("backfill %s: %w", table, err)
+		}
+	}
+	rep.DeadLettered = dead
+	if err := pub.Drain(ctx); err != nil {
+		return rep, fmt.Errorf("backfill: wait for acks: %w", err)
+	}
+	return rep, nil
+}
+
+func tableConfig(c router.Config, table string) router.TableConfig {
+	for _, t := range c.Tables {
+		name := t.Table
+		if !strings.Contains(name, ".") {
+			name = "public." + name
+		}
+		if name == table {
+			return t
+		}
+	}
+	return router.TableConfig{Table: table}
+}
+
+func backfillTable(ctx context.Context, tx pgx.Tx, table string, tc router.TableConfig, rt *router.Router, pub *publisher.Publisher, commit router.CommitInfo, progress Progress) (published, dead int, err error) {
+	schema, name, _ := strings.Cut(table, ".")
+	ident := pgx.Identifier{schema, name}.Sanitize()
+	rel := &replication.Relation{Namespace: schema, Name: name}
+	rows, err := tx.Query(ctx, `SELECT a.attname, a.atttypid, c.oid FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum`, ident)
+	if err != nil {
+		return 0, 0, err
+	}
+	for rows.Next() {
+		var col replication.Column
+		if err := rows.Scan(&col.Name, &col.TypeOID, &rel.ID); err != nil {
+			return 0, 0, err
+		}
+		rel.Columns = append(rel.Columns, col)
+	}
+	if err := rows.Err(); err != nil {
+		return 0, 0, err
+	}
+	where := ""
+	if rel.ColumnIndex(pendingColumn) >= 0 {
+		where = " WHERE " + pgx.Identifier{"src", pendingColumn}.Sanitize() + " = 'PENDING'"
+	}
+	aggCol, verCol := or(tc.Columns.AggregateID, router.DefaultAggregateIDColumn), or(tc.Columns.AggregateVersion, router.DefaultAggregateVersionColumn)
+	var total int
+	if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+ident+" AS src"+where).Scan(&total); err != nil {
+		return 0, 0, err
+	}
+	sel := make([]string, len(rel.Columns))
+	for i, c := range rel.Columns {
+		sel[i] = pgx.Identifier{c.Name}.Sanitize() + "::text"
+	}
+	q := "SELECT " + strings.Join(sel, ", ") + " FROM " + ident + " AS src" + where
+	// Aggregate order, so each aggregate's events reach the stream by
+	// version; a table without those columns is read as it is and every
+	// row is dead-lettered by the router with the reason.
+	if rel.ColumnIndex(aggCol) >= 0 && rel.ColumnIndex(verCol) >= 0 {
+		// Qualified: a bare name would sort by the ::text output column.
+		q += " ORDER BY " + pgx.Identifier{"src", aggCol}.Sanitize() + ", " + pgx.Identifier{"src", verCol}.Sanitize()
+	}
+	rows, err = tx.Query(ctx, q)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer rows.Close()
+	vals := make([]replication.Value, len(rel.Columns))
+	lastReport := time.Now()
+	for rows.Next() {
+		raw := rows.RawValues()
+		for i := range vals {
+			if raw[i] == nil {
+				vals[i] = replication.Value{Kind: replication.ValueNull}
+			} else {
+				vals[i] = replication.Value{Kind: replication.ValueText, Data: raw[i]}
+			}
+		}
+		// A backfilled row has no WAL position of its own; its number in the
+		// deterministic read order stands in, so a re-run's dead-letter
+		// records get the same ids.
+		ins := &replication.Insert{Relation: rel, Values: vals, LSN: replication.LSN(published + 1)}
+		var m *publisher.Message
+		rm, rerr := rt.Route(ins, commit)
+		if rerr != nil {
+			dl := rt.DeadLetter(ins, commit, rerr)
+			m = &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
+			dead++
+		} else {
+			m = &publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, Key: rm.Key,
+				DeadLetter: func(reason error) *publisher.Message {
+					dl := rt.DeadLetterMessage(rm, reason)
+					return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
+				}}
+		}
+		if err := pub.Publish(ctx, m); err != nil {
+			return published, dead, err
+		}
+		published++
+		if progress != nil && (time.Since(lastReport) > 200*time.Millisecond || published == total) {
+			progress(table, published, total)
+			lastReport = time.Now()
+		}
+	}
+	if progress != nil && published == 0 {
+		progress(table, 0, total)
+	}
+	return published, dead, rows.Err()
+}
+
+func or(v, def string) string {
+	if v != "" {
+		return v
+	}
+	return def
+}
