@@ -72,7 +72,7 @@ func newRootCmd() *cobra.Command {
 		g.flags[f.path] = root.PersistentFlags().String(f.name, "", f.usage)
 	}
 	g.cmd = root
-	root.AddCommand(newRunCmd(g), newSetupCmd(g), newStatusCmd(g), newTeardownCmd(g), newReconcileCmd(g), newCleanupCmd(g), newVersionCmd())
+	root.AddCommand(newRunCmd(g), newSetupCmd(g), newStatusCmd(g), newTeardownCmd(g), newReconcileCmd(g), newCleanupCmd(g), newDLQCmd(g), newVersionCmd())
 	return root
 }
 
