@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -17,6 +15,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/reward"
 )
 
 // The reward stage: the seed lesson's reward service, run in-process on the
@@ -34,10 +33,9 @@ type credit struct {
 	registration, player string
 }
 
-// rewardHandler credits rewardPoints to the registration's player through
-// the seed's apply_reward_event, in the library's transaction. It is the
-// demo's copy of cmd/reward-consumer's handler, which lives in package main
-// and cannot be imported; it leaves out that handler's payload checks.
+// rewardHandler runs the real reward handler (internal/reward, the one
+// cmd/reward-consumer serves) and remembers what it credited until the
+// transaction commits, so the demo prints only committed credits.
 type rewardHandler struct {
 	mu      sync.Mutex
 	pending map[string]credit // event id -> credit, until its commit
@@ -45,30 +43,12 @@ type rewardHandler struct {
 }
 
 func (h *rewardHandler) Handle(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
-	var p struct {
-		RegistrationID string `json:"registrationId"`
-	}
-	if err := json.Unmarshal(m.Payload, &p); err != nil {
-		return consumer.Permanent(fmt.Errorf("payload: %w", err))
-	}
-	var player string
-	err := tx.QueryRow(ctx, `SELECT player_id::text FROM reward_registration WHERE registration_id = $1`, p.RegistrationID).Scan(&player)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return consumer.Permanent(fmt.Errorf("registration %s has no player", p.RegistrationID))
-	}
-	if err != nil {
-		return err
-	}
-	var applied bool
-	if err := tx.QueryRow(ctx, `SELECT apply_reward_event($1, $2, $3, $4)`, rewardLedger, m.ID, player, rewardPoints).Scan(&applied); err != nil {
-		return err
-	}
-	if applied {
+	inner := reward.Handler{Ledger: rewardLedger, Points: rewardPoints, Applied: func(m *consumer.Message, registration, player uuid.UUID) {
 		h.mu.Lock()
-		h.pending[m.ID] = credit{registration: p.RegistrationID, player: player}
+		h.pending[m.ID] = credit{registration: registration.String(), player: player.String()}
 		h.mu.Unlock()
-	}
-	return nil
+	}}
+	return inner.Handle(ctx, tx, m)
 }
 
 // afterCommit reports a credit once its transaction committed.

@@ -44,6 +44,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/consumer"
+	"github.com/outbox-relay/outbox-relay/internal/reward"
 )
 
 const envPrefix = "REWARD_CONSUMER_"
@@ -160,7 +161,7 @@ func run() error {
 		// Registrations change without emitting an event (creation), and
 		// this consumer takes one event type: versions skip legitimately,
 		// so version checking is off; the event id and the ledger dedup.
-		EventTypes: []string{EventType},
+		EventTypes: []string{reward.EventType},
 	}
 	if o.filterSubject != "" {
 		cfg.FilterSubjects = []string{o.filterSubject}
@@ -169,7 +170,7 @@ func run() error {
 	if path := os.Getenv(envPrefix + "TEST_CRASH_AFTER_COMMIT"); path != "" {
 		opts = append(opts, consumer.WithAfterCommit(crashAfterCommit(path)))
 	}
-	c, err := consumer.New(pool, js, cfg, &rewardHandler{ledger: o.ledger, points: int32(o.points)}, opts...)
+	c, err := consumer.New(pool, js, cfg, &reward.Handler{Ledger: o.ledger, Points: int32(o.points)}, opts...)
 	if err != nil {
 		return err
 	}

@@ -15,8 +15,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/reward"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -68,7 +68,7 @@ func (r *rig) publish(id, reg string, version int64, msgID string) {
 	m := nats.NewMsg(r.stream + ".outbox." + reg)
 	m.Header.Set(contract.MsgID, msgID)
 	m.Header.Set(contract.EventID, id)
-	m.Header.Set(contract.EventType, EventType)
+	m.Header.Set(contract.EventType, reward.EventType)
 	m.Header.Set(contract.AggregateType, "outbox")
 	m.Header.Set(contract.AggregateID, reg)
 	m.Header.Set(contract.AggregateVersion, strconv.FormatInt(version, 10))
@@ -181,36 +181,5 @@ func TestCrashBetweenCommitAndAckCreditsOnce(t *testing.T) {
 	testenv.Must(t, restarted.Process.Signal(syscall.SIGTERM), "SIGTERM")
 	if err := restarted.Wait(); err != nil {
 		t.Fatalf("reward-consumer exited with %v after SIGTERM, want 0", err)
-	}
-}
-
-func TestParseConfirmed(t *testing.T) {
-	msg := func(payload string, agg string, version int64) *consumer.Message {
-		m := &consumer.Message{}
-		m.Payload, m.AggregateID, m.AggregateVersion = []byte(payload), agg, version
-		return m
-	}
-	ok := fmt.Sprintf(`{"registrationId": %q, "version": 3}`, registration)
-	for _, tc := range []struct {
-		name string
-		m    *consumer.Message
-		err  string
-	}{
-		{"valid", msg(ok, registration, 3), ""},
-		{"upper-case aggregate id", msg(ok, strings.ToUpper(registration), 3), ""},
-		{"not json", msg(`{`, registration, 3), "payload is not"},
-		{"no id", msg(`{"version": 3}`, registration, 3), "lacks registrationId"},
-		{"no version", msg(fmt.Sprintf(`{"registrationId": %q}`, registration), registration, 3), "lacks version"},
-		{"bad uuid", msg(`{"registrationId": "x", "version": 3}`, "x", 3), "not a UUID"},
-		{"other aggregate", msg(ok, unmapped, 3), "does not match the event's aggregate id"},
-		{"other version", msg(ok, registration, 4), "does not match the event's aggregate version"},
-	} {
-		_, err := parseConfirmed(tc.m)
-		switch {
-		case tc.err == "" && err != nil:
-			t.Errorf("%s: %v", tc.name, err)
-		case tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)):
-			t.Errorf("%s: err %v, want %q", tc.name, err, tc.err)
-		}
 	}
 }

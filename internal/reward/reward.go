@@ -1,4 +1,9 @@
-package main
+// Package reward is the seed lesson's reward scenario as a consumer
+// handler: every RegistrationConfirmed event credits points to the
+// registration's player through apply_reward_event, in the consumer
+// library's transaction. cmd/reward-consumer runs it as a service and
+// make demo runs it in-process.
+package reward
 
 import (
 	"context"
@@ -17,19 +22,24 @@ import (
 // EventType is the only event type the reward consumer handles.
 const EventType = "RegistrationConfirmed"
 
-// rewardHandler credits a fixed number of points to the player of each
+// Handler credits a fixed number of points to the player of each
 // confirmed registration, through the seed's apply_reward_event.
 //
 // The mapping is deliberately simple and deterministic: the player is the
 // registration's row in reward_registration (sql/reward.sql), and every
 // confirmation earns the same number of points.
-type rewardHandler struct {
-	// ledger is apply_reward_event's p_consumer: the key of the function's
+type Handler struct {
+	// Ledger is apply_reward_event's p_consumer: the key of the function's
 	// own dedup row. It names the effect (points credited to
 	// reward_account), not the consumer, so two deployments sharing the
 	// database under different consumer names still credit an event once.
-	ledger string
-	points int32
+	Ledger string
+	// Points credited per confirmed registration.
+	Points int32
+	// Applied, if set, is called inside the transaction when the points
+	// were credited (not for an event the ledger already holds); the
+	// transaction may still roll back after it.
+	Applied func(m *consumer.Message, registration, player uuid.UUID)
 }
 
 // confirmed is the payload of RegistrationConfirmed, as the seed's CTE
@@ -41,7 +51,7 @@ type confirmed struct {
 
 // Handle runs in the consumer library's transaction, after the library
 // recorded the event in consumed_message under the consumer's name.
-func (h *rewardHandler) Handle(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+func (h *Handler) Handle(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 	if m.Type != EventType {
 		return nil // not ours (the consumer is configured to skip these anyway)
 	}
@@ -62,13 +72,16 @@ func (h *rewardHandler) Handle(ctx context.Context, tx pgx.Tx, m *consumer.Messa
 		return fmt.Errorf("look up the player of registration %s: %w", reg, err)
 	}
 	var applied bool
-	err = tx.QueryRow(ctx, `SELECT apply_reward_event($1, $2, $3, $4)`, h.ledger, eventID, player, h.points).Scan(&applied)
+	err = tx.QueryRow(ctx, `SELECT apply_reward_event($1, $2, $3, $4)`, h.Ledger, eventID, player, h.Points).Scan(&applied)
 	var pgErr *pgconn.PgError
 	switch {
 	case err == nil:
 		// applied == false: the ledger already holds this event (credited
 		// under another consumer name); crediting it again is what the
 		// function prevents, so this is success without an effect.
+		if applied && h.Applied != nil {
+			h.Applied(m, reg, player)
+		}
 		return nil
 	case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.RaiseException:
 		// The function's own checks: a missing reward account, or a
