@@ -228,6 +228,8 @@ func runReconcile(ctx context.Context, out io.Writer, cfg config.Config, f recon
 func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list int) {
 	fmt.Fprintf(w, "Outbox rows with occurred_at in [%s, %s) against stream %s\n", r.Since.Format(time.RFC3339), r.Until.Format(time.RFC3339), cfg.NATS.Stream)
 	switch {
+	case r.Confirmed && r.ConfirmedLSN == "":
+		fmt.Fprintf(w, "  every row read is in the stream or the dead-letter stream\n")
 	case r.Confirmed:
 		fmt.Fprintf(w, "  slot %s confirmed %s, past the snapshot's %s: every row read had been relayed\n", cfg.Postgres.Slot, r.ConfirmedLSN, r.SnapshotLSN)
 	case r.ConfirmedLSN == "":

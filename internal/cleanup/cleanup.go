@@ -194,7 +194,7 @@ func (c *cleaner) byStream(ctx context.Context, js jetstream.JetStream, tables [
 		idx[t.Qualified] = i
 	}
 	batches := make([][]string, len(tables))
-	n, err := reconcile.ScanStream(ctx, js, c.cfg.Stream, c.cfg.Router.SubjectFilters(), oldest.Add(-c.cfg.ClockSkew), func(ev *reconcile.StreamEvent) error {
+	res, err := reconcile.ScanStream(ctx, js, c.cfg.Stream, c.cfg.Router.SubjectFilters(), reconcile.ScanFrom{Time: oldest.Add(-c.cfg.ClockSkew)}, func(ev *reconcile.StreamEvent) error {
 		i, ok := idx[ev.Table]
 		if !ok || !tables[i].ValidID(ev.EventID) {
 			return nil
@@ -212,7 +212,7 @@ func (c *cleaner) byStream(ctx context.Context, js jetstream.JetStream, tables [
 		batches[i] = batches[i][:0]
 		return err
 	})
-	c.rep.StreamMessages = n
+	c.rep.StreamMessages = res.Messages
 	if err != nil {
 		return err
 	}

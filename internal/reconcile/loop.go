@@ -78,7 +78,8 @@ func (l *Loop) once(ctx context.Context) {
 	cfg := l.cfg.Config
 	cfg.Until = time.Now()
 	cfg.Since = cfg.Until.Add(-l.cfg.Window)
-	rctx, cancel := context.WithTimeout(ctx, l.cfg.Interval)
+	// A hung run must not stop the loop for good.
+	rctx, cancel := context.WithTimeout(ctx, max(l.cfg.Interval, 5*time.Minute))
 	defer cancel()
 	rep, err := Run(rctx, l.db, l.js, cfg, l.opts...)
 	if ctx.Err() != nil {

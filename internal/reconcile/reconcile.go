@@ -118,11 +118,13 @@ type Report struct {
 	Until time.Time `json:"until"`
 	// SnapshotLSN is pg_current_wal_insert_lsn() in the rows' snapshot.
 	SnapshotLSN string `json:"snapshot_lsn"`
-	// ConfirmedLSN is the slot's confirmed_flush_lsn when checked; empty
-	// when the slot does not exist.
+	// ConfirmedLSN is the slot's confirmed_flush_lsn, read when some rows
+	// were not found in the streams; empty when it was not needed or the
+	// slot does not exist.
 	ConfirmedLSN string `json:"slot_confirmed_lsn,omitempty"`
-	// Confirmed reports that the slot confirmed the snapshot: Missing is
-	// definitive. Otherwise those rows are Pending.
+	// Confirmed reports that every row read is in a stream or that the
+	// slot confirmed the snapshot: Missing is definitive. Otherwise the
+	// rows not found are Pending.
 	Confirmed bool `json:"confirmed"`
 	// StreamMessages and DeadLetterMessages count the messages read.
 	StreamMessages     uint64  `json:"stream_messages_read"`
@@ -212,38 +214,38 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	}
 	rep.SnapshotLSN = snapshot.String()
 
-	// 2. Wait until the relay confirmed them: from then on each is in a
-	// stream, unless it was never decoded or was deleted since.
-	confirmed, exists, err := waitConfirmed(ctx, db, cfg.Slot, snapshot, cfg.ConfirmWait)
-	if err != nil {
-		return nil, err
-	}
-	rep.Confirmed = confirmed >= snapshot && exists
-	if exists {
-		rep.ConfirmedLSN = confirmed.String()
-	}
-
 	known := make(map[string]bool, len(tables))
 	for _, t := range tables {
 		known[t.Qualified] = true
 	}
-	// 3. Dead letters: rows the relay could not publish are accounted for.
+	// 2. Dead letters: rows the relay could not publish are accounted for.
+	dlqFilter := []string{cfg.Router.DeadLetterFilter()}
+	markDLQ := func(ev *StreamEvent) error {
+		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
+			r.dlq = true
+		}
+		return nil
+	}
+	var dlqScan ScanResult
 	if cfg.DeadLetterStream != "" {
-		n, err := ScanStream(ctx, js, cfg.DeadLetterStream, []string{cfg.Router.DeadLetterFilter()}, time.Time{}, func(ev *StreamEvent) error {
-			if r := rows[key(ev.Table, ev.EventID)]; r != nil {
-				r.dlq = true
-			}
-			return nil
-		})
-		if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		dlqScan, err = ScanStream(ctx, js, cfg.DeadLetterStream, dlqFilter, ScanFrom{}, markDLQ)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			err = nil // no dead letter was ever written
+		}
+		if err != nil {
 			return nil, err
 		}
-		rep.DeadLetterMessages = n
 	}
 
-	// 4. The events.
+	// 3. The events.
 	var unexpected []*StreamEvent
-	n, err := ScanStream(ctx, js, cfg.Stream, cfg.Router.SubjectFilters(), cfg.Since.Add(-cfg.ClockSkew), func(ev *StreamEvent) error {
+	markFound := func(ev *StreamEvent) error {
+		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
+			r.found++
+		}
+		return nil
+	}
+	evScan, err := ScanStream(ctx, js, cfg.Stream, cfg.Router.SubjectFilters(), ScanFrom{Time: cfg.Since.Add(-cfg.ClockSkew)}, func(ev *StreamEvent) error {
 		if !known[ev.Table] {
 			return nil
 		}
@@ -265,7 +267,40 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	if err != nil {
 		return nil, err
 	}
-	rep.StreamMessages = n
+	rep.StreamMessages, rep.DeadLetterMessages = evScan.Messages, dlqScan.Messages
+
+	// 4. Rows not found yet: wait until the relay confirmed the snapshot.
+	// From then on each is in a stream, unless it was never decoded or was
+	// deleted since; the streams' tails hold those published meanwhile.
+	unfound := 0
+	for _, r := range rows {
+		if r.found == 0 && !r.dlq {
+			unfound++
+		}
+	}
+	rep.Confirmed = true
+	if unfound > 0 {
+		confirmed, exists, err := waitConfirmed(ctx, db, cfg.Slot, snapshot, cfg.ConfirmWait)
+		if err != nil {
+			return nil, err
+		}
+		rep.Confirmed = exists && confirmed >= snapshot
+		if exists {
+			rep.ConfirmedLSN = confirmed.String()
+		}
+		if cfg.DeadLetterStream != "" {
+			tail, err := ScanStream(ctx, js, cfg.DeadLetterStream, dlqFilter, ScanFrom{Seq: dlqScan.LastSeq + 1}, markDLQ)
+			if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+				return nil, err
+			}
+			rep.DeadLetterMessages += tail.Messages
+		}
+		tail, err := ScanStream(ctx, js, cfg.Stream, cfg.Router.SubjectFilters(), ScanFrom{Seq: evScan.LastSeq + 1}, markFound)
+		if err != nil {
+			return nil, err
+		}
+		rep.StreamMessages += tail.Messages
+	}
 
 	// 5. An event without a row in the snapshot may belong to a transaction
 	// that committed after it: look again.

@@ -31,23 +31,41 @@ type StreamEvent struct {
 // scanBatch is how many messages one fetch asks for.
 const scanBatch = 2000
 
+// ScanFrom says where a scan starts: at sequence Seq when it is set, else
+// at the first message stored at or after Time, else at the beginning.
+type ScanFrom struct {
+	Time time.Time
+	Seq  uint64
+}
+
+// ScanResult is the extent of a scan.
+type ScanResult struct {
+	// Messages is the messages read.
+	Messages uint64
+	// LastSeq is the stream's last sequence when the scan began: the scan
+	// covered everything up to it, and a later scan of the tail starts
+	// after it.
+	LastSeq uint64
+}
+
 // ScanStream calls fn for every message of stream matching filters (all when
-// empty) stored at or after start (the whole stream when start is zero), up
-// to the stream's last sequence when the scan begins. It reads headers only,
-// through an ephemeral consumer that is deleted afterwards (and expires on
-// its own if the process dies). It returns the number of messages read.
-func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filters []string, start time.Time, fn func(*StreamEvent) error) (uint64, error) {
+// empty) from the position from, up to the stream's last sequence when the
+// scan begins. It reads headers only, through an ephemeral consumer that is
+// deleted afterwards (and expires on its own if the process dies).
+func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filters []string, from ScanFrom, fn func(*StreamEvent) error) (ScanResult, error) {
+	var res ScanResult
 	s, err := js.Stream(ctx, stream)
 	if err != nil {
-		return 0, fmt.Errorf("stream %s: %w", stream, err)
+		return res, fmt.Errorf("stream %s: %w", stream, err)
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
-		return 0, fmt.Errorf("stream %s info: %w", stream, err)
+		return res, fmt.Errorf("stream %s info: %w", stream, err)
 	}
 	last := info.State.LastSeq
-	if info.State.Msgs == 0 || last == 0 {
-		return 0, nil
+	res.LastSeq = last
+	if info.State.Msgs == 0 || last == 0 || (from.Seq > 0 && from.Seq > last) {
+		return res, nil
 	}
 	cc := jetstream.ConsumerConfig{
 		AckPolicy:         jetstream.AckNonePolicy,
@@ -57,8 +75,11 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 		DeliverPolicy:     jetstream.DeliverAllPolicy,
 		Description:       "outbox-relay reconcile scan",
 	}
-	if !start.IsZero() {
-		st := start.UTC()
+	switch {
+	case from.Seq > 0:
+		cc.DeliverPolicy, cc.OptStartSeq = jetstream.DeliverByStartSequencePolicy, from.Seq
+	case !from.Time.IsZero():
+		st := from.Time.UTC()
 		cc.DeliverPolicy, cc.OptStartTime = jetstream.DeliverByStartTimePolicy, &st
 	}
 	switch len(filters) {
@@ -70,7 +91,7 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 	}
 	cons, err := s.CreateConsumer(ctx, cc)
 	if err != nil {
-		return 0, fmt.Errorf("create scan consumer on %s: %w", stream, err)
+		return res, fmt.Errorf("create scan consumer on %s: %w", stream, err)
 	}
 	name := cons.CachedInfo().Name
 	defer func() {
@@ -79,17 +100,19 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 		_ = s.DeleteConsumer(dctx, name)
 	}()
 	if cons.CachedInfo().NumPending == 0 {
-		return 0, nil
+		return res, nil
 	}
-	var n uint64
+	n := &res.Messages
 	var ev StreamEvent
 	for {
 		if err := ctx.Err(); err != nil {
-			return n, err
+			return res, err
 		}
-		batch, err := cons.Fetch(scanBatch, jetstream.FetchMaxWait(2*time.Second))
+		// Stored messages are all available at once: a no-wait request
+		// returns them without waiting out an expiry.
+		batch, err := cons.FetchNoWait(scanBatch)
 		if err != nil {
-			return n, fmt.Errorf("scan %s: %w", stream, err)
+			return res, fmt.Errorf("scan %s: %w", stream, err)
 		}
 		got, done := 0, false
 		for m := range batch.Messages() {
@@ -99,7 +122,7 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 			}
 			md, err := m.Metadata()
 			if err != nil {
-				return n, fmt.Errorf("scan %s: %w", stream, err)
+				return res, fmt.Errorf("scan %s: %w", stream, err)
 			}
 			if md.Sequence.Stream > last {
 				done = true
@@ -123,29 +146,29 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 			if s := h.Get(contract.OccurredAt); s != "" {
 				ev.OccurredAt, _ = time.Parse(time.RFC3339Nano, s)
 			}
-			n++
+			*n++
 			if err := fn(&ev); err != nil {
-				return n, err
+				return res, err
 			}
 			if md.NumPending == 0 || md.Sequence.Stream >= last {
 				done = true
 			}
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
-			return n, fmt.Errorf("scan %s: %w", stream, err)
+			return res, fmt.Errorf("scan %s: %w", stream, err)
 		}
 		if done {
-			return n, nil
+			return res, nil
 		}
 		if got == 0 {
 			// Nothing within the wait: either the filtered tail is empty
 			// (nothing pending) or the server is slow; ask.
 			ci, err := cons.Info(ctx)
 			if err != nil {
-				return n, fmt.Errorf("scan %s: %w", stream, err)
+				return res, fmt.Errorf("scan %s: %w", stream, err)
 			}
 			if ci.NumPending == 0 {
-				return n, nil
+				return res, nil
 			}
 		}
 	}

@@ -84,12 +84,12 @@ func loadTable(ctx context.Context, db DB, tc router.TableConfig, path string) (
 		Qualified: tc.Table,
 		Ident:     pgx.Identifier{schema, name}.Sanitize(),
 	}
-	var oid uint32
-	err := db.QueryRow(ctx, "SELECT to_regclass($1)::oid", t.Ident).Scan(&oid)
+	var regclass *uint32
+	err := db.QueryRow(ctx, "SELECT to_regclass($1)::oid", t.Ident).Scan(&regclass)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("look up table %s: %w", tc.Table, err)
 	}
-	if oid == 0 {
+	if regclass == nil {
 		return nil, fmt.Errorf("%w: %s (create it or fix %s.table)", ErrTableMissing, tc.Table, path)
 	}
 	// pgoutput sends the columns that are not dropped and not generated,
@@ -98,11 +98,11 @@ func loadTable(ctx context.Context, db DB, tc router.TableConfig, path string) (
 SELECT attname, atttypid, format_type(atttypid, atttypmod)
 FROM pg_attribute
 WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
-ORDER BY attnum`, oid)
+ORDER BY attnum`, *regclass)
 	if err != nil {
 		return nil, fmt.Errorf("read columns of %s: %w", tc.Table, err)
 	}
-	rel := &replication.Relation{ID: oid, Namespace: schema, Name: name}
+	rel := &replication.Relation{ID: *regclass, Namespace: schema, Name: name}
 	for rows.Next() {
 		var c replication.Column
 		var typ string

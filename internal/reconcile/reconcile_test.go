@@ -1,0 +1,438 @@
+package reconcile_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/opstest"
+	"github.com/outbox-relay/outbox-relay/internal/reconcile"
+	"github.com/outbox-relay/outbox-relay/internal/relaytest"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/replication"
+)
+
+func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+
+func config(f *opstest.Fixture, since time.Time) reconcile.Config {
+	return reconcile.Config{
+		Router: f.Cfg.Router, Stream: f.Stream, DeadLetterStream: f.DLQ, Slot: f.Cfg.Replication.Slot,
+		Since: since, ConfirmWait: 15 * time.Second,
+	}
+}
+
+func run(t *testing.T, f *opstest.Fixture, cfg reconcile.Config) *reconcile.Report {
+	t.Helper()
+	rep, err := reconcile.Run(context.Background(), f.DB.Pool, f.JS, cfg, reconcile.WithLogger(zaptest.NewLogger(t)))
+	if err != nil {
+		t.Fatalf("reconcile: %v", err)
+	}
+	return rep
+}
+
+func repair(t *testing.T, f *opstest.Fixture, evs []reconcile.Event) *reconcile.RepairReport {
+	t.Helper()
+	rr, err := reconcile.Repair(context.Background(), f.DB.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, evs)
+	if err != nil {
+		t.Fatalf("repair: %v", err)
+	}
+	return rr
+}
+
+func ids(evs []reconcile.Event) []string {
+	out := make([]string, len(evs))
+	for i, e := range evs {
+		out[i] = e.EventID
+	}
+	sort.Strings(out)
+	return out
+}
+
+func sortedKeys(m map[string]bool) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Acceptance 2, first half: events deleted from the stream by hand are
+// reported missing, and --repair restores them in aggregate order with the
+// router's subject and headers.
+func TestReconcileFindsDeletedEventsAndRepairs(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// A short duplicate window, so the deleted ids can be stored again soon.
+	f := opstest.New(t, "", time.Second)
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	w := f.NewWriter(20)
+	evs := w.Write(ctx, 400, 10)
+	f.WaitCount(ctx, f.Stream, 400, 30*time.Second)
+
+	rep := run(t, f, config(f, since))
+	if !rep.Confirmed || rep.Total.Rows != 400 || rep.Total.InStream != 400 || rep.Differences() != 0 || rep.Total.Duplicates != 0 {
+		t.Fatalf("clean stream: %+v", rep.Total)
+	}
+	if len(rep.Groups) != 1 || rep.Groups[0].Table != "public.outbox" || rep.Groups[0].AggregateType != "registration" {
+		t.Fatalf("groups %+v", rep.Groups)
+	}
+
+	// Versions 3, 4 and 5 of one aggregate and a few others.
+	agg := evs[0].Aggregate
+	deleted := map[string]bool{}
+	for _, e := range evs {
+		if e.Aggregate == agg && e.Version >= 3 && e.Version <= 5 {
+			deleted[e.ID] = true
+		}
+	}
+	for i := 100; len(deleted) < 10; i += 37 {
+		deleted[evs[i].ID] = true
+	}
+	before := f.Read(ctx, f.Stream)
+	subjectOf := map[string]string{}
+	for _, m := range before {
+		subjectOf[m.Event.ID] = m.Subject
+	}
+	if n := f.DeleteFromStream(ctx, deleted); n != 10 {
+		t.Fatalf("deleted %d messages", n)
+	}
+
+	rep = run(t, f, config(f, since))
+	if rep.Total.Missing != 10 || rep.Total.InStream != 390 || rep.Total.Pending != 0 || rep.Total.Unexpected != 0 {
+		t.Fatalf("after deleting 10: %+v", rep.Total)
+	}
+	if got, want := ids(rep.Missing), sortedKeys(deleted); !equal(got, want) {
+		t.Fatalf("missing %v, want %v", got, want)
+	}
+
+	// The stream drops ids still in its duplicate window: repair until
+	// every event is stored again.
+	published := 0
+	if !testenv.WaitFor(20*time.Second, func() bool {
+		rr := repair(t, f, rep.Missing)
+		if len(rr.Failed) > 0 {
+			t.Fatalf("repair failures: %+v", rr.Failed)
+		}
+		published += rr.Published
+		rep = run(t, f, config(f, since))
+		return rep.Total.Missing == 0
+	}) {
+		t.Fatalf("still missing after repairs: %+v", rep.Total)
+	}
+	if published != 10 || rep.Total.InStream != 400 || rep.Total.Duplicates != 0 || rep.Differences() != 0 {
+		t.Fatalf("after repair: published %d, %+v", published, rep.Total)
+	}
+
+	// Repaired events: same subject and payload, no commit headers, a
+	// repair mark, and the aggregate's versions in order.
+	stored := map[string]relaytest.Event{}
+	for _, e := range evs {
+		stored[e.ID] = e
+	}
+	seqOf := map[int64]uint64{}
+	for _, m := range f.Read(ctx, f.Stream) {
+		if !deleted[m.Event.ID] {
+			continue
+		}
+		e := stored[m.Event.ID]
+		if m.Subject != subjectOf[m.Event.ID] || string(m.Data) != e.Payload || m.Event.AggregateVersion != e.Version {
+			t.Errorf("repaired %s: subject %q data %s version %d, want %q %s %d", e.ID, m.Subject, m.Data, m.Event.AggregateVersion, subjectOf[e.ID], e.Payload, e.Version)
+		}
+		h := nats.Header(m.Headers)
+		if h.Get(contract.CommitLSN) != "" || h.Get(contract.CommitTime) != "" || h.Get(reconcile.RepairedAtHeader) == "" ||
+			h.Get(contract.MsgID) != e.ID || h.Get(contract.OccurredAt) == "" {
+			t.Errorf("repaired %s headers %v", e.ID, m.Headers)
+		}
+		if e.Aggregate == agg {
+			seqOf[e.Version] = m.Seq
+		}
+	}
+	if !(seqOf[3] < seqOf[4] && seqOf[4] < seqOf[5]) {
+		t.Errorf("repaired versions 3, 4, 5 at sequences %d, %d, %d: out of order", seqOf[3], seqOf[4], seqOf[5])
+	}
+}
+
+// Acceptance 2, second half: the slot is dropped and recreated (what a lost
+// slot's runbook does); the events committed without a slot are found and,
+// republished before the relay restarts, leave nothing missing, no
+// duplicate and every aggregate in order.
+func TestReconcileAfterSlotRecreated(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	f.Setup(ctx)
+	_, stop := f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	w := f.NewWriter(10)
+	all := w.Write(ctx, 200, 5)
+	f.WaitCount(ctx, f.Stream, 200, 30*time.Second)
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if !testenv.WaitFor(10*time.Second, func() bool {
+		_, err := replication.DropSlot(ctx, f.Cfg.Replication)
+		if err != nil && !errors.Is(err, replication.ErrSlotInUse) {
+			t.Fatal(err)
+		}
+		return err == nil
+	}) {
+		t.Fatal("slot stays in use after the relay stopped")
+	}
+	lost := w.Write(ctx, 150, 5) // no slot: never decoded
+	all = append(all, lost...)
+	f.Setup(ctx)
+	all = append(all, w.Write(ctx, 50, 5)...) // in the new slot, not yet relayed
+
+	// No relay runs: the new slot cannot confirm, so these are pending.
+	cfg := config(f, since)
+	cfg.ConfirmWait = -1
+	rep := run(t, f, cfg)
+	if rep.Confirmed || rep.Total.Pending != 200 || rep.Total.Missing != 0 || rep.Total.InStream != 200 {
+		t.Fatalf("before repair: confirmed %v, %+v", rep.Confirmed, rep.Total)
+	}
+	rr := repair(t, f, rep.Pending)
+	if rr.Published != 200 || len(rr.Failed) != 0 {
+		t.Fatalf("repair: %+v", rr)
+	}
+
+	// The relay re-sends the 50 rows the new slot holds: the stream's
+	// duplicate window drops them.
+	f.Start(ctx)
+	all = append(all, w.Write(ctx, 50, 5)...)
+	f.WaitCount(ctx, f.Stream, 450, 30*time.Second)
+	rep = run(t, f, config(f, since))
+	if !rep.Confirmed || rep.Total.Rows != 450 || rep.Total.InStream != 450 || rep.Differences() != 0 || rep.Total.Duplicates != 0 {
+		t.Fatalf("after repair: %+v", rep.Total)
+	}
+	if chk := relaytest.Check(all, f.Read(ctx, f.Stream)); !chk.OK() || chk.Received != 450 {
+		t.Fatalf("stream: %s", chk)
+	}
+}
+
+// Dead-lettered rows are accounted for, not missing; an event without a
+// row is unexpected; a row that cannot be routed is not republished, and
+// the later events of its aggregate wait behind it.
+func TestReconcileDeadLettersUnexpectedAndUnroutable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", time.Second)
+	if _, err := f.DB.Pool.Exec(ctx, "ALTER TABLE outbox ALTER COLUMN event_type DROP NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	ins := func(id, agg string, v int, typ any) {
+		t.Helper()
+		if _, err := f.DB.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'order', $2, $3, $4, '{}')`, id, agg, v, typ); err != nil {
+			t.Fatal(err)
+		}
+	}
+	bad, after := uuid.NewString(), uuid.NewString()
+	for v := 1; v <= 3; v++ {
+		ins(uuid.NewString(), "a", v, "Created")
+	}
+	ins(bad, "b", 1, nil) // NULL event type: dead-lettered
+	ins(after, "b", 2, "Updated")
+	f.WaitCount(ctx, f.Stream, 4, 30*time.Second)
+	f.WaitCount(ctx, f.DLQ, 1, 30*time.Second)
+
+	// An event nobody wrote to this database.
+	stray := nats.NewMsg(f.Prefix + ".order.zzz")
+	stray.Header.Set(contract.MsgID, uuid.NewString())
+	stray.Header.Set(contract.EventID, stray.Header.Get(contract.MsgID))
+	stray.Header.Set(contract.Table, "public.outbox")
+	stray.Header.Set(contract.AggregateType, "order")
+	stray.Header.Set(contract.OccurredAt, time.Now().UTC().Format(time.RFC3339Nano))
+	if _, err := f.JS.PublishMsg(ctx, stray); err != nil {
+		t.Fatal(err)
+	}
+
+	rep := run(t, f, config(f, since))
+	if rep.Total.Rows != 5 || rep.Total.InStream != 4 || rep.Total.DeadLettered != 1 || rep.Total.Missing != 0 || rep.Total.Unexpected != 1 {
+		t.Fatalf("report %+v", rep.Total)
+	}
+	if rep.DeadLettered[0].EventID != bad || rep.Unexpected[0].EventID != stray.Header.Get(contract.EventID) || rep.DeadLetterMessages != 1 {
+		t.Fatalf("dead-lettered %+v, unexpected %+v", rep.DeadLettered, rep.Unexpected)
+	}
+
+	// Discard the dead letter and lose the later event: both are missing;
+	// the unroutable row cannot be republished and holds the other back.
+	dlq, err := f.JS.Stream(ctx, f.DLQ)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := dlq.Purge(ctx); err != nil {
+		t.Fatal(err)
+	}
+	f.DeleteFromStream(ctx, map[string]bool{after: true})
+	rep = run(t, f, config(f, since))
+	if got := ids(rep.Missing); !equal(got, ids([]reconcile.Event{{EventID: bad}, {EventID: after}})) {
+		t.Fatalf("missing %v", got)
+	}
+	rr := repair(t, f, rep.Missing)
+	if rr.Published != 0 || len(rr.Failed) != 2 || rr.Failed[0].Event.EventID != bad || rr.Failed[1].Event.EventID != after {
+		t.Fatalf("repair %+v", rr)
+	}
+}
+
+// Rows the relay has not confirmed are pending, not missing.
+func TestReconcilePendingUntilConfirmed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	f.Setup(ctx)
+	f.CreateStreams(ctx)
+	since := time.Now().Add(-time.Minute)
+	f.NewWriter(3).Write(ctx, 10, 2)
+	cfg := config(f, since)
+	cfg.ConfirmWait = 200 * time.Millisecond
+	rep := run(t, f, cfg)
+	if rep.Confirmed || rep.Total.Pending != 10 || rep.Total.Missing != 0 || rep.ConfirmedLSN == "" {
+		t.Fatalf("without a relay: confirmed %v, %+v", rep.Confirmed, rep.Total)
+	}
+	f.Start(ctx)
+	rep = run(t, f, config(f, since))
+	if !rep.Confirmed || rep.Total.InStream != 10 || rep.Differences() != 0 {
+		t.Fatalf("with the relay: %+v", rep.Total)
+	}
+}
+
+// The loop reports each run to its observer, only while active.
+func TestLoop(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	f := opstest.New(t, "", 0)
+	f.Setup(ctx)
+	f.Start(ctx)
+	f.NewWriter(2).Write(ctx, 4, 1)
+	f.WaitCount(ctx, f.Stream, 4, 30*time.Second)
+	obs := make(chan *reconcile.Report, 10)
+	var active bool
+	activeCh := make(chan bool, 1)
+	activeCh <- false
+	loop, err := reconcile.NewLoop(f.DB.Pool, f.JS, reconcile.LoopConfig{
+		Config:   config(f, time.Time{}),
+		Interval: 100 * time.Millisecond,
+		Window:   time.Hour,
+		Active: func() bool {
+			select {
+			case active = <-activeCh:
+			default:
+			}
+			return active
+		},
+	}, observerFunc(func(rep *reconcile.Report, err error) {
+		if err != nil {
+			t.Errorf("loop run: %v", err)
+			return
+		}
+		obs <- rep
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- loop.Run(ctx) }()
+	select {
+	case <-obs:
+		t.Fatal("the loop ran while inactive")
+	case <-time.After(400 * time.Millisecond):
+	}
+	activeCh <- true
+	select {
+	case rep := <-obs:
+		if rep.Total.Rows != 4 || rep.Total.InStream != 4 {
+			t.Fatalf("loop report %+v", rep.Total)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("no report from the loop")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("loop returned %v", err)
+	}
+}
+
+type observerFunc func(*reconcile.Report, error)
+
+func (f observerFunc) Reconciled(r *reconcile.Report, err error) { f(r, err) }
+
+// Bad input gets an error that names what to fix.
+func TestReconcileErrors(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	f.Setup(ctx)
+	since := time.Now().Add(-time.Hour)
+	try := func(cfg reconcile.Config) error {
+		_, err := reconcile.Run(ctx, f.DB.Pool, f.JS, cfg)
+		return err
+	}
+	cfg := config(f, since)
+	cfg.Since = time.Time{}
+	if err := try(cfg); !errors.Is(err, reconcile.ErrInvalidConfig) {
+		t.Errorf("no since: %v", err)
+	}
+	cfg = config(f, since)
+	cfg.Router.Tables = append(cfg.Router.Tables[:0:0], cfg.Router.Tables...)
+	cfg.Router.Tables[0].Table = "public.nope"
+	if err := try(cfg); !errors.Is(err, reconcile.ErrTableMissing) {
+		t.Errorf("missing table: %v", err)
+	}
+	if _, err := f.DB.Pool.Exec(ctx, "CREATE TABLE notime (event_id uuid, aggregate_id text, aggregate_version bigint, event_type text, payload jsonb)"); err != nil {
+		t.Fatal(err)
+	}
+	cfg.Router.Tables[0].Table = "public.notime"
+	if err := try(cfg); !errors.Is(err, reconcile.ErrNoTimeColumn) {
+		t.Errorf("no time column: %v", err)
+	}
+	f.NewWriter(2).Write(ctx, 5, 5)
+	cfg = config(f, since)
+	cfg.MaxRows = 3
+	if err := try(cfg); !errors.Is(err, reconcile.ErrTooManyRows) {
+		t.Errorf("too many rows: %v", err)
+	}
+}
+
+func TestSortEvents(t *testing.T) {
+	evs := []reconcile.Event{
+		{Table: "public.b", AggregateID: "x", AggregateVersion: "1"},
+		{Table: "public.a", AggregateType: "t", AggregateID: "y", AggregateVersion: "10"},
+		{Table: "public.a", AggregateType: "t", AggregateID: "y", AggregateVersion: "9"},
+		{Table: "public.a", AggregateType: "t", AggregateID: "x", AggregateVersion: "-1"},
+		{Table: "public.a", AggregateType: "s", AggregateID: "z", AggregateVersion: "2"},
+	}
+	reconcile.SortEvents(evs)
+	var got []string
+	for _, e := range evs {
+		got = append(got, e.Table+"/"+e.AggregateType+"/"+e.AggregateID+"/"+e.AggregateVersion)
+	}
+	want := []string{"public.a/s/z/2", "public.a/t/x/-1", "public.a/t/y/9", "public.a/t/y/10", "public.b//x/1"}
+	if !equal(got, want) {
+		t.Fatalf("got %v, want %v", got, want)
+	}
+}
+
+func equal(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
