@@ -237,6 +237,8 @@ func (f *Fixture) DeleteFromStream(ctx context.Context, ids map[string]bool) int
 // versions across calls, so a test can interleave an aggregate's events
 // across relay restarts, lost slots and repairs.
 type Writer struct {
+	// Age, when set, back-dates occurred_at by that much.
+	Age      time.Duration
 	f        *Fixture
 	aggs     []string
 	versions map[string]int64
@@ -270,8 +272,8 @@ func (w *Writer) Write(ctx context.Context, n, batch int) []relaytest.Event {
 			w.versions[agg]++
 			ev := relaytest.Event{ID: uuid.NewString(), Aggregate: agg, Version: w.versions[agg],
 				Payload: `{"n": ` + relaytest.Itoa(int(w.versions[agg])) + `}`}
-			if _, err := tx.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'registration', $2, $3, 'RegistrationConfirmed', $4)`,
-				ev.ID, ev.Aggregate, ev.Version, ev.Payload); err != nil {
+			if _, err := tx.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, occurred_at) VALUES ($1, 'registration', $2, $3, 'RegistrationConfirmed', $4, now() - $5::interval)`,
+				ev.ID, ev.Aggregate, ev.Version, ev.Payload, w.Age); err != nil {
 				t.Fatal(err)
 			}
 			out = append(out, ev)
