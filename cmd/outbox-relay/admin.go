@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"text/tabwriter"
 	"time"
 
@@ -14,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
@@ -79,22 +82,85 @@ func newSetupCmd(g *globals) *cobra.Command {
 
 // statusReport is what `status --json` prints.
 type statusReport struct {
-	Slot              string   `json:"slot"`
-	SlotExists        bool     `json:"slot_exists"`
-	SlotActive        bool     `json:"slot_active"`
-	SlotActivePID     int32    `json:"slot_active_pid,omitempty"`
-	WALStatus         string   `json:"wal_status,omitempty"`
-	ConfirmedFlushLSN string   `json:"confirmed_flush_lsn,omitempty"`
-	RetainedWALBytes  int64    `json:"retained_wal_bytes"`
-	LagBytes          int64    `json:"lag_bytes"`
-	Stream            string   `json:"stream"`
-	StreamMessages    uint64   `json:"stream_messages"`
-	StreamLastSeq     uint64   `json:"stream_last_seq"`
-	StreamStorage     string   `json:"stream_storage,omitempty"`
-	StreamReplicas    int      `json:"stream_replicas,omitempty"`
-	DeadLetterStream  string   `json:"dead_letter_stream"`
-	DeadLetters       uint64   `json:"dead_letters"`
-	Problems          []string `json:"problems,omitempty"`
+	Slot              string `json:"slot"`
+	SlotExists        bool   `json:"slot_exists"`
+	SlotActive        bool   `json:"slot_active"`
+	SlotActivePID     int32  `json:"slot_active_pid,omitempty"`
+	WALStatus         string `json:"wal_status,omitempty"`
+	ConfirmedFlushLSN string `json:"confirmed_flush_lsn,omitempty"`
+	RetainedWALBytes  int64  `json:"retained_wal_bytes"`
+	LagBytes          int64  `json:"lag_bytes"`
+	Stream            string `json:"stream"`
+	StreamMessages    uint64 `json:"stream_messages"`
+	StreamLastSeq     uint64 `json:"stream_last_seq"`
+	StreamStorage     string `json:"stream_storage,omitempty"`
+	StreamReplicas    int    `json:"stream_replicas,omitempty"`
+	DeadLetterStream  string `json:"dead_letter_stream"`
+	DeadLetters       uint64 `json:"dead_letters"`
+	// DeadLetterOldestAge is the age of the oldest dead letter; 0 when none.
+	DeadLetterOldestAge float64 `json:"dead_letter_oldest_age_seconds"`
+	// Relay holds a running relay's in-memory figures, scraped from
+	// http.listen; RelayUnreachable says why they are missing.
+	Relay            *relayFigures `json:"relay,omitempty"`
+	RelayUnreachable string        `json:"relay_unreachable,omitempty"`
+	Problems         []string      `json:"problems,omitempty"`
+}
+
+// relayFigures are a running relay's figures from its /metrics.
+type relayFigures struct {
+	URL                  string  `json:"url"`
+	Ready                bool    `json:"ready"`
+	InFlight             float64 `json:"in_flight_messages"`
+	OldestUnackedAge     float64 `json:"oldest_unacked_age_seconds"`
+	ConfirmedLSN         string  `json:"confirmed_lsn"`
+	EventsPublished      float64 `json:"events_published_total"`
+	Duplicates           float64 `json:"publish_duplicates_total"`
+	DeadLettered         float64 `json:"dead_lettered_total"`
+	Retries              float64 `json:"publish_retries_total"`
+	ReplicationRestarts  float64 `json:"replication_restarts_total"`
+	ReconcileMissing     float64 `json:"reconcile_missing_events"`
+	ReconcileUnexpected  float64 `json:"reconcile_unexpected_events"`
+	ReconcileLastSuccess float64 `json:"reconcile_last_success_timestamp_seconds,omitempty"`
+}
+
+// scrapeRelay reads the figures of a relay running with this
+// configuration's http.listen.
+func scrapeRelay(ctx context.Context, listen string) (*relayFigures, string) {
+	if listen == "" {
+		return nil, "http.listen is empty"
+	}
+	host, port, err := net.SplitHostPort(listen)
+	if err != nil {
+		return nil, err.Error()
+	}
+	switch host {
+	case "", "0.0.0.0":
+		host = "127.0.0.1"
+	case "::":
+		host = "::1"
+	}
+	url := "http://" + net.JoinHostPort(host, port) + "/metrics"
+	sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	m, err := metrics.Scrape(sctx, http.DefaultClient, url)
+	if err != nil {
+		return nil, err.Error() + " (is the relay running on this host?)"
+	}
+	return &relayFigures{
+		URL:                  url,
+		Ready:                m["outbox_relay_ready"] == 1,
+		InFlight:             m["outbox_relay_in_flight_messages"],
+		OldestUnackedAge:     m["outbox_relay_oldest_unacked_age_seconds"],
+		ConfirmedLSN:         replication.LSN(uint64(m["outbox_relay_confirmed_lsn"])).String(),
+		EventsPublished:      m["outbox_relay_events_published_total"],
+		Duplicates:           m["outbox_relay_publish_duplicates_total"],
+		DeadLettered:         m["outbox_relay_dead_lettered_total"],
+		Retries:              m["outbox_relay_publish_retries_total"],
+		ReplicationRestarts:  m["outbox_relay_replication_restarts_total"],
+		ReconcileMissing:     m["outbox_relay_reconcile_missing_events"],
+		ReconcileUnexpected:  m["outbox_relay_reconcile_unexpected_events"],
+		ReconcileLastSuccess: m["outbox_relay_reconcile_last_success_timestamp_seconds"],
+	}, ""
 }
 
 func newStatusCmd(g *globals) *cobra.Command {
@@ -132,6 +198,7 @@ func newStatusCmd(g *globals) *cobra.Command {
 
 func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 	rep := statusReport{Slot: cfg.Postgres.Slot, Stream: cfg.NATS.Stream, DeadLetterStream: cfg.NATS.DeadLetterStream}
+	rep.Relay, rep.RelayUnreachable = scrapeRelay(ctx, cfg.HTTP.Listen)
 	st, err := replication.Status(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
 	if err != nil {
 		rep.Problems = append(rep.Problems, "postgres: "+err.Error())
@@ -170,6 +237,9 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 	if s, err := js.Stream(ctx, cfg.NATS.DeadLetterStream); err == nil {
 		if info, err := s.Info(ctx); err == nil {
 			rep.DeadLetters = info.State.Msgs
+			if info.State.Msgs > 0 {
+				rep.DeadLetterOldestAge = time.Since(info.State.FirstTime).Seconds()
+			}
 		}
 	} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
 		rep.Problems = append(rep.Problems, fmt.Sprintf("stream %s: %v", cfg.NATS.DeadLetterStream, err))
@@ -194,6 +264,22 @@ func printStatus(w io.Writer, r statusReport) {
 	fmt.Fprintf(tw, "  messages\t%d (last seq %d, %s, R%d)\n", r.StreamMessages, r.StreamLastSeq, r.StreamStorage, r.StreamReplicas)
 	fmt.Fprintf(tw, "dead-letter stream\t%s\n", r.DeadLetterStream)
 	fmt.Fprintf(tw, "  records\t%d\n", r.DeadLetters)
+	if r.DeadLetters > 0 {
+		fmt.Fprintf(tw, "  oldest\t%s old\n", time.Duration(r.DeadLetterOldestAge*float64(time.Second)).Round(time.Second))
+	}
+	if f := r.Relay; f != nil {
+		fmt.Fprintf(tw, "relay\t%s\n", f.URL)
+		fmt.Fprintf(tw, "  ready\t%v\n", f.Ready)
+		fmt.Fprintf(tw, "  in flight\t%.0f (oldest unacknowledged %s old)\n", f.InFlight, time.Duration(f.OldestUnackedAge*float64(time.Second)).Round(time.Millisecond))
+		fmt.Fprintf(tw, "  confirmable LSN\t%s\n", f.ConfirmedLSN)
+		fmt.Fprintf(tw, "  since start\t%.0f published, %.0f duplicates, %.0f dead-lettered, %.0f retries, %.0f replication restarts\n",
+			f.EventsPublished, f.Duplicates, f.DeadLettered, f.Retries, f.ReplicationRestarts)
+		if f.ReconcileLastSuccess > 0 {
+			fmt.Fprintf(tw, "  last reconcile\t%.0f missing, %.0f unexpected\n", f.ReconcileMissing, f.ReconcileUnexpected)
+		}
+	} else {
+		fmt.Fprintf(tw, "relay\tnot reachable: %s\n", r.RelayUnreachable)
+	}
 	_ = tw.Flush()
 	for _, p := range r.Problems {
 		fmt.Fprintln(w, "problem:", p)
