@@ -56,21 +56,29 @@ func NewLoop(db DB, js jetstream.JetStream, cfg LoopConfig, obs Observer, opts .
 	return &Loop{db: db, js: js, cfg: cfg, obs: obs, opts: opts, log: o.log.Named("reconcile")}, nil
 }
 
-// Run reconciles every Interval until ctx ends, then returns nil. A failed
-// run is logged and reported to the Observer; the next one runs on time.
+// firstRun bounds the wait before the first run, so the metrics are
+// filled soon after a start rather than one interval later.
+const firstRun = 2 * time.Second
+
+// Run reconciles until ctx ends, then returns nil: first soon after the
+// start (once active), then every Interval. A failed run is logged and
+// reported to the Observer; the next one runs on time.
 func (l *Loop) Run(ctx context.Context) error {
-	t := time.NewTicker(l.cfg.Interval)
-	defer t.Stop()
+	wait := min(l.cfg.Interval, firstRun)
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-t.C:
+		case <-time.After(wait):
 		}
 		if l.cfg.Active != nil && !l.cfg.Active() {
+			// A standby: look again soon, it may take over.
+			wait = min(l.cfg.Interval, firstRun)
 			continue
 		}
+		start := time.Now()
 		l.once(ctx)
+		wait = max(l.cfg.Interval-time.Since(start), 0)
 	}
 }
 
