@@ -2,6 +2,7 @@ package faults
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
@@ -362,7 +363,7 @@ func (s *scenario) dumpLogs() {
 	s.mu.Unlock()
 	for i, r := range rs {
 		out := r.output()
-		if len(out) > 12000 {
+		if os.Getenv("OUTBOX_FAULTS_FULL_LOGS") == "" && len(out) > 12000 {
 			out = "..." + out[len(out)-12000:]
 		}
 		s.t.Logf("relay process %d (%v) output:\n%s", i+1, r.cmd.Args[1:2], out)
@@ -440,6 +441,28 @@ func (s *scenario) waitProgress(from uint64, timeout time.Duration) time.Duratio
 	return time.Since(start)
 }
 
+// caughtUp waits until the slot confirms the WAL position of now: every
+// transaction committed so far is relayed and acknowledged. It returns how
+// long that took.
+func (s *scenario) caughtUp(timeout time.Duration) (time.Duration, error) {
+	ctx := context.Background()
+	var txt string
+	if err := s.db.Pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&txt); err != nil {
+		return 0, err
+	}
+	target, _ := replication.ParseLSN(txt)
+	start := time.Now()
+	var st replication.SlotStatus
+	if !testenv.WaitFor(timeout, func() bool {
+		var err error
+		st, err = s.slot(ctx)
+		return err == nil && st.ConfirmedFlushLSN >= target
+	}) {
+		return timeout, fmt.Errorf("the slot did not confirm %s within %s (confirmed %s): the relay is stuck", target, timeout, st.ConfirmedFlushLSN)
+	}
+	return time.Since(start), nil
+}
+
 // waitCount waits until the stream holds at least n messages.
 func (s *scenario) waitCount(stream string, n uint64, timeout time.Duration) {
 	s.t.Helper()
@@ -498,3 +521,59 @@ func (s *scenario) adminConn(ctx context.Context) *pgx.Conn {
 }
 
 func itoa(i int) string { return fmt.Sprint(i) }
+
+// logEntry is one JSON log line of a relay process.
+type logEntry struct {
+	Level  string    `json:"level"`
+	TS     time.Time `json:"-"`
+	RawTS  string    `json:"ts"`
+	Logger string    `json:"logger"`
+	Msg    string    `json:"msg"`
+	Error  string    `json:"error"`
+}
+
+// entries parses the process's JSON log lines (other lines are skipped).
+func (r *relayProc) entries() []logEntry {
+	var out []logEntry
+	for _, line := range strings.Split(r.output(), "\n") {
+		if !strings.HasPrefix(line, "{") {
+			continue
+		}
+		var e logEntry
+		if json.Unmarshal([]byte(line), &e) != nil {
+			continue
+		}
+		e.TS, _ = time.Parse("2006-01-02T15:04:05.000Z0700", e.RawTS)
+		out = append(out, e)
+	}
+	return out
+}
+
+// waitLog waits until the process logs an entry after since that match
+// accepts, and returns the entry's time.
+func (r *relayProc) waitLog(since time.Time, timeout time.Duration, match func(logEntry) bool) (time.Time, bool) {
+	since = since.Truncate(time.Millisecond) // log times have milliseconds
+	var at time.Time
+	ok := testenv.WaitFor(timeout, func() bool {
+		for _, e := range r.entries() {
+			if !e.TS.Before(since) && match(e) {
+				at = e.TS
+				return true
+			}
+		}
+		return false
+	})
+	return at, ok
+}
+
+// countLog counts entries logged after since that match accepts.
+func (r *relayProc) countLog(since time.Time, match func(logEntry) bool) int {
+	since = since.Truncate(time.Millisecond)
+	n := 0
+	for _, e := range r.entries() {
+		if !e.TS.Before(since) && match(e) {
+			n++
+		}
+	}
+	return n
+}

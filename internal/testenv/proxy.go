@@ -55,6 +55,10 @@ type proxyConn struct {
 	client, server net.Conn
 	blackholed     bool
 	closed         bool
+	// ends counts the sides (client, server) that ended on a blackholed
+	// connection: each side's close is lost on the way, so the other side
+	// stays open until its own peer gives up.
+	ends int
 }
 
 // StartProxy listens on a free loopback port and forwards each accepted
@@ -115,8 +119,11 @@ func (p *Proxy) Heal() {
 	p.mu.Unlock()
 }
 
-// Blackhole stops forwarding on every current connection for good (until
-// the client gives up on it); connections opened afterwards work.
+// Blackhole stops forwarding on every current connection for good;
+// connections opened afterwards work. Nothing crosses a blackholed
+// connection, not even a close: when the client gives up on it the server
+// side stays open until the server times it out (and the other way round),
+// as when a peer vanishes behind a stateful firewall.
 func (p *Proxy) Blackhole() {
 	p.mu.Lock()
 	for c := range p.conns {
@@ -222,9 +229,9 @@ func (p *Proxy) serve(client net.Conn) {
 }
 
 // pipe copies src to dst until either side fails, honouring stalls and
-// latency, then closes the whole connection.
+// latency, then closes the whole connection (only src's side when the
+// connection is blackholed).
 func (p *Proxy) pipe(pc *proxyConn, src, dst net.Conn, d Direction) {
-	defer p.closeConn(pc, false)
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
@@ -237,15 +244,37 @@ func (p *Proxy) pipe(pc *proxyConn, src, dst net.Conn, d Direction) {
 				time.Sleep(lat)
 			}
 			if forward {
-				if _, werr := dst.Write(buf[:n]); werr != nil {
+				if _, werr := dst.Write(buf[:n]); werr != nil && !p.isBlackholed(pc) {
+					p.closeConn(pc, false)
 					return
 				}
 			}
 		}
 		if err != nil {
-			return // EOF or reset: end both directions
+			break // EOF or reset
 		}
 	}
+	p.mu.Lock()
+	hole := pc.blackholed && !pc.closed
+	p.mu.Unlock()
+	if !hole {
+		p.closeConn(pc, false)
+		return
+	}
+	_ = src.Close()
+	p.mu.Lock()
+	pc.ends++
+	last := pc.ends == 2
+	p.mu.Unlock()
+	if last {
+		p.closeConn(pc, false)
+	}
+}
+
+func (p *Proxy) isBlackholed(pc *proxyConn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return pc.blackholed
 }
 
 // gate blocks while d is stalled. It returns the latency to apply, whether
