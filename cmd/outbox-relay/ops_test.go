@@ -1,0 +1,343 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/relaytest"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+// opsFixture runs the real `run` in-process against a private NATS server
+// that the test can stop, with the metrics listener on a free port.
+type opsFixture struct {
+	t      *testing.T
+	ns     *testenv.NATS
+	db     *testenv.Database
+	cfg    config.Config
+	js     jetstream.JetStream
+	stream string
+	url    string
+}
+
+func newOpsFixture(t *testing.T) *opsFixture {
+	t.Helper()
+	env := testenv.Get(t)
+	ns, err := testenv.StartNATS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ns.Close)
+	db := env.NewDatabase(t)
+	db.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "outbox.sql"))
+	// A nullable event_type lets a test write a row the relay dead-letters.
+	if _, err := db.Pool.Exec(context.Background(), "ALTER TABLE outbox ALTER COLUMN event_type DROP NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	port, err := testenv.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := testenv.UniqueName("m")
+	stream := strings.ToUpper(name)
+	file := filepath.Join(t.TempDir(), "relay.yaml")
+	yaml := fmt.Sprintf(`postgres:
+  url: %s
+  slot: %s
+  publication: %s
+  status_interval: 100ms
+  receive_timeout: 1s
+nats:
+  url: %s
+  stream: %s
+  dead_letter_stream: %s_DLQ
+  ack_timeout: 1s
+tables:
+  - table: public.outbox
+    subject: "%s.{aggregate_type}.{aggregate_id}"
+dead_letter_subject: %s_dlq
+http:
+  listen: 127.0.0.1:%d
+metrics:
+  poll_interval: 200ms
+reconcile:
+  interval: 10s
+  window: 1h
+shutdown_timeout: 2s
+`, db.URL, name, name, ns.URL, stream, stream, name, name, port)
+	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := config.Load(config.Sources{File: file})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(ns.URL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &opsFixture{t: t, ns: ns, db: db, cfg: cfg, js: js, stream: stream, url: fmt.Sprintf("http://127.0.0.1:%d", port)}
+}
+
+// start runs `run` until the test ends; stop cancels it and returns its
+// result.
+func (f *opsFixture) start() (stop func() error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, f.cfg, zaptest.NewLogger(f.t)) }()
+	var result error
+	stopped := false
+	stop = func() error {
+		if !stopped {
+			stopped = true
+			cancel()
+			result = <-done
+		}
+		return result
+	}
+	f.t.Cleanup(func() { _ = stop() })
+	if !testenv.WaitFor(30*time.Second, func() bool { return f.get("/readyz") == http.StatusOK }) {
+		f.t.Fatal("the relay is not ready within 30s")
+	}
+	return stop
+}
+
+func (f *opsFixture) get(path string) int {
+	resp, err := http.Get(f.url + path)
+	if err != nil {
+		return 0
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// scrape is one /metrics reading.
+type scrape map[string]*dto.MetricFamily
+
+func (f *opsFixture) scrape() scrape {
+	f.t.Helper()
+	resp, err := http.Get(f.url + "/metrics")
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return fams
+}
+
+// value returns the value of the series of name whose labels include
+// labels ("k=v" pairs), summed; ok is false when there is none.
+func (s scrape) value(name string, labels ...string) (float64, bool) {
+	fam := s[name]
+	if fam == nil {
+		return 0, false
+	}
+	sum, found := 0.0, false
+next:
+	for _, m := range fam.GetMetric() {
+		for _, l := range labels {
+			k, v, _ := strings.Cut(l, "=")
+			match := false
+			for _, lp := range m.GetLabel() {
+				if lp.GetName() == k && lp.GetValue() == v {
+					match = true
+				}
+			}
+			if !match {
+				continue next
+			}
+		}
+		found = true
+		switch fam.GetType() {
+		case dto.MetricType_COUNTER:
+			sum += m.GetCounter().GetValue()
+		case dto.MetricType_GAUGE:
+			sum += m.GetGauge().GetValue()
+		case dto.MetricType_HISTOGRAM:
+			sum += float64(m.GetHistogram().GetSampleCount())
+		default:
+			sum += m.GetUntyped().GetValue()
+		}
+	}
+	return sum, found
+}
+
+func (f *opsFixture) insert(ctx context.Context, n int, eventType any) {
+	f.t.Helper()
+	agg := uuid.NewString()[:8]
+	for i := 1; i <= n; i++ {
+		if _, err := f.db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'registration', $2, $3, $4, '{}')`,
+			uuid.NewString(), agg, i, eventType); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+}
+
+// check asserts a condition on a scrape, with the scrape's value in the
+// message.
+type check struct {
+	name   string
+	labels []string
+	ok     func(float64) bool
+	want   string
+}
+
+func (f *opsFixture) waitMetrics(timeout time.Duration, checks ...check) scrape {
+	f.t.Helper()
+	var s scrape
+	var failed []string
+	if testenv.WaitFor(timeout, func() bool {
+		s = f.scrape()
+		failed = failed[:0]
+		for _, c := range checks {
+			v, found := s.value(c.name, c.labels...)
+			if !found || !c.ok(v) {
+				failed = append(failed, fmt.Sprintf("%s%v = %v (found %v), want %s", c.name, c.labels, v, found, c.want))
+			}
+		}
+		return len(failed) == 0
+	}) {
+		return s
+	}
+	f.t.Fatalf("metrics after %s:\n  %s", timeout, strings.Join(failed, "\n  "))
+	return nil
+}
+
+func eq(want float64) (func(float64) bool, string) {
+	return func(v float64) bool { return v == want }, fmt.Sprint(want)
+}
+func atLeast(want float64) (func(float64) bool, string) {
+	return func(v float64) bool { return v >= want }, fmt.Sprint(">= ", want)
+}
+func above(want float64) (func(float64) bool, string) {
+	return func(v float64) bool { return v > want }, fmt.Sprint("> ", want)
+}
+
+func c(name string, cond func(float64) bool, want string, labels ...string) check {
+	return check{name: name, labels: labels, ok: cond, want: want}
+}
+
+func cc(name string, f func(float64) (func(float64) bool, string), v float64, labels ...string) check {
+	cond, want := f(v)
+	return c(name, cond, want, labels...)
+}
+
+// Acceptance 1: after a load, /metrics has every metric with plausible
+// values; the oldest-unacked age grows while the broker is down and returns
+// to zero after; `status --json` shows the same figures.
+func TestMetricsAfterLoadAndBrokerOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	stop := f.start()
+	if code := f.get("/healthz"); code != http.StatusOK {
+		t.Fatalf("/healthz: %d", code)
+	}
+	f.insert(ctx, 300, "RegistrationConfirmed")
+	f.insert(ctx, 1, nil) // dead-lettered: NULL event type
+	dlq := f.stream + "_DLQ"
+	f.waitMetrics(30*time.Second,
+		cc("outbox_relay_events_published_total", atLeast, 300),
+		cc("outbox_relay_publish_latency_seconds", atLeast, 300),
+		cc("outbox_relay_publish_duplicates_total", eq, 0),
+		cc("outbox_relay_dead_lettered_total", eq, 1, "reason=null_field"),
+		cc("outbox_relay_in_flight_messages", eq, 0),
+		cc("outbox_relay_oldest_unacked_age_seconds", eq, 0),
+		cc("outbox_relay_confirmed_lsn", above, 0),
+		cc("outbox_relay_ready", eq, 1),
+		cc("outbox_relay_replication_restarts_total", eq, 0),
+		cc("outbox_relay_slot_exists", eq, 1),
+		cc("outbox_relay_slot_active", eq, 1),
+		cc("outbox_relay_slot_wal_status", eq, 1, "status=reserved"),
+		cc("outbox_relay_slot_wal_status", eq, 0, "status=lost"),
+		cc("outbox_relay_slot_retained_wal_bytes", above, 0),
+		cc("outbox_relay_slot_lag_bytes", atLeast, 0),
+		cc("outbox_relay_slot_confirmed_flush_lsn", above, 0),
+		cc("outbox_relay_slot_last_poll_timestamp_seconds", above, float64(time.Now().Add(-time.Minute).Unix())),
+		cc("outbox_relay_slot_poll_errors_total", eq, 0),
+		cc("outbox_relay_stream_messages", eq, 300, "stream="+f.stream),
+		cc("outbox_relay_dead_letters", eq, 1, "stream="+dlq),
+		cc("outbox_relay_dead_letter_oldest_age_seconds", above, 0, "stream="+dlq),
+		// The reconcile loop's first run, with the relay caught up.
+		cc("outbox_relay_reconcile_rows", eq, 301, "table=public.outbox", "aggregate_type=registration"),
+		cc("outbox_relay_reconcile_missing_events", eq, 0, "table=public.outbox"),
+		cc("outbox_relay_reconcile_dead_lettered_events", eq, 1, "table=public.outbox"),
+		cc("outbox_relay_reconcile_unexpected_events", eq, 0, "table=public.outbox"),
+		cc("outbox_relay_reconcile_runs_total", atLeast, 1, "result=ok"),
+		cc("outbox_relay_reconcile_last_success_timestamp_seconds", above, 0),
+		cc("process_resident_memory_bytes", above, 0),
+		cc("go_goroutines", above, 0),
+	)
+
+	// status --json shows the same figures.
+	st := collectStatus(ctx, f.cfg)
+	if st.Relay == nil || !st.Relay.Ready || st.Relay.EventsPublished < 300 || st.Relay.DeadLettered != 1 || st.DeadLetters != 1 ||
+		st.DeadLetterOldestAge <= 0 || st.StreamMessages != 300 || !st.SlotActive || st.WALStatus != "reserved" {
+		b, _ := json.MarshalIndent(st, "", "  ")
+		t.Fatalf("status: %s", b)
+	}
+	var out bytes.Buffer
+	printStatus(&out, st)
+	if !strings.Contains(out.String(), "in flight") {
+		t.Errorf("status output:\n%s", out.String())
+	}
+
+	// The broker goes away; events keep coming.
+	f.ns.Stop()
+	f.insert(ctx, 20, "RegistrationConfirmed")
+	s1 := f.waitMetrics(30*time.Second,
+		cc("outbox_relay_oldest_unacked_age_seconds", above, 1),
+		cc("outbox_relay_in_flight_messages", above, 0),
+		cc("outbox_relay_stream_poll_errors_total", above, 0),
+	)
+	age1, _ := s1.value("outbox_relay_oldest_unacked_age_seconds")
+	s2 := f.waitMetrics(10*time.Second, cc("outbox_relay_oldest_unacked_age_seconds", above, age1))
+	age2, _ := s2.value("outbox_relay_oldest_unacked_age_seconds")
+	t.Logf("oldest unacked age while the broker is down: %.1fs, then %.1fs", age1, age2)
+
+	// It returns: everything is published and the age is zero again.
+	if err := f.ns.Start(); err != nil {
+		t.Fatal(err)
+	}
+	f.waitMetrics(60*time.Second,
+		cc("outbox_relay_oldest_unacked_age_seconds", eq, 0),
+		cc("outbox_relay_in_flight_messages", eq, 0),
+		cc("outbox_relay_events_published_total", atLeast, 320),
+		cc("outbox_relay_stream_messages", eq, 320, "stream="+f.stream),
+		cc("outbox_relay_ready", eq, 1),
+	)
+	if n := relaytest.StreamCount(ctx, f.js, f.stream); n != 320 {
+		t.Fatalf("stream holds %d events, want 320", n)
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("run returned %v", err)
+	}
+}
