@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -339,5 +340,115 @@ func TestMetricsAfterLoadAndBrokerOutage(t *testing.T) {
 	}
 	if err := stop(); err != nil {
 		t.Fatalf("run returned %v", err)
+	}
+}
+
+// The reconcile and cleanup commands: table and JSON output, exit status,
+// --repair and --metrics-file.
+func TestReconcileAndCleanupCommands(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	// Deleted ids leave the stream's duplicate window soon.
+	f.cfg.NATS.DuplicateWindow = time.Second
+	f.cfg.Reconcile.Interval = 0
+	f.start()
+	f.insert(ctx, 30, "RegistrationConfirmed")
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.js, f.stream) == 30 }) {
+		t.Fatal("events not relayed")
+	}
+	flags := reconcileFlags{since: "1h", list: 20, confirmWait: 10 * time.Second, clockSkew: time.Minute, maxRows: 1000}
+
+	var out bytes.Buffer
+	if err := runReconcile(ctx, &out, f.cfg, flags); err != nil {
+		t.Fatalf("clean reconcile: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "public.outbox") || !strings.Contains(out.String(), "every row read is in the stream") {
+		t.Errorf("output:\n%s", out.String())
+	}
+
+	s, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for seq := uint64(5); seq <= 7; seq++ {
+		if err := s.DeleteMsg(ctx, seq); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out.Reset()
+	jf := flags
+	jf.asJSON = true
+	err = runReconcile(ctx, &out, f.cfg, jf)
+	if code, ok := err.(exitCode); !ok || code != 1 {
+		t.Fatalf("reconcile with missing events returned %v", err)
+	}
+	var res reconcileOutput
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+		t.Fatalf("JSON: %v\n%s", err, out.String())
+	}
+	if res.Report.Total.Missing != 3 || len(res.Report.Missing) != 3 || res.Report.Missing[0].AggregateVersion != "5" {
+		t.Fatalf("JSON report: %+v", res.Report)
+	}
+
+	rf := flags
+	rf.repair = true
+	rf.metricsFile = filepath.Join(t.TempDir(), "reconcile.prom")
+	if !testenv.WaitFor(20*time.Second, func() bool {
+		out.Reset()
+		return runReconcile(ctx, &out, f.cfg, rf) == nil
+	}) {
+		t.Fatalf("repair did not restore the events:\n%s", out.String())
+	}
+	if !strings.Contains(out.String(), "After the repair:") {
+		t.Errorf("repair output:\n%s", out.String())
+	}
+	prom, err := os.ReadFile(rf.metricsFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		`outbox_relay_reconcile_missing_events{aggregate_type="registration",table="public.outbox"} 0`,
+		`outbox_relay_reconcile_rows{aggregate_type="registration",table="public.outbox"} 30`,
+		`outbox_relay_reconcile_repaired_events_total{result="published"} 3`,
+	} {
+		if !strings.Contains(string(prom), want) {
+			t.Errorf("metrics file lacks %s:\n%s", want, prom)
+		}
+	}
+
+	// Every row is in the stream again: cleanup deletes them all.
+	out.Reset()
+	if err := runCleanup(ctx, &out, f.cfg, cleanupFlags{olderThan: 0, mode: "stream", batch: 7, asJSON: true}); err != nil {
+		t.Fatalf("cleanup: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), `"deleted": 30`) || !strings.Contains(out.String(), `"remaining": 0`) {
+		t.Fatalf("cleanup output:\n%s", out.String())
+	}
+}
+
+func TestParseWhen(t *testing.T) {
+	now := time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
+	for _, c := range []struct {
+		in   string
+		want time.Time
+		bad  bool
+	}{
+		{in: "24h", want: now.Add(-24 * time.Hour)},
+		{in: "90m", want: now.Add(-90 * time.Minute)},
+		{in: "2026-11-28T09:30:00Z", want: time.Date(2026, 11, 28, 9, 30, 0, 0, time.UTC)},
+		{in: "2026-11-28T09:30:00+02:00", want: time.Date(2026, 11, 28, 7, 30, 0, 0, time.UTC)},
+		{in: "2026-11-28", want: time.Date(2026, 11, 28, 0, 0, 0, 0, time.UTC)},
+		{in: "-1h", bad: true},
+		{in: "yesterday", bad: true},
+		{in: "", bad: true},
+	} {
+		got, err := parseWhen("since", c.in, now)
+		switch {
+		case c.bad && !errors.Is(err, config.ErrInvalid):
+			t.Errorf("%q: err %v, want config.ErrInvalid", c.in, err)
+		case !c.bad && (err != nil || !got.Equal(c.want)):
+			t.Errorf("%q: %v, %v; want %v", c.in, got, err, c.want)
+		}
 	}
 }
