@@ -49,6 +49,13 @@ type Stream struct {
 	nextStatus time.Time
 	lastRecv   time.Time // when the server was last heard from
 
+	// The connection's read deadline and the context whose cancellation
+	// interrupts a read: set once per status interval and once per context,
+	// not per message (see receive).
+	readDeadline time.Time
+	watched      context.Context
+	stopWatch    func() bool
+
 	relations map[uint32]*Relation
 
 	// Reused decode targets: the values Next returns are valid until the
@@ -162,11 +169,12 @@ func (s *Stream) Next(ctx context.Context) (any, error) {
 		if err := s.maybeSendStatus(ctx); err != nil {
 			return nil, err
 		}
-		rctx, cancel := context.WithDeadline(ctx, s.nextStatus)
-		raw, err := s.conn.ReceiveMessage(rctx)
-		cancel()
+		raw, err := s.receive(ctx)
 		if err != nil {
-			if pgconn.Timeout(err) && ctx.Err() == nil {
+			if ctx.Err() != nil {
+				return nil, fmt.Errorf("receive replication message: %w", ctx.Err())
+			}
+			if pgconn.Timeout(err) {
 				if silent := time.Since(s.lastRecv); silent > s.cfg.ReceiveTimeout {
 					// A stalled network or a hung server: no FIN ever comes,
 					// so only silence tells. Reconnecting is safe: nothing
@@ -213,6 +221,39 @@ func (s *Stream) Next(ctx context.Context) (any, error) {
 			return nil, fmt.Errorf("replication stream: %w", pgconn.ErrorResponseToPgError(msg))
 		}
 	}
+}
+
+// receive reads the next protocol message, waiting at most until the next
+// status update is due or ctx ends.
+//
+// A context with a deadline per call (what pgconn's ReceiveMessage(ctx)
+// offers) costs a timer, a context and an AfterFunc registration per
+// message, a tenth of the relay's CPU on a 1-row-transaction backlog. The
+// same mechanism, the connection's read deadline, is set here only when the
+// status time moves, and ctx is watched once per context: pgconn reads
+// without watching anything when given context.Background(), and a read
+// that times out (deadline or cancellation) leaves the connection usable,
+// exactly as with a deadline context.
+func (s *Stream) receive(ctx context.Context) (pgproto3.BackendMessage, error) {
+	nc := s.conn.Conn()
+	if ctx != s.watched {
+		if s.stopWatch != nil {
+			s.stopWatch()
+		}
+		// A previous context's cancellation may have moved the deadline.
+		s.watched, s.readDeadline = ctx, time.Time{}
+		s.stopWatch = context.AfterFunc(ctx, func() {
+			// A deadline in the past wakes a blocked read at once.
+			_ = nc.SetReadDeadline(time.Unix(1, 0))
+		})
+	}
+	if !s.readDeadline.Equal(s.nextStatus) {
+		if err := nc.SetReadDeadline(s.nextStatus); err != nil {
+			return nil, err
+		}
+		s.readDeadline = s.nextStatus
+	}
+	return s.conn.ReceiveMessage(context.Background())
 }
 
 // xlogHeader is WALStart, ServerWALEnd and ServerTime, 8 bytes each.
@@ -388,6 +429,10 @@ func (s *Stream) SendStatus(ctx context.Context) error {
 func (s *Stream) Close(ctx context.Context) error {
 	if s.conn == nil {
 		return nil
+	}
+	if s.stopWatch != nil {
+		s.stopWatch()
+		s.stopWatch, s.watched = nil, nil
 	}
 	err := s.SendStatus(ctx)
 	cerr := s.conn.Close(ctx)
