@@ -12,10 +12,11 @@
 // # Soundness
 //
 // A row is reported missing only when the relay has provably had its chance
-// to publish it: Run reads the rows in one REPEATABLE READ snapshot, notes
-// pg_current_wal_insert_lsn() inside that snapshot (every visible
-// transaction's commit record ends before it) and waits until the slot's
-// confirmed_flush_lsn passes that LSN. The relay confirms a commit only after
+// to publish it: Run reads the rows in one REPEATABLE READ snapshot and
+// notes pg_current_wal_insert_lsn() inside that snapshot (every visible
+// transaction's commit record ends before it). When some rows are not in
+// the streams, it waits until the slot's confirmed_flush_lsn passes that
+// LSN and reads the streams' tails again. The relay confirms a commit only after
 // JetStream acknowledged (or the dead-letter stream stored) every event of
 // it and of every earlier transaction, so from then on every row of the
 // snapshot is in a stream unless it was never decoded by the slot (committed
