@@ -292,6 +292,9 @@ func TestMetricsAfterLoadAndBrokerOutage(t *testing.T) {
 		cc("outbox_relay_reconcile_missing_events", eq, 0, "table=public.outbox"),
 		cc("outbox_relay_reconcile_dead_lettered_events", eq, 1, "table=public.outbox"),
 		cc("outbox_relay_reconcile_unexpected_events", eq, 0, "table=public.outbox"),
+		cc("outbox_relay_reconcile_pending_events", eq, 0, "table=public.outbox"),
+		cc("outbox_relay_reconcile_duplicate_events", eq, 0, "table=public.outbox"),
+		cc("outbox_relay_reconcile_duration_seconds", above, 0),
 		cc("outbox_relay_reconcile_runs_total", atLeast, 1, "result=ok"),
 		cc("outbox_relay_reconcile_last_success_timestamp_seconds", above, 0),
 		cc("process_resident_memory_bytes", above, 0),
@@ -318,6 +321,7 @@ func TestMetricsAfterLoadAndBrokerOutage(t *testing.T) {
 		cc("outbox_relay_oldest_unacked_age_seconds", above, 1),
 		cc("outbox_relay_in_flight_messages", above, 0),
 		cc("outbox_relay_stream_poll_errors_total", above, 0),
+		cc("outbox_relay_publish_retries_total", above, 0),
 	)
 	age1, _ := s1.value("outbox_relay_oldest_unacked_age_seconds")
 	s2 := f.waitMetrics(10*time.Second, cc("outbox_relay_oldest_unacked_age_seconds", above, age1))
