@@ -125,12 +125,25 @@ type pending struct {
 	cur      *Message // m, or its dead-letter record
 	reason   error    // set once dead-lettering
 	size     int
-	token    string
+	seq      uint64 // the current attempt's reply token
 	deadline time.Time
 	retryAt  time.Time
 	attempts int
 	noResp   int // consecutive no-responders answers
 	first    time.Time
+	// msg is the attempt handed to nats.go, which does not keep it; ack is
+	// the broker's answer, which Result points to. Both live here so that an
+	// attempt allocates nothing beyond its reply subject.
+	msg nats.Msg
+	ack jetstream.PubAck
+}
+
+// attemptRef is an attempt in send order. With one AckTimeout for all,
+// deadlines grow in send order, so the expired attempts are a prefix and the
+// ack-timeout scan never looks at the whole window.
+type attemptRef struct {
+	seq      uint64
+	deadline time.Time
 }
 
 type keyState struct {
@@ -152,13 +165,18 @@ type Publisher struct {
 	count    int // messages holding window capacity
 	bytes    int
 	seq      uint64
-	inflight map[string]*pending
+	inflight map[uint64]*pending // by reply token
+	attempts []attemptRef        // in send order, from attemptsHead
+	attHead  int
 	keys     map[string]*keyState
+	freeKeys []*keyState // recycled, so a key's first message allocates none
 	retries  []*pending
 	checking map[*pending]bool // no-stream look-ups in progress
 	closed   error
 	space    chan struct{} // signalled when capacity frees up
 	lookups  sync.WaitGroup
+
+	stream string // interned stream name of the acks, onReply's alone
 }
 
 // New returns a publisher on nc. Run must be running for timeouts and
@@ -172,7 +190,7 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 		nc:       nc,
 		log:      zap.NewNop(),
 		obs:      nopObserver{},
-		inflight: map[string]*pending{},
+		inflight: map[uint64]*pending{},
 		keys:     map[string]*keyState{},
 		checking: map[*pending]bool{},
 		space:    make(chan struct{}, 1),
@@ -194,11 +212,12 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 		}
 	}
 	// One wildcard subscription receives every ack; the token after the
-	// prefix finds the message. No goroutine or channel per message.
-	p.prefix = nc.NewRespInbox()
-	if i := lastDot(p.prefix); i >= 0 {
-		p.prefix = p.prefix[:i+1]
-	}
+	// prefix finds the message. No goroutine or channel per message. The
+	// prefix must be ours alone: NATS sends a "no responders" status to just
+	// one subscription matching the reply subject, and nats.go's request
+	// mux already listens on NewRespInbox's prefix once any request ran on
+	// the connection; sharing it would hide every "no responders" from us.
+	p.prefix = nc.NewInbox() + "."
 	sub, err := nc.Subscribe(p.prefix+"*", p.onReply)
 	if err != nil {
 		return nil, fmt.Errorf("subscribe to acks: %w", err)
@@ -210,15 +229,6 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 	}
 	p.sub = sub
 	return p, nil
-}
-
-func lastDot(s string) int {
-	for i := len(s) - 1; i >= 0; i-- {
-		if s[i] == '.' {
-			return i
-		}
-	}
-	return -1
 }
 
 func msgSize(m *Message) int {
@@ -253,7 +263,14 @@ func (p *Publisher) TryPublish(m *Message) (bool, error) {
 			p.mu.Unlock()
 			return true, nil
 		}
-		p.keys[m.Key] = &keyState{}
+		var ks *keyState
+		if n := len(p.freeKeys); n > 0 {
+			ks = p.freeKeys[n-1]
+			p.freeKeys = p.freeKeys[:n-1]
+		} else {
+			ks = &keyState{}
+		}
+		p.keys[m.Key] = ks
 	}
 	p.mu.Unlock()
 	p.send(pd)
@@ -292,22 +309,28 @@ func (p *Publisher) InFlight() int {
 
 // send starts one attempt of pd.
 func (p *Publisher) send(pd *pending) {
+	deadline := time.Now().Add(p.cfg.AckTimeout)
 	p.mu.Lock()
 	p.seq++
-	pd.token = strconv.FormatUint(p.seq, 36)
+	seq := p.seq
+	pd.seq = seq
 	pd.attempts++
-	pd.deadline = time.Now().Add(p.cfg.AckTimeout)
+	pd.deadline = deadline
 	pd.retryAt = time.Time{}
-	p.inflight[pd.token] = pd
+	p.inflight[seq] = pd
+	p.attempts = append(p.attempts, attemptRef{seq: seq, deadline: deadline})
 	p.mu.Unlock()
 
 	m := pd.cur
-	err := p.nc.PublishMsg(&nats.Msg{Subject: m.Subject, Reply: p.prefix + pd.token, Header: m.Header, Data: m.Data})
+	var buf [96]byte
+	reply := strconv.AppendUint(append(buf[:0], p.prefix...), seq, 36)
+	pd.msg = nats.Msg{Subject: m.Subject, Reply: string(reply), Header: m.Header, Data: m.Data}
+	err := p.nc.PublishMsg(&pd.msg)
 	if err == nil {
 		return
 	}
 	p.mu.Lock()
-	delete(p.inflight, pd.token)
+	delete(p.inflight, seq)
 	p.mu.Unlock()
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
@@ -326,11 +349,14 @@ type pubAckResponse struct {
 }
 
 func (p *Publisher) onReply(msg *nats.Msg) {
-	token := msg.Subject[len(p.prefix):]
+	seq, err := strconv.ParseUint(msg.Subject[len(p.prefix):], 36, 64)
+	if err != nil {
+		return // not an answer to this publisher
+	}
 	p.mu.Lock()
-	pd, ok := p.inflight[token]
+	pd, ok := p.inflight[seq]
 	if ok {
-		delete(p.inflight, token)
+		delete(p.inflight, seq)
 	}
 	p.mu.Unlock()
 	if !ok {
@@ -342,22 +368,24 @@ func (p *Publisher) onReply(msg *nats.Msg) {
 		p.fail(pd, &PublishError{Subject: subject, Class: "no_responders", Err: ErrTransient})
 		return
 	}
-	var resp pubAckResponse
-	if err := json.Unmarshal(msg.Data, &resp); err != nil {
-		p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: %v", ErrTransient, err)})
-		return
+	if !parsePubAck(msg.Data, &pd.ack, &p.stream) {
+		var resp pubAckResponse
+		if err := json.Unmarshal(msg.Data, &resp); err != nil {
+			p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: %v", ErrTransient, err)})
+			return
+		}
+		if resp.Error != nil {
+			p.fail(pd, classifyAPIError(subject, resp.Error))
+			return
+		}
+		pd.ack = resp.PubAck
 	}
-	if resp.Error != nil {
-		p.fail(pd, classifyAPIError(subject, resp.Error))
-		return
-	}
-	if resp.Stream == "" {
+	if pd.ack.Stream == "" {
 		p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: ack without stream", ErrTransient)})
 		return
 	}
-	ack := resp.PubAck
-	p.obs.Published(subject, ack.Duplicate, time.Since(pd.first))
-	p.settle(pd, Result{Ack: &ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
+	p.obs.Published(subject, pd.ack.Duplicate, time.Since(pd.first))
+	p.settle(pd, Result{Ack: &pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
 }
 
 // fail handles a failed attempt: dead-letter a permanent rejection, retry
@@ -367,6 +395,9 @@ func (p *Publisher) fail(pd *pending, perr *PublishError) {
 		pd.reason = perr
 		pd.cur = pd.m.DeadLetter(perr)
 		pd.noResp = 0
+		// Count the dead-letter record's attempts afresh, so its first
+		// failure (a missing dead-letter stream) is logged at once.
+		pd.attempts = 0
 		p.obs.DeadLettered(perr.Class)
 		p.log.Warn("dead-lettering message", zap.String("subject", perr.Subject), zap.Error(perr))
 		p.send(pd)
@@ -413,6 +444,11 @@ func (p *Publisher) settle(pd *pending, res Result) {
 			ks.queue = ks.queue[1:]
 		} else {
 			delete(p.keys, k)
+			// Recycle the state; never more than the window holds keys.
+			if len(p.freeKeys) < p.cfg.MaxInFlight && cap(ks.queue) <= maxKeptQueue {
+				ks.queue = ks.queue[:0]
+				p.freeKeys = append(p.freeKeys, ks)
+			}
 		}
 	}
 	p.mu.Unlock()
@@ -449,6 +485,9 @@ func (p *Publisher) Run(ctx context.Context) error {
 	}
 }
 
+// maxKeptQueue is the largest per-key queue capacity kept for reuse.
+const maxKeptQueue = 64
+
 // noStreamCheckAfter is how many consecutive "no responders" answers make
 // the publisher ask whether any stream is bound to the subject at all.
 const noStreamCheckAfter = 3
@@ -462,11 +501,24 @@ func (p *Publisher) tick(ctx context.Context) error {
 		p.mu.Unlock()
 		return err
 	}
-	for token, pd := range p.inflight {
-		if now.After(pd.deadline) {
-			delete(p.inflight, token)
+	// Attempts answered since the last tick are dropped from the front;
+	// the first unanswered one that has not expired ends the scan.
+	for p.attHead < len(p.attempts) {
+		a := p.attempts[p.attHead]
+		if pd, ok := p.inflight[a.seq]; ok {
+			if !now.After(a.deadline) {
+				break
+			}
+			delete(p.inflight, a.seq)
 			timedOut = append(timedOut, pd)
 		}
+		p.attHead++
+	}
+	if p.attHead == len(p.attempts) {
+		p.attempts, p.attHead = p.attempts[:0], 0
+	} else if p.attHead > 1024 && p.attHead*2 > len(p.attempts) {
+		n := copy(p.attempts, p.attempts[p.attHead:])
+		p.attempts, p.attHead = p.attempts[:n], 0
 	}
 	keep := p.retries[:0]
 	for _, pd := range p.retries {
@@ -516,6 +568,11 @@ func (p *Publisher) checkNoStream(ctx context.Context, pd *pending) {
 		if errors.Is(err, ErrNoStream) {
 			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: "no_stream", Err: fmt.Errorf("%w: %w", ErrRejected, ErrNoStream)})
 			return
+		}
+		if err != nil {
+			// Typically the configured stream itself is gone: an outage to
+			// wait out, never a reason to dead-letter.
+			p.log.Warn("publish keeps failing with no responders", zap.String("subject", pd.cur.Subject), zap.Int("attempt", pd.attempts), zap.Error(err))
 		}
 		pd.noResp = 0
 		if ctx.Err() == nil {

@@ -95,13 +95,34 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 		return nil, fmt.Errorf("jetstream: %w", err)
 	}
 	r.js = js
-	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(r.log.Named("publisher")), publisher.WithObserver(r.obs))
+	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(r.log.Named("publisher")), publisher.WithObserver(r.obs),
+		publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)))
 	if err != nil {
 		return nil, err
 	}
 	r.pub = pub
 	r.tracker.Store(publisher.NewTracker(0))
 	return r, nil
+}
+
+// streamLookup tells a subject bound to no stream (a permanent rejection:
+// dead-letter it) from a missing event stream (an outage: keep retrying and
+// say so). Only when the configured stream exists and still no stream
+// matches the subject is the message unroutable.
+func streamLookup(js jetstream.JetStream, stream string) func(ctx context.Context, subject string) error {
+	return func(ctx context.Context, subject string) error {
+		if _, err := js.Stream(ctx, stream); err != nil {
+			if errors.Is(err, jetstream.ErrStreamNotFound) {
+				return fmt.Errorf("event stream %s does not exist: recreate it (outbox-relay setup) — the relay retries and the slot waits", stream)
+			}
+			return fmt.Errorf("look up event stream %s: %w", stream, err)
+		}
+		_, err := js.StreamNameBySubject(ctx, subject)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			return publisher.ErrNoStream
+		}
+		return err
+	}
 }
 
 // StreamDurable returns 1 when the event stream's acks survive a server
