@@ -82,6 +82,7 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 			}
 			return 0
 		},
+		StreamDurable: func() float64 { return float64(rl.StreamDurable()) },
 	})
 	rl, err = relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(ready.Store))
 	if err != nil {

@@ -24,6 +24,9 @@ type Gauges struct {
 	ConfirmedLSN func() float64
 	OldestAge    func() float64
 	Ready        func() float64
+	// StreamDurable is 1 when the event stream's acks survive a server
+	// crash (file storage, ≥ 3 replicas), 0 when not, -1 before the check.
+	StreamDurable func() float64
 }
 
 // NewRelay registers the relay's metrics on reg.
@@ -65,6 +68,7 @@ func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
 	gauge("outbox_relay_confirmed_lsn", "Highest LSN whose transactions are all acknowledged (the slot's next confirmed position), as a number.", g.ConfirmedLSN)
 	gauge("outbox_relay_oldest_unacked_age_seconds", "Age, from its commit, of the oldest transaction with events not yet acknowledged by JetStream; 0 when none.", g.OldestAge)
 	gauge("outbox_relay_ready", "1 while the relay streams from the slot with the broker connected.", g.Ready)
+	gauge("outbox_relay_stream_durable", "1 when the event stream's acknowledgements survive a server crash (file storage, at least 3 replicas), 0 when not, -1 before the relay checked.", g.StreamDurable)
 	return m
 }
 
