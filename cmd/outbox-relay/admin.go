@@ -95,8 +95,12 @@ type statusReport struct {
 	StreamLastSeq     uint64 `json:"stream_last_seq"`
 	StreamStorage     string `json:"stream_storage,omitempty"`
 	StreamReplicas    int    `json:"stream_replicas,omitempty"`
-	DeadLetterStream  string `json:"dead_letter_stream"`
-	DeadLetters       uint64 `json:"dead_letters"`
+	// DurableAcks says whether the event stream's acks survive a server
+	// crash; DurableReason says why not.
+	DurableAcks      *bool  `json:"durable_acks,omitempty"`
+	DurableReason    string `json:"durable_reason,omitempty"`
+	DeadLetterStream string `json:"dead_letter_stream"`
+	DeadLetters      uint64 `json:"dead_letters"`
 	// DeadLetterOldestAge is the age of the oldest dead letter; 0 when none.
 	DeadLetterOldestAge float64 `json:"dead_letter_oldest_age_seconds"`
 	// Relay holds a running relay's in-memory figures, scraped from
@@ -230,6 +234,8 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 		if err == nil {
 			rep.StreamMessages, rep.StreamLastSeq = info.State.Msgs, info.State.LastSeq
 			rep.StreamStorage, rep.StreamReplicas = info.Config.Storage.String(), info.Config.Replicas
+			durable, reason := publisher.Durability(info.Config)
+			rep.DurableAcks, rep.DurableReason = &durable, reason
 		}
 	} else {
 		rep.Problems = append(rep.Problems, fmt.Sprintf("stream %s: %v", cfg.NATS.Stream, err))
@@ -262,6 +268,9 @@ func printStatus(w io.Writer, r statusReport) {
 	fmt.Fprintf(tw, "  behind current WAL\t%s\n", humanBytes(r.LagBytes))
 	fmt.Fprintf(tw, "stream\t%s\n", r.Stream)
 	fmt.Fprintf(tw, "  messages\t%d (last seq %d, %s, R%d)\n", r.StreamMessages, r.StreamLastSeq, r.StreamStorage, r.StreamReplicas)
+	if r.DurableAcks != nil && !*r.DurableAcks {
+		fmt.Fprintf(tw, "  durable acks\tno: %s\n", r.DurableReason)
+	}
 	fmt.Fprintf(tw, "dead-letter stream\t%s\n", r.DeadLetterStream)
 	fmt.Fprintf(tw, "  records\t%d\n", r.DeadLetters)
 	if r.DeadLetters > 0 {
