@@ -131,10 +131,8 @@ type pending struct {
 	attempts int
 	noResp   int // consecutive no-responders answers
 	first    time.Time
-	// msg is the attempt handed to nats.go, which does not keep it; ack is
-	// the broker's answer, which Result points to. Both live here so that an
-	// attempt allocates nothing beyond its reply subject.
-	msg nats.Msg
+	// ack is the broker's answer, which Result points to: it lives here so
+	// that an ack allocates nothing.
 	ack jetstream.PubAck
 }
 
@@ -324,8 +322,10 @@ func (p *Publisher) send(pd *pending) {
 	m := pd.cur
 	var buf [96]byte
 	reply := strconv.AppendUint(append(buf[:0], p.prefix...), seq, 36)
-	pd.msg = nats.Msg{Subject: m.Subject, Reply: string(reply), Header: m.Header, Data: m.Data}
-	err := p.nc.PublishMsg(&pd.msg)
+	// On the stack: a retry after an ack timeout may start while this
+	// attempt is still inside PublishMsg.
+	msg := nats.Msg{Subject: m.Subject, Reply: string(reply), Header: m.Header, Data: m.Data}
+	err := p.nc.PublishMsg(&msg)
 	if err == nil {
 		return
 	}
