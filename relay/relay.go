@@ -238,7 +238,15 @@ func (r *Relay) streamOnce(ctx context.Context) (bool, error) {
 	// the publisher's per-key queue keeps those re-sends behind them.
 	tracker := publisher.NewTracker(0)
 	r.tracker.Store(tracker)
-	st, err := replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
+	// Connecting and starting replication get a deadline of their own: a
+	// blackholed network would otherwise hang a reconnect forever.
+	openTimeout := r.cfg.Replication.ReceiveTimeout
+	if openTimeout <= 0 {
+		openTimeout = 30 * time.Second
+	}
+	octx, cancel := context.WithTimeout(ctx, openTimeout)
+	st, err := replication.Open(octx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
+	cancel()
 	if err != nil {
 		return false, err
 	}
