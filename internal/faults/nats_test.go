@@ -72,6 +72,13 @@ func TestNATSClusterLeaderLoss(t *testing.T) {
 	t.Cleanup(cl.Close)
 	s := newScenario(t, testenv.Get(t).PG, cl.URL())
 	s.set("nats.replicas", 3)
+	// An R3 file stream is what nats.require_durable_stream asks for.
+	durable, _ := s.trySet("nats.require_durable_stream", true)
+	port, err := testenv.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.set("http.listen", fmt.Sprintf("127.0.0.1:%d", port))
 	s.sample()
 	ctx := context.Background()
 	s.startRelay()
@@ -104,6 +111,14 @@ func TestNATSClusterLeaderLoss(t *testing.T) {
 	}
 	time.Sleep(time.Second)
 	ld.stop()
+	if durable {
+		if v := metricValue(scrape(t, fmt.Sprintf("http://127.0.0.1:%d/metrics", port)), "outbox_relay_stream_durable"); v != "1" {
+			t.Errorf("outbox_relay_stream_durable = %q on an R3 file stream, want 1", v)
+		}
+		if rep, _ := s.statusJSON(); rep["durable_acks"] != true {
+			t.Errorf("status: durable_acks %v on an R3 file stream, want true", rep["durable_acks"])
+		}
+	}
 	o := s.verify(2 * time.Minute)
 	s.mustHold("nats R3 stream leader killed", o, worst, fmt.Sprintf("%d leader kill(s), 3 nodes", kills))
 }
