@@ -52,3 +52,16 @@ fuzz:
 
 clean:
 	rm -rf bin
+
+# chaos runs the fault suite's long variants (internal/faults with
+# OUTBOX_CHAOS=1: outages over 30 s, repeated kills and leader losses,
+# larger loads), bounded to 15 minutes, and prints one row per fault:
+# events, missing, out of order, duplicates in the stream, slot samples
+# ahead of the stream, recovery time. Full output: bin/chaos.log.
+.PHONY: chaos
+chaos: postgres
+	@mkdir -p bin && rm -f bin/chaos-report.txt
+	-OUTBOX_CHAOS=1 OUTBOX_CHAOS_REPORT=$(CURDIR)/bin/chaos-report.txt $(GO) test -count=1 -timeout 15m -v ./internal/faults/ 2>&1 \
+		| tee bin/chaos.log | grep --line-buffered -E '^ *--- |^(ok|FAIL|panic)'
+	@cat bin/chaos-report.txt 2>/dev/null || true
+	@grep -q '^ok' bin/chaos.log

@@ -41,10 +41,6 @@ type netFault struct {
 	// bound limits the time from the fault's end until the relay has
 	// caught up (every event committed by then confirmed).
 	bound time.Duration
-	// knownBug, when set, is the diagnosis of a core defect that keeps
-	// the fault from passing: a failure to catch up skips the fault with
-	// it (and the relay is restarted), a pass means the bug is fixed.
-	knownBug string
 }
 
 // netRun is the state a fault works on.
@@ -108,13 +104,6 @@ func runNetFaults(t *testing.T, s *scenario, p *testenv.Proxy, link string, lost
 			// Recovered: everything committed by the fault's end is
 			// relayed and confirmed.
 			rec, err := s.caughtUp(f.bound)
-			if err != nil && f.knownBug != "" {
-				// Restart the relay so the remaining faults and the final
-				// check still run.
-				run.r.kill()
-				run.r = s.startRelay()
-				t.Skipf("blocked on: %s (observed: %v)", f.knownBug, err)
-			}
 			if err != nil {
 				t.Errorf("%s %s, after the fault ended: %v", link, f.name, err)
 				return
@@ -234,9 +223,6 @@ func TestNetworkFaultsPostgres(t *testing.T) {
 	deadPeer.needs, deadPeer.needValue = "postgres.receive_timeout", pgReceiveTimeout.String()
 	hole := connectBlackholeFault(8*time.Second, detect, resume+10*time.Second)
 	hole.needs, hole.needValue = deadPeer.needs, deadPeer.needValue
-	hole.knownBug = "replication.Open (connectSQL, pgconn.ConnectConfig, the slot query and StartReplication) runs with the relay's context, which has no deadline: " +
-		"a reconnect whose connection is blackholed waits forever. Fix: bound Open with a timeout (e.g. postgres.receive_timeout) " +
-		"via context.WithTimeout in relay.streamOnce, or set pgconn.Config.ConnectTimeout when the URL has no connect_timeout"
 	lost := func(e logEntry) bool { return e.Msg == "replication interrupted; reconnecting" }
 	runNetFaults(t, s, p, "postgres", lost, []netFault{cutFault(), deadPeer, partitionFault(4 * time.Second), slowFault(20*time.Millisecond, 4*time.Second), hole})
 }

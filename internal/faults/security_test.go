@@ -494,7 +494,11 @@ func TestLeastPrivilege(t *testing.T) {
 	s.sample()
 	r := s.startRelay()
 	startLoad(t, s.db.Pool, loadSpec{Writers: 2, Aggregates: 20, Events: 300}).wait()
+	// A row whose subject would be too long is dead-lettered: the relay's
+	// user publishes to outbox_dlq.> too.
+	dead := s.insertEvents(ctx, [4]any{"registration", strings.Repeat("a", 1100), 1, `{}`})
 	s.waitCount(s.stream, 300, 60*time.Second)
+	s.waitCount(s.dlq, 1, 60*time.Second)
 	out, code = s.runCmd(60*time.Second, nil, "status", "--config", s.writeConfig())
 	if code != 0 {
 		t.Errorf("status with the relay's credentials exited %d:\n%s", code, out)
@@ -502,7 +506,8 @@ func TestLeastPrivilege(t *testing.T) {
 	if strings.Contains(r.output(), "Permissions Violation") || strings.Contains(r.output(), "permission denied") {
 		t.Errorf("the relay hit a permission it was not granted:\n%s", r.output())
 	}
-	o := s.verify(30 * time.Second)
+	o := s.verify(30*time.Second, dead...)
+	checkDeadLetter(t, o, dead[0], "subject_too_long")
 	s.mustHold("least privilege (PostgreSQL grants, NATS authorization)", o, 0, "testdata/least-privilege.sql, testdata/nats-authorization.conf")
 
 	// The grants are really that narrow.
