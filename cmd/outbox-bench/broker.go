@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -105,7 +106,9 @@ func headerBytes(h nats.Header) int {
 // brokerCeiling publishes n routed messages to a fresh file-storage stream
 // with async publish and at most window unacknowledged, waiting for every
 // ack; then syncN synchronous publishes for the round-trip floor.
-func brokerCeiling(ctx context.Context, env *benchEnv, n, window, syncN, aggs, pad int) (brokerResult, error) {
+//
+// The async part runs repeat times; the best round counts.
+func brokerCeiling(ctx context.Context, env *benchEnv, n, window, syncN, aggs, pad, repeat int) (brokerResult, error) {
 	stream, prefix := streamNames("broker")
 	spec := publisher.StreamSpec{Name: stream, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}
 	if _, err := publisher.EnsureStream(ctx, env.js, spec, true); err != nil {
@@ -124,29 +127,41 @@ func brokerCeiling(ctx context.Context, env *benchEnv, n, window, syncN, aggs, p
 		return brokerResult{}, err
 	}
 	res := brokerResult{Messages: n, Window: window, AvgBytes: avg, SyncCount: syncN}
-	m0, c0 := readMachineCPU(), selfCPU()
-	start := time.Now()
-	for _, m := range msgs[:n] {
-		if _, err := js.PublishMsgAsync(m); err != nil {
-			return res, fmt.Errorf("publish async: %w", err)
+	// The same messages again are duplicates (same Nats-Msg-Id): each round
+	// gets fresh ids so that the stream stores every message.
+	for round := 0; round < max(1, repeat); round++ {
+		if round > 0 {
+			for i, m := range msgs[:n] {
+				m.Header.Set(contract.MsgID, fmt.Sprintf("%s-r%d", m.Header.Get(contract.EventID), round))
+				msgs[i] = m
+			}
+		}
+		m0, c0 := readMachineCPU(), selfCPU()
+		start := time.Now()
+		for _, m := range msgs[:n] {
+			if _, err := js.PublishMsgAsync(m); err != nil {
+				return res, fmt.Errorf("publish async: %w", err)
+			}
+		}
+		select {
+		case <-js.PublishAsyncComplete():
+		case <-time.After(5 * time.Minute):
+			return res, fmt.Errorf("broker ceiling: acks missing after 5 minutes")
+		case <-ctx.Done():
+			return res, ctx.Err()
+		}
+		el := time.Since(start)
+		if rate := float64(n) / el.Seconds(); rate > res.Rate {
+			res.Seconds = el.Seconds()
+			res.Rate = rate
+			res.BenchCores = (selfCPU() - c0).Seconds() / el.Seconds()
+			res.MachineCore = busyCores(m0, readMachineCPU())
 		}
 	}
-	select {
-	case <-js.PublishAsyncComplete():
-	case <-time.After(5 * time.Minute):
-		return res, fmt.Errorf("broker ceiling: acks missing after 5 minutes")
-	case <-ctx.Done():
-		return res, ctx.Err()
-	}
-	el := time.Since(start)
-	res.Seconds = el.Seconds()
-	res.Rate = float64(n) / el.Seconds()
 	res.Errors = errs.Load()
-	res.BenchCores = (selfCPU() - c0).Seconds() / el.Seconds()
-	res.MachineCore = busyCores(m0, readMachineCPU())
 
 	lat := make([]time.Duration, 0, syncN)
-	start = time.Now()
+	start := time.Now()
 	for _, m := range msgs[n:] {
 		t := time.Now()
 		if _, err := env.js.PublishMsg(ctx, m); err != nil {

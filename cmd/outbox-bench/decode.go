@@ -90,11 +90,14 @@ func runReader(args []string) error {
 		relations           = map[uint32]*pglogrepl.RelationMessage{}
 		statusEvery         = time.Second
 		nextStatus          = time.Now().Add(statusEvery)
-		rd                  receiveDeadline
 	)
-	// One deadline per status interval, not one per message.
-	rd.reset(ctx, nextStatus)
-	defer rd.cancel()
+	// The read deadline is set once per status interval, and reads pass
+	// context.Background() so that pgconn sets up no context watch per
+	// message: the reader's own overhead stays far below the walsender's.
+	nc := conn.Conn()
+	if err := nc.SetReadDeadline(nextStatus); err != nil {
+		return err
+	}
 	for {
 		if time.Now().After(nextStatus) {
 			err := pglogrepl.SendStandbyStatusUpdate(ctx, conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: received, WALFlushPosition: confirmed, WALApplyPosition: confirmed})
@@ -102,9 +105,11 @@ func runReader(args []string) error {
 				return err
 			}
 			nextStatus = time.Now().Add(statusEvery)
-			rd.reset(ctx, nextStatus)
+			if err := nc.SetReadDeadline(nextStatus); err != nil {
+				return err
+			}
 		}
-		raw, err := conn.ReceiveMessage(rd.ctx)
+		raw, err := conn.ReceiveMessage(context.Background())
 		if err != nil {
 			if pgconn.Timeout(err) && ctx.Err() == nil {
 				continue
@@ -174,19 +179,6 @@ func runReader(args []string) error {
 			}
 		}
 	}
-}
-
-// receiveDeadline is a context that ends at the next status update.
-type receiveDeadline struct {
-	ctx    context.Context
-	cancel context.CancelFunc
-}
-
-func (r *receiveDeadline) reset(parent context.Context, at time.Time) {
-	if r.cancel != nil {
-		r.cancel()
-	}
-	r.ctx, r.cancel = context.WithDeadline(parent, at)
 }
 
 // drainResult is one reader's drain of a backlog.

@@ -68,7 +68,7 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 		return res, err
 	}
 	defer db.drop()
-	r, err := startRelay(o.relayBin, env, db, slot, o.workDir, o.profileDir != "")
+	r, err := startRelay(o, env, db, slot, o.profileDir != "")
 	if err != nil {
 		return res, err
 	}

@@ -48,6 +48,8 @@ type options struct {
 	profileDir     string
 	phases         map[string]bool
 	drainTimeout   time.Duration
+	repeat         int
+	relayEnv       []string
 	quietWait      time.Duration
 	workDir        string
 }
@@ -93,6 +95,8 @@ func parseFlags(args []string) (*options, error) {
 	fs.Int64Var(&o.largeTx, "large-tx", 1000000, "--large: rows of the huge transaction")
 	fs.StringVar(&o.profileDir, "profile-dir", "", "write CPU profiles of the decode reader and the relay drains here")
 	phases := fs.String("phases", "broker,drain,latency", "phases to run: broker, drain, latency (and large, implied by --large)")
+	relayEnv := fs.String("relay-env", "", "extra environment for the relay process, comma-separated KEY=VALUE (e.g. GOGC=200,GOMAXPROCS=1)")
+	fs.IntVar(&o.repeat, "repeat", 2, "drains: alternate the bare reader and the relay this many times on the same backlog and keep the best of each (the machine is noisy)")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 5*time.Minute, "give up on a relay drain after this long")
 	fs.DurationVar(&o.quietWait, "quiet-wait", 0, "wait up to this long for other processes to leave the CPUs idle (< 0.25 busy cores) before measuring")
 	if err := fs.Parse(args); err != nil {
@@ -106,6 +110,14 @@ func parseFlags(args []string) (*options, error) {
 	}
 	if o.large {
 		o.phases["large"] = true
+	}
+	for _, kv := range strings.Split(*relayEnv, ",") {
+		if kv = strings.TrimSpace(kv); kv != "" {
+			if !strings.Contains(kv, "=") {
+				return nil, fmt.Errorf("--relay-env: %q is not KEY=VALUE", kv)
+			}
+			o.relayEnv = append(o.relayEnv, kv)
+		}
 	}
 	for _, s := range strings.Split(*rates, ",") {
 		if s = strings.TrimSpace(s); s == "" {
@@ -158,16 +170,21 @@ type results struct {
 
 // backlogResult is one backlog shape drained by every reader.
 type backlogResult struct {
-	RowsPerTx    int          `json:"rows_per_tx"`
-	Events       int64        `json:"events"`
-	AvgPayload   float64      `json:"avg_payload_bytes"`
-	LoadSeconds  float64      `json:"load_seconds"`
-	Recvlogical  *drainResult `json:"pg_recvlogical,omitempty"`
-	Decode       drainResult  `json:"decode_ceiling"`
-	Relay        drainResult  `json:"relay"`
-	RatioDecode  float64      `json:"relay_to_decode"`
-	RatioCeiling float64      `json:"relay_to_min_ceiling"`
-	RatioCPU     float64      `json:"relay_cpu_to_reader_cpu"`
+	RowsPerTx   int          `json:"rows_per_tx"`
+	Events      int64        `json:"events"`
+	AvgPayload  float64      `json:"avg_payload_bytes"`
+	LoadSeconds float64      `json:"load_seconds"`
+	Recvlogical *drainResult `json:"pg_recvlogical,omitempty"`
+	// Decode and Relay are the best of Repeat alternating drains (highest
+	// rate; CPU is that drain's); every drain is in DecodeRuns/RelayRuns.
+	Repeat       int           `json:"repeat"`
+	Decode       drainResult   `json:"decode_ceiling"`
+	Relay        drainResult   `json:"relay"`
+	DecodeRuns   []drainResult `json:"decode_runs"`
+	RelayRuns    []drainResult `json:"relay_runs"`
+	RatioDecode  float64       `json:"relay_to_decode"`
+	RatioCeiling float64       `json:"relay_to_min_ceiling"`
+	RatioCPU     float64       `json:"relay_cpu_to_reader_cpu"`
 }
 
 // largeResult is a relay drain sized for memory, not speed.
@@ -209,7 +226,7 @@ func run(ctx context.Context, o *options) error {
 	res.BackgroundCores = waitQuiet(ctx, o.quietWait)
 	if o.phases["broker"] {
 		logf("broker ceiling: %d async publishes (window %d), %d sync", o.events, o.window, o.syncN)
-		b, err := brokerCeiling(ctx, env, int(o.events), o.window, o.syncN, o.aggs, o.pad)
+		b, err := brokerCeiling(ctx, env, int(o.events), o.window, o.syncN, o.aggs, o.pad, o.repeat)
 		if err != nil {
 			return fmt.Errorf("broker ceiling: %w", err)
 		}
@@ -255,11 +272,18 @@ func run(ctx context.Context, o *options) error {
 	return writeJSON(o.out, res)
 }
 
-// drainBacklog loads one backlog into three slots and drains it with
-// pg_recvlogical, the bare reader and the relay, in that order.
+// drainBacklog loads one backlog into a slot per drain and drains it with
+// pg_recvlogical, then alternately with the bare reader and the relay.
 func drainBacklog(ctx context.Context, o *options, env *benchEnv, perTx int, broker *brokerResult) (backlogResult, error) {
-	b := backlogResult{RowsPerTx: perTx, Events: o.events}
-	db, err := env.newDB(ctx, "relay", "reader", "recvlogical")
+	b := backlogResult{RowsPerTx: perTx, Events: o.events, Repeat: max(1, o.repeat)}
+	slots := []string{"relay_1", "recvlogical"}
+	for i := 1; i <= b.Repeat; i++ {
+		slots = append(slots, fmt.Sprintf("reader_%d", i))
+		if i > 1 {
+			slots = append(slots, fmt.Sprintf("relay_%d", i))
+		}
+	}
+	db, err := env.newDB(ctx, slots...)
 	if err != nil {
 		return b, err
 	}
@@ -281,25 +305,31 @@ func drainBacklog(ctx context.Context, o *options, env *benchEnv, perTx int, bro
 	if b.Recvlogical, err = recvlogical(ctx, db, "recvlogical", o.events, endpos); err != nil {
 		return b, err
 	}
-	logf("drain %d rows/tx: bare pglogrepl reader", perTx)
-	prof := func(name string) string {
-		if o.profileDir == "" {
-			return ""
+	for i := 1; i <= b.Repeat; i++ {
+		prof := func(name string) string {
+			if o.profileDir == "" || i > 1 {
+				return ""
+			}
+			return fmt.Sprintf("%s-%drow.pprof", name, perTx)
 		}
-		return filepath.Join(o.profileDir, fmt.Sprintf("%s-%drow.pprof", name, perTx))
+		logf("drain %d rows/tx: bare pglogrepl reader (%d of %d)", perTx, i, b.Repeat)
+		readerProf := ""
+		if p := prof("reader"); p != "" {
+			readerProf = filepath.Join(o.profileDir, p)
+		}
+		d, err := decodeCeiling(ctx, db, fmt.Sprintf("reader_%d", i), o.events, readerProf)
+		if err != nil {
+			return b, err
+		}
+		b.DecodeRuns = append(b.DecodeRuns, d)
+		logf("drain %d rows/tx: relay (%d of %d)", perTx, i, b.Repeat)
+		d, err = drainRelay(ctx, o, env, db, fmt.Sprintf("relay_%d", i), o.events, prof("relay"), int(0.8*d.Seconds))
+		if err != nil {
+			return b, err
+		}
+		b.RelayRuns = append(b.RelayRuns, d)
 	}
-	if b.Decode, err = decodeCeiling(ctx, db, "reader", o.events, prof("reader")); err != nil {
-		return b, err
-	}
-	logf("drain %d rows/tx: relay", perTx)
-	profName, profSecs := "", 0
-	if o.profileDir != "" {
-		profName = fmt.Sprintf("relay-%drow.pprof", perTx)
-		profSecs = int(0.8 * b.Decode.Seconds)
-	}
-	if b.Relay, err = drainRelay(ctx, o, env, db, "relay", o.events, profName, profSecs); err != nil {
-		return b, err
-	}
+	b.Decode, b.Relay = best(b.DecodeRuns), best(b.RelayRuns)
 	b.RatioDecode = ratio(b.Relay.Rate, b.Decode.Rate)
 	ceiling := b.Decode.Rate
 	if broker != nil && broker.Rate < ceiling {
@@ -308,6 +338,17 @@ func drainBacklog(ctx context.Context, o *options, env *benchEnv, perTx int, bro
 	b.RatioCeiling = ratio(b.Relay.Rate, ceiling)
 	b.RatioCPU = ratio(b.Relay.CPUPer100k, b.Decode.CPUPer100k)
 	return b, nil
+}
+
+// best returns the drain with the highest rate.
+func best(runs []drainResult) drainResult {
+	var b drainResult
+	for _, r := range runs {
+		if r.Rate > b.Rate {
+			b = r
+		}
+	}
+	return b
 }
 
 func largeDrain(ctx context.Context, o *options, env *benchEnv, name string, events, perTx int64) (largeResult, error) {

@@ -32,7 +32,8 @@ type relayProc struct {
 
 // startRelay writes a configuration for db's slot and starts bin on it. The
 // relay creates its streams; they are deleted by stop.
-func startRelay(bin string, env *benchEnv, db *benchDB, slot, workDir string, pprofOn bool) (*relayProc, error) {
+func startRelay(o *options, env *benchEnv, db *benchDB, slot string, pprofOn bool) (*relayProc, error) {
+	bin, workDir := o.relayBin, o.workDir
 	stream, subject := streamNames("relay")
 	r := &relayProc{stream: stream, dlq: stream + "_DLQ", subject: subject, slot: slot, done: make(chan error, 1)}
 	listen := ""
@@ -75,6 +76,7 @@ log:
 	}
 	r.cmd = exec.Command(bin, "run", "--config", cfgPath)
 	r.cmd.Stdout, r.cmd.Stderr = logf, logf
+	r.cmd.Env = append(os.Environ(), o.relayEnv...)
 	if err := r.cmd.Start(); err != nil {
 		logf.Close()
 		return nil, fmt.Errorf("start %s: %w", bin, err)
@@ -174,7 +176,7 @@ func streamState(ctx context.Context, js jetstream.JetStream, name string) (jets
 // o.profileDir.
 func drainRelay(ctx context.Context, o *options, env *benchEnv, db *benchDB, slot string, events int64, profileName string, profileSecs int) (drainResult, error) {
 	var d drainResult
-	r, err := startRelay(o.relayBin, env, db, slot, o.workDir, profileName != "")
+	r, err := startRelay(o, env, db, slot, profileName != "")
 	if err != nil {
 		return d, err
 	}
