@@ -486,20 +486,6 @@ func withHostPort(u, addr string) string {
 	return pu.String()
 }
 
-// walLSN returns the server's current WAL position.
-func (s *scenario) walLSN(ctx context.Context) replication.LSN {
-	s.t.Helper()
-	var txt string
-	if err := s.db.Pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&txt); err != nil {
-		s.t.Fatal(err)
-	}
-	l, err := replication.ParseLSN(txt)
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	return l
-}
-
 // exec runs SQL as the harness's superuser in the scenario's database.
 func (s *scenario) exec(ctx context.Context, sql string, args ...any) {
 	s.t.Helper()

@@ -171,13 +171,16 @@ func (p *Proxy) acceptLoop() {
 		if err != nil {
 			return
 		}
+		p.mu.Lock()
+		hole := p.holeNew
+		p.mu.Unlock()
 		p.accepted.Add(1)
 		p.wg.Add(1)
-		go p.serve(c)
+		go p.serve(c, hole)
 	}
 }
 
-func (p *Proxy) serve(client net.Conn) {
+func (p *Proxy) serve(client net.Conn, hole bool) {
 	defer p.wg.Done()
 	pc := &proxyConn{client: client}
 	p.mu.Lock()
@@ -187,7 +190,7 @@ func (p *Proxy) serve(client net.Conn) {
 		return
 	}
 	p.conns[pc] = struct{}{}
-	if p.holeNew {
+	if hole {
 		pc.blackholed = true
 		p.mu.Unlock()
 		defer p.closeConn(pc, false)
