@@ -447,6 +447,10 @@ func TestBackfillThenStream(t *testing.T) {
 	f := newFixture(t, "")
 	f.cfg.Stream.Duplicates = 100 * time.Millisecond
 	f.cfg.DeadLetterStream.Duplicates = 100 * time.Millisecond
+	// With so short a window a retry after an ack timeout would be stored
+	// twice too; on a loaded machine a 2s timeout can fire, so make it long
+	// enough that only an overlap can produce a duplicate.
+	f.cfg.Publisher.AckTimeout = time.Minute
 	before := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 5000, Aggregates: 300, Writers: 2, BigTx: 100})
 	// Rows a polling relay already published are not backfilled.
 	if _, err := f.db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_id, aggregate_version, event_type, payload, publish_state)
