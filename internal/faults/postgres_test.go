@@ -3,6 +3,9 @@ package faults
 import (
 	"context"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -116,5 +119,39 @@ func TestSlotInvalidatedStatus(t *testing.T) {
 			t.Errorf("run's error does not mention %q:\n%s", want, out)
 		}
 	}
+	t.Run("metric", func(t *testing.T) {
+		// The slot metrics come from a running relay: it must keep serving
+		// /metrics (not ready) on a lost slot for the metric to be seen.
+		port, err := testenv.FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.set("http.listen", fmt.Sprintf("127.0.0.1:%d", port))
+		r := s.startRelay()
+		var body string
+		testenv.WaitFor(10*time.Second, func() bool {
+			if !r.running() {
+				return true
+			}
+			resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", port))
+			if err != nil {
+				return false
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			body = string(b)
+			return strings.Contains(body, `outbox_relay_slot_wal_status{status="lost"} 1`)
+		})
+		if !r.running() && body == "" {
+			t.Skip("blocked on: `run` exits on a lost slot (cmd/outbox-relay/run.go: autoSetup/relay.Run return ErrSlotLost before " +
+				"the HTTP listener starts), so outbox_relay_slot_wal_status{status=\"lost\"} is never scrapeable; proposal: start the " +
+				"listener and the slot poller first and, on a permanent error, keep serving /metrics with /readyz 503 until SIGTERM " +
+				"(or document that the alert is 'relay absent' plus `outbox-relay status` exiting 1)")
+		}
+		if !strings.Contains(body, `outbox_relay_slot_wal_status{status="lost"} 1`) {
+			t.Errorf("/metrics does not show the lost slot:\n%s", body)
+		}
+		_ = r.term(10 * time.Second)
+	})
 	record(faultRow{Fault: "slot invalidated (wal_status lost)", Note: "run refuses, status exits " + itoa(code)})
 }
