@@ -24,7 +24,7 @@ const (
 	// after 2 unanswered pings, so a dead connection is detected in 10-15 s.
 	natsStaleBound = 15 * time.Second
 	// slack absorbs scheduling on a loaded 2-core machine.
-	slack = 3 * time.Second
+	slack = 5 * time.Second
 )
 
 // netFault is one network fault applied through the proxy while the load
