@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -29,7 +31,9 @@ type Message struct {
 	// transient failure, so nothing is ever dropped.
 	DeadLetter func(reason error) *Message
 	// Done is called once, from a publisher goroutine, when the message
-	// (or its dead-letter record) is acknowledged. It must not block.
+	// (or its dead-letter record) is acknowledged. It must not block. Every
+	// publish attempt of the message has returned by then, so Done may
+	// recycle Header and Data.
 	Done func(Result)
 }
 
@@ -131,6 +135,9 @@ type pending struct {
 	attempts int
 	noResp   int // consecutive no-responders answers
 	first    time.Time
+	// sending counts attempts inside PublishMsg. An attempt that timed out
+	// may still be there (its goroutine descheduled) when a retry is acked.
+	sending atomic.Int32
 	// ack is the broker's answer, which Result points to: it lives here so
 	// that an ack allocates nothing.
 	ack jetstream.PubAck
@@ -325,7 +332,9 @@ func (p *Publisher) send(pd *pending) {
 	// On the stack: a retry after an ack timeout may start while this
 	// attempt is still inside PublishMsg.
 	msg := nats.Msg{Subject: m.Subject, Reply: string(reply), Header: m.Header, Data: m.Data}
+	pd.sending.Add(1)
 	err := p.nc.PublishMsg(&msg)
+	pd.sending.Add(-1)
 	if err == nil {
 		return
 	}
@@ -429,6 +438,13 @@ func (p *Publisher) backoff(attempts int) time.Duration {
 // settle completes pd, frees its capacity and sends the next message of its
 // key.
 func (p *Publisher) settle(pd *pending, res Result) {
+	// The ack can overtake the return from PublishMsg (of this attempt, or
+	// of one that timed out): wait for it, so that Done may reuse the
+	// message. The wait is short: PublishMsg blocks only while the
+	// connection is blocked, and the acked attempt went through it.
+	for pd.sending.Load() != 0 {
+		runtime.Gosched()
+	}
 	if pd.m.Done != nil {
 		pd.m.Done(res)
 	}

@@ -116,6 +116,9 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 	m.Done = func(res publisher.Result) {
 		tx.Settle()
 		r.obs.Settled(res, commitTime)
+		// Every attempt has returned and the dead-letter record, if any,
+		// is built: the router may reuse rm's buffers for a later row.
+		r.router.Release(rm)
 	}
 	return p.publish(ctx, m)
 }

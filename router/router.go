@@ -5,6 +5,7 @@ import (
 	"math"
 	"slices"
 	"strconv"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -36,6 +37,9 @@ type Message struct {
 	LSN replication.LSN
 	// Commit is the commit of the transaction that inserted the row.
 	Commit CommitInfo
+
+	// vals backs the header values, reused with the message (Release).
+	vals []string
 }
 
 // CommitInfo identifies the commit of the transaction an outbox row belongs
@@ -47,8 +51,8 @@ type CommitInfo struct {
 
 // Router maps outbox rows to NATS messages. Route keeps a per-relation cache
 // and a scratch buffer, so it must be called from one goroutine at a time;
-// Handles, DeadLetter and DeadLetterMessage only read the configuration and
-// are safe for concurrent use.
+// Handles, DeadLetter, DeadLetterMessage and Release are safe for concurrent
+// use.
 type Router struct {
 	rules      map[relKey]*tableRule
 	dlqSubject string
@@ -64,6 +68,11 @@ type Router struct {
 	// The commit strings are the same for every row of a transaction.
 	commit                  CommitInfo
 	commitLSNs, commitTimes string
+
+	// free holds released messages: their header maps, header value
+	// slices and payload buffers are what Route would otherwise allocate
+	// for every row (a header map of ten entries alone is four allocations).
+	free sync.Pool
 }
 
 type relKey struct{ schema, name string }
@@ -386,8 +395,20 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 	s := string(buf)
 	part := func(i int) string { return s[off[i]:off[i+1]] }
 	eventIDStr := part(partEventID)
-	vals := make([]string, nHeaders)
-	h := make(nats.Header, nHeaders)
+	m, _ := r.free.Get().(*Message)
+	if m == nil {
+		m = &Message{}
+	}
+	h := m.Header
+	if h == nil {
+		h = make(nats.Header, nHeaders)
+	} else {
+		clear(h)
+	}
+	if cap(m.vals) < nHeaders {
+		m.vals = make([]string, nHeaders)
+	}
+	vals := m.vals[:nHeaders]
 	n := 0
 	set := func(k, v string) {
 		vals[n] = v
@@ -415,16 +436,40 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 		}
 	}
 
-	return &Message{
+	data := m.Data[:0]
+	if data == nil || cap(data) > maxKeptScratch {
+		// Never nil: an empty payload is not a NULL one.
+		data = make([]byte, 0, len(payload))
+	}
+	*m = Message{
 		Subject: part(partSubject),
 		Header:  h,
-		Data:    append(make([]byte, 0, len(payload)), payload...),
+		Data:    append(data, payload...),
 		EventID: eventIDStr,
 		Key:     s[off[partKey]:off[partEventID]],
 		Table:   rule.qualified,
 		LSN:     ins.LSN,
 		Commit:  commit,
-	}, nil
+		vals:    vals,
+	}
+	return m, nil
+}
+
+// Release hands m back for reuse by a later Route: its header map, header
+// values and payload buffer are overwritten then. Call it only when nothing
+// reads m, its Header or its Data any more, for example from the
+// publisher's Done callback, which runs after every publish attempt has
+// returned. Releasing is optional (an unreleased message is garbage
+// collected) and safe for concurrent use with Route.
+func (r *Router) Release(m *Message) {
+	if m == nil {
+		return
+	}
+	for i := range m.vals {
+		m.vals[i] = "" // do not pin the row's strings while pooled
+	}
+	*m = Message{Header: m.Header, Data: m.Data[:0], vals: m.vals}
+	r.free.Put(m)
 }
 
 // commitStrings returns the commit LSN and time headers, formatting them

@@ -3,6 +3,7 @@ package router
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math"
 	"strconv"
 	"strings"
@@ -572,4 +573,43 @@ func FuzzRoute(f *testing.F) {
 			t.Fatalf("message is %d bytes, over %d", size, MinMaxPayload)
 		}
 	})
+}
+
+// TestRouteReleased routes into released messages: every field is the new
+// row's, and a message still held is not touched by later rows.
+func TestRouteReleased(t *testing.T) {
+	r := mustNew(t, seedConfig())
+	rel := newRelation(1, "public", "outbox", seedColumns...)
+	route := func(id, agg, payload string) *Message {
+		t.Helper()
+		row := seedRow()
+		row["event_id"] = txt(id)
+		row["aggregate_id"] = txt(agg)
+		row["payload"] = txt(payload)
+		m, err := r.Route(newInsert(rel, row), testCommit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	held := route("11111111-1111-4111-8111-111111111111", "held", `{"a": 1}`)
+	for i := 0; i < 50; i++ {
+		m := route(fmt.Sprintf("22222222-2222-4222-8222-%012d", i), fmt.Sprintf("agg-%d", i), fmt.Sprintf(`{"n": %d}`, i))
+		if got, want := m.Header.Get(contract.MsgID), fmt.Sprintf("22222222-2222-4222-8222-%012d", i); got != want || m.EventID != want {
+			t.Fatalf("row %d: Nats-Msg-Id %q, EventID %q, want %q", i, got, m.EventID, want)
+		}
+		if got := m.Header.Get(contract.AggregateID); got != fmt.Sprintf("agg-%d", i) {
+			t.Fatalf("row %d: aggregate id %q", i, got)
+		}
+		if string(m.Data) != fmt.Sprintf(`{"n": %d}`, i) {
+			t.Fatalf("row %d: data %q", i, m.Data)
+		}
+		if n := len(m.Header); n != fixedHeaders+1 { // + occurred_at
+			t.Fatalf("row %d: %d headers: %v", i, n, m.Header)
+		}
+		r.Release(m)
+	}
+	if held.Header.Get(contract.AggregateID) != "held" || string(held.Data) != `{"a": 1}` || held.Key != "outbox\x00held" {
+		t.Fatalf("a held message changed: %v %q %q", held.Header, held.Data, held.Key)
+	}
 }
