@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"net/http/pprof"
@@ -56,13 +57,6 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 		return err
 	}
 	defer nc.Close()
-	if cfg.Postgres.AutoSetup {
-		if err := autoSetup(ctx, cfg, nc, log); err != nil {
-			log.Error("setup failed", zap.Error(err))
-			return err
-		}
-	}
-
 	var ready atomic.Bool
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -127,19 +121,43 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 		})
 	}
 	g.Go(func() error {
-		err := rl.Run(gctx)
-		if err != nil {
-			log.Error("relay stopped", zap.Error(err))
-			return err
+		err := setupAndRun(gctx, cfg, nc, rl, log)
+		if err == nil {
+			// Stop the HTTP server too when the relay returns on shutdown.
+			return context.Canceled
 		}
-		// Stop the HTTP server too when the relay returns on shutdown.
-		return context.Canceled
+		log.Error("relay stopped", zap.Error(err))
+		if cfg.HTTP.Listen != "" && cfg.HTTP.LingerOnError > 0 {
+			// Stay observable before exiting: /metrics shows why (a lost
+			// slot in outbox_relay_slot_wal_status) and /readyz is 503, so
+			// alerts fire even while an orchestrator restarts the process.
+			log.Info("serving metrics before exiting", zap.Duration("linger", cfg.HTTP.LingerOnError))
+			select {
+			case <-time.After(cfg.HTTP.LingerOnError):
+			case <-gctx.Done():
+			}
+		}
+		return err
 	})
 	err = g.Wait()
 	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
 		return nil
 	}
 	return err
+}
+
+// setupAndRun creates what is missing (auto_setup) and streams until ctx
+// ends; it returns an error only for conditions that need an operator.
+func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *relay.Relay, log *zap.Logger) error {
+	if cfg.Postgres.AutoSetup {
+		if err := autoSetup(ctx, cfg, nc, log); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("setup: %w", err)
+		}
+	}
+	return rl.Run(ctx)
 }
 
 // autoSetup creates what is missing before streaming: with backfill, a new

@@ -132,6 +132,11 @@ type HTTP struct {
 	Listen string `yaml:"listen"`
 	// Pprof exposes /debug/pprof on the listener.
 	Pprof bool `yaml:"pprof"`
+	// LingerOnError keeps the listener serving this long after the relay
+	// stopped for a condition that needs an operator (a lost slot, bad
+	// grants), so the metrics that explain it can be scraped before the
+	// process exits non-zero.
+	LingerOnError time.Duration `yaml:"linger_on_error"`
 }
 
 // Log configures logging.
@@ -163,7 +168,7 @@ func Default() Config {
 			MaxInFlightBytes:  64 << 20,
 			MaxExpectedOutage: 2 * time.Minute,
 		},
-		HTTP:            HTTP{Listen: "127.0.0.1:9187"},
+		HTTP:            HTTP{Listen: "127.0.0.1:9187", LingerOnError: 15 * time.Second},
 		Log:             Log{Level: "info", Format: "json"},
 		ShutdownTimeout: 5 * time.Second,
 		Metrics:         Metrics{PollInterval: 15 * time.Second},
