@@ -64,7 +64,8 @@ func TestPostgresRestart(t *testing.T) {
 
 // A slot whose WAL was removed while the relay was stopped
 // (max_slot_wal_keep_size exceeded) means events were lost: `run` refuses
-// with an error that says so and how to recover, and `status` shows
+// with an error that says so and how to recover (serving /metrics with the
+// lost slot for a while first, so alerts see it), and `status` shows
 // wal_status lost and exits non-zero (for monitoring scripts).
 func TestSlotInvalidatedStatus(t *testing.T) {
 	t.Parallel()
@@ -143,10 +144,8 @@ func TestSlotInvalidatedStatus(t *testing.T) {
 			return strings.Contains(body, `outbox_relay_slot_wal_status{status="lost"} 1`)
 		})
 		if !r.running() && body == "" {
-			t.Skip("blocked on: `run` exits on a lost slot (cmd/outbox-relay/run.go: autoSetup/relay.Run return ErrSlotLost before " +
-				"the HTTP listener starts), so outbox_relay_slot_wal_status{status=\"lost\"} is never scrapeable; proposal: start the " +
-				"listener and the slot poller first and, on a permanent error, keep serving /metrics with /readyz 503 until SIGTERM " +
-				"(or document that the alert is 'relay absent' plus `outbox-relay status` exiting 1)")
+			// Until 78e04f4 `run` exited before serving /metrics.
+			t.Fatal("run exited on the lost slot without serving /metrics (http.linger_on_error)")
 		}
 		if !strings.Contains(body, `outbox_relay_slot_wal_status{status="lost"} 1`) {
 			t.Errorf("/metrics does not show the lost slot:\n%s", body)
