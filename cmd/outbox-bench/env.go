@@ -254,6 +254,20 @@ func (db *benchDB) avgPayload(ctx context.Context) (float64, error) {
 	return avg, err
 }
 
+// postmasterPID returns the pid of the server's postmaster (the parent of
+// every backend), or 0 when the server is not on this machine.
+func (db *benchDB) postmasterPID(ctx context.Context) int {
+	var pid int32
+	if err := db.pool.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		return 0
+	}
+	ppid, err := procPPID(int(pid))
+	if err != nil {
+		return 0
+	}
+	return ppid
+}
+
 // walsenderPID returns the pid of the walsender streaming from slot, or 0.
 func (db *benchDB) walsenderPID(ctx context.Context, slot string) int {
 	var pid *int32

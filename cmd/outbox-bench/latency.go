@@ -50,11 +50,17 @@ type latencyResult struct {
 	InsertToDelivery quantiles `json:"insert_to_delivery"`
 	// WriterLate is how far behind schedule the writers sent (load
 	// generator health: large values mean the offered load was not met).
-	WriterLate   quantiles `json:"writer_late"`
-	RelayCores   float64   `json:"relay_cores"`
-	CPUPer100k   float64   `json:"relay_cpu_s_per_100k"`
-	PeakRSSMB    float64   `json:"relay_peak_rss_mb"`
-	MachineCores float64   `json:"machine_cores"`
+	WriterLate quantiles `json:"writer_late"`
+	RelayCores float64   `json:"relay_cores"`
+	// PostgresCores is the cluster's CPU (backends, walsender, WAL
+	// writer); BenchCores this process's: the embedded NATS server, the
+	// writers and the consumer. MachineCores minus the three is what other
+	// processes took.
+	PostgresCores float64 `json:"postgres_cores"`
+	BenchCores    float64 `json:"bench_cores"`
+	CPUPer100k    float64 `json:"relay_cpu_s_per_100k"`
+	PeakRSSMB     float64 `json:"relay_peak_rss_mb"`
+	MachineCores  float64 `json:"machine_cores"`
 }
 
 // latencyRun offers rate events/s in 1-row transactions from a writer pool
@@ -149,8 +155,9 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 	var ticket atomic.Int64
 	late := make([][]time.Duration, writers)
 	errs := make(chan error, writers)
+	pm := db.postmasterPID(ctx)
 	cpu0, _ := procCPU(r.pid())
-	m0 := readMachineCPU()
+	m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
 	period := time.Second / time.Duration(rate)
 	for w := range writers {
 		go func() {
@@ -220,6 +227,8 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 	el := time.Since(t0)
 	cpu1, _ := procCPU(r.pid())
 	res.MachineCores = busyCores(m0, readMachineCPU())
+	res.PostgresCores = (treeCPU(pm) - pg0).Seconds() / el.Seconds()
+	res.BenchCores = (selfCPU() - b0).Seconds() / el.Seconds()
 	res.Events = total
 	res.RelayCores = (cpu1 - cpu0).Seconds() / el.Seconds()
 	res.CPUPer100k = (cpu1 - cpu0).Seconds() / float64(total) * 100000

@@ -139,3 +139,46 @@ func readMachineInfo() machineInfo {
 	}
 	return m
 }
+
+// procPPID returns the parent pid of pid.
+func procPPID(pid int) (int, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: no ')'", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 2 {
+		return 0, fmt.Errorf("/proc/%d/stat: short", pid)
+	}
+	return strconv.Atoi(f[1])
+}
+
+// treeCPU returns the CPU time of root and its direct children (a
+// postmaster and its backends), so that other clusters on the machine do
+// not count.
+func treeCPU(root int) time.Duration {
+	if root <= 0 {
+		return 0
+	}
+	total, _ := procCPU(root)
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return total
+	}
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if ppid, err := procPPID(pid); err == nil && ppid == root {
+			if c, err := procCPU(pid); err == nil {
+				total += c
+			}
+		}
+	}
+	return total
+}

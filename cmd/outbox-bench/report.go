@@ -77,12 +77,12 @@ func printTable(w io.Writer, r *results) {
 			fmt.Fprintf(w, " (sync publish round trip: p50 %.3f, p99 %.3f)", r.Broker.SyncP50ms, r.Broker.SyncP99ms)
 		}
 		fmt.Fprintln(w)
-		row("offered/s", "achieved/s", "c→a p50", "p99", "p999", "i→d p50", "p99", "p999", "relay cores", "CPU s/100k", "RSS MB", "machine cores")
+		row("offered/s", "achieved/s", "c→a p50", "p99", "p999", "i→d p50", "p99", "p999", "relay cores", "CPU s/100k", "RSS MB", "postgres cores", "nats+bench cores", "machine cores")
 		for _, l := range r.Latency {
 			row(fmt.Sprint(l.Offered), num(l.Achieved),
 				f3(l.CommitToAck.P50), f3(l.CommitToAck.P99), f3(l.CommitToAck.P999),
 				f3(l.InsertToDelivery.P50), f3(l.InsertToDelivery.P99), f3(l.InsertToDelivery.P999),
-				f2(l.RelayCores), f3(l.CPUPer100k), f1(l.PeakRSSMB), f2(l.MachineCores))
+				f2(l.RelayCores), f3(l.CPUPer100k), f1(l.PeakRSSMB), f2(l.PostgresCores), f2(l.BenchCores), f2(l.MachineCores))
 		}
 		tw.Flush()
 	}
