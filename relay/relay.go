@@ -191,14 +191,29 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log 
 // error occurs.
 func (r *Relay) stream(ctx context.Context) error {
 	attempt := 0
+	var orphan uint32 // our walsender after we declared its connection dead
 	for {
-		streamed, err := r.streamOnce(ctx)
+		streamed, err := r.streamOnce(ctx, &orphan)
 		r.ready(false)
 		if ctx.Err() != nil {
 			return nil
 		}
 		if replication.IsPermanent(err) || errors.Is(err, publisher.ErrClosed) {
 			return err
+		}
+		if errors.Is(err, replication.ErrSlotInUse) && orphan != 0 {
+			// The slot may be held by our own previous walsender, which the
+			// server keeps until its wal_sender_timeout: end it and retry.
+			tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			ended, terr := replication.TerminateOrphan(tctx, r.cfg.Replication.URL, r.cfg.Replication.Slot, orphan)
+			cancel()
+			orphan = 0
+			if terr != nil {
+				r.log.Warn("could not end our orphaned walsender; waiting for the server's wal_sender_timeout", zap.Error(terr))
+			} else if ended {
+				r.log.Info("ended our orphaned walsender that still held the slot")
+				continue
+			}
 		}
 		if streamed {
 			attempt = 0
@@ -232,7 +247,7 @@ func backoff(minD, maxD time.Duration, attempt int) time.Duration {
 
 // streamOnce runs one replication session. It reports whether streaming
 // started, so the reconnect backoff resets after a session that worked.
-func (r *Relay) streamOnce(ctx context.Context) (bool, error) {
+func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	// Messages still in flight from a previous session settle in the old
 	// tracker; the server re-sends everything after the confirmed LSN, and
 	// the publisher's per-key queue keeps those re-sends behind them.
@@ -268,6 +283,10 @@ func (r *Relay) streamOnce(ctx context.Context) (bool, error) {
 		}
 		cancel()
 		return true, nil
+	}
+	if errors.Is(err, replication.ErrServerSilent) {
+		// The server may not have noticed that this connection is dead.
+		*orphan = st.BackendPID()
 	}
 	cctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	_ = st.Close(cctx)

@@ -257,6 +257,25 @@ func ensureSlot(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupRepor
 	return nil
 }
 
+// TerminateOrphan ends the walsender pid if it still holds the slot. After
+// the relay declared its own connection dead (ErrServerSilent), the server
+// keeps that walsender, and the slot, until its wal_sender_timeout; ending
+// it lets the relay resume at once. It reports whether a backend was ended.
+func TerminateOrphan(ctx context.Context, url, slot string, pid uint32) (bool, error) {
+	conn, err := connectSQL(ctx, url)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close(ctx)
+	var ended bool
+	err = conn.QueryRow(ctx, `SELECT coalesce(bool_or(pg_terminate_backend(active_pid)), false)
+FROM pg_replication_slots WHERE slot_name = $1 AND active_pid = $2`, slot, int64(pid)).Scan(&ended)
+	if err != nil {
+		return false, fmt.Errorf("end orphaned walsender %d of slot %q: %w", pid, slot, err)
+	}
+	return ended, nil
+}
+
 // checkFailoverSupport fails unless the server has failover slots
 // (PostgreSQL 17+).
 func checkFailoverSupport(ctx context.Context, conn *pgx.Conn) error {

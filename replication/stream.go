@@ -161,6 +161,10 @@ func (s *Stream) StartLSN() LSN { return s.start }
 // Received returns the newest WAL position received.
 func (s *Stream) Received() LSN { return s.received }
 
+// BackendPID returns the process id of the server's walsender for this
+// stream.
+func (s *Stream) BackendPID() uint32 { return s.conn.PID() }
+
 // Next returns the next change: *Begin, *Insert, *Message, *Commit or
 // *Truncate. The value is reused: it is valid until the next call. Next
 // answers keepalives and sends periodic status updates while it waits.
