@@ -32,8 +32,9 @@ type Message struct {
 	DeadLetter func(reason error) *Message
 	// Done is called once, from a publisher goroutine, when the message
 	// (or its dead-letter record) is acknowledged. It must not block. Every
-	// publish attempt of the message has returned by then, so Done may
-	// recycle Header and Data.
+	// publish attempt of the message has returned by then and the publisher
+	// does not read the message afterwards, so Done may recycle the
+	// Message, its Header and its Data.
 	Done func(Result)
 }
 
@@ -445,14 +446,17 @@ func (p *Publisher) settle(pd *pending, res Result) {
 	for pd.sending.Load() != 0 {
 		runtime.Gosched()
 	}
-	if pd.m.Done != nil {
-		pd.m.Done(res)
+	// Nothing reads pd.m after Done: Done may recycle the Message itself.
+	key := pd.m.Key
+	if done := pd.m.Done; done != nil {
+		done(res)
 	}
+	pd.m, pd.cur = nil, nil
 	var next *pending
 	p.mu.Lock()
 	p.count--
 	p.bytes -= pd.size
-	if k := pd.m.Key; k != "" {
+	if k := key; k != "" {
 		ks := p.keys[k]
 		if len(ks.queue) > 0 {
 			next = ks.queue[0]

@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -85,11 +86,11 @@ func (p *pipeline) insert(ctx context.Context, ins *replication.Insert) error {
 // or dead-letters it with reason preErr or the router's reason.
 func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr error) error {
 	r := p.r
-	var m *publisher.Message
-	var rm *router.Message
+	o := getOutbound()
+	o.r, o.tx, o.commitTime = r, p.tx, p.commit.Time
 	err := preErr
 	if err == nil {
-		rm, err = r.router.Route(ins, p.commit)
+		o.rm, err = r.router.Route(ins, p.commit)
 	}
 	if err != nil {
 		// Unroutable rows are dead-lettered with the row itself; they still
@@ -97,30 +98,57 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 		dl := r.router.DeadLetter(ins, p.commit, err)
 		r.obs.Unroutable(reasonClass(err))
 		r.log.Warn("dead-lettering unroutable row", zap.String("table", ins.Relation.QualifiedName()), zap.Stringer("lsn", ins.LSN), zap.Error(err))
-		m = &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
+		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.done}
 	} else {
-		m = &publisher.Message{
-			Subject: rm.Subject,
-			Header:  rm.Header,
-			Data:    rm.Data,
-			Key:     rm.Key,
-			DeadLetter: func(reason error) *publisher.Message {
-				dl := r.router.DeadLetterMessage(rm, reason)
-				return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
-			},
-		}
+		rm := o.rm
+		o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
 	}
-	tx := p.tx
-	commitTime := p.commit.Time
-	tx.Add()
-	m.Done = func(res publisher.Result) {
-		tx.Settle()
-		r.obs.Settled(res, commitTime)
-		// Every attempt has returned and the dead-letter record, if any,
-		// is built: the router may reuse rm's buffers for a later row.
-		r.router.Release(rm)
+	o.tx.Add()
+	return p.publish(ctx, &o.msg)
+}
+
+// outbound is one row on its way through the publisher. It is recycled once
+// settled, its Done and DeadLetter functions bound once, so that a row
+// costs the pipeline no allocation (three per row otherwise, a tenth of
+// the relay's garbage).
+type outbound struct {
+	msg        publisher.Message
+	r          *Relay
+	tx         *publisher.Tx
+	commitTime time.Time
+	rm         *router.Message // nil for a dead-letter record
+
+	done       func(publisher.Result)
+	deadLetter func(error) *publisher.Message
+}
+
+// outbounds holds settled outbounds for reuse.
+var outbounds sync.Pool
+
+func getOutbound() *outbound {
+	if o, ok := outbounds.Get().(*outbound); ok {
+		return o
 	}
-	return p.publish(ctx, m)
+	o := &outbound{}
+	o.done, o.deadLetter = o.settled, o.deadLetterRecord
+	return o
+}
+
+// settled is the message's Done: the publisher reads neither the message
+// nor its buffers afterwards.
+func (o *outbound) settled(res publisher.Result) {
+	o.tx.Settle()
+	o.r.obs.Settled(res, o.commitTime)
+	// Every attempt has returned and the dead-letter record, if any, is
+	// built: the router may reuse rm's buffers for a later row.
+	o.r.router.Release(o.rm)
+	*o = outbound{done: o.done, deadLetter: o.deadLetter}
+	outbounds.Put(o)
+}
+
+func (o *outbound) deadLetterRecord(reason error) *publisher.Message {
+	dl := o.r.router.DeadLetterMessage(o.rm, reason)
+	return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
 }
 
 // publish hands m to the publisher, waiting for capacity without going
