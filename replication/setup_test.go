@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
