@@ -14,7 +14,7 @@ func (c *Config) Tables() []string {
 	var out []string
 	for _, t := range c.Router.Tables {
 		name := t.Table
-		if !containsDot(name) {
+		if !strings.Contains(name, ".") {
 			name = "public." + name
 		}
 		if strings.HasPrefix(name, relay.MessageSchema+".") {
@@ -23,15 +23,6 @@ func (c *Config) Tables() []string {
 		out = append(out, name)
 	}
 	return out
-}
-
-func containsDot(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if s[i] == '.' {
-			return true
-		}
-	}
-	return false
 }
 
 // Replication returns the replication stage's config.
