@@ -22,6 +22,9 @@ type Message struct {
 	Subject string
 	Header  nats.Header
 	Data    []byte
+	// HeaderLen, when not zero, is the encoded size of Header (the router
+	// knows it); the publisher otherwise walks the map to size the window.
+	HeaderLen int
 	// Key orders messages: at most one message per non-empty key is
 	// unacknowledged at any time, and messages of one key are stored in
 	// the order they were handed to Publish.
@@ -40,6 +43,8 @@ type Message struct {
 
 // Result is the outcome of a settled message.
 type Result struct {
+	// Ack is the broker's acknowledgement. It is valid only until Done
+	// returns: the publisher reuses it for a later message.
 	Ack *jetstream.PubAck
 	// DeadLettered is set when the broker rejected the message and its
 	// dead-letter record was stored instead; Reason says why.
@@ -176,10 +181,19 @@ type Publisher struct {
 	attHead  int
 	keys     map[string]*keyState
 	freeKeys []*keyState // recycled, so a key's first message allocates none
+	free     []*pending  // settled, for reuse: a pending is the size of a row
 	retries  []*pending
 	checking map[*pending]bool // no-stream look-ups in progress
 	closed   error
-	space    chan struct{} // signalled when capacity frees up
+	// space is signalled when a refused TryPublish may succeed: once the
+	// window has drained to its low-water mark (lowCount, lowBytes), not
+	// on every ack. A full window then costs the waiting producer one
+	// wake-up per quarter window instead of one per message, which on two
+	// cores was a cross-thread hand-off per event.
+	space    chan struct{}
+	waiting  bool // a TryPublish was refused since the last signal
+	lowCount int
+	lowBytes int
 	lookups  sync.WaitGroup
 
 	stream string // interned stream name of the acks, onReply's alone
@@ -200,6 +214,8 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 		keys:     map[string]*keyState{},
 		checking: map[*pending]bool{},
 		space:    make(chan struct{}, 1),
+		lowCount: cfg.MaxInFlight - (cfg.MaxInFlight+3)/4,
+		lowBytes: cfg.MaxInFlightBytes - (cfg.MaxInFlightBytes+3)/4,
 	}
 	for _, o := range opts {
 		o(p)
@@ -239,6 +255,9 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 
 func msgSize(m *Message) int {
 	n := len(m.Subject) + len(m.Data) + 64
+	if m.HeaderLen > 0 {
+		return n + m.HeaderLen
+	}
 	for k, vs := range m.Header {
 		for _, v := range vs {
 			n += len(k) + len(v) + 4
@@ -257,12 +276,14 @@ func (p *Publisher) TryPublish(m *Message) (bool, error) {
 		return false, p.closed
 	}
 	if p.count > 0 && (p.count+1 > p.cfg.MaxInFlight || p.bytes+size > p.cfg.MaxInFlightBytes) {
+		p.waiting = true
 		p.mu.Unlock()
 		return false, nil
 	}
 	p.count++
 	p.bytes += size
-	pd := &pending{m: m, cur: m, size: size, first: time.Now()}
+	pd := p.newPending()
+	pd.m, pd.cur, pd.size, pd.first = m, m, size, time.Now()
 	if m.Key != "" {
 		if ks, busy := p.keys[m.Key]; busy {
 			ks.queue = append(ks.queue, pd)
@@ -283,7 +304,18 @@ func (p *Publisher) TryPublish(m *Message) (bool, error) {
 	return true, nil
 }
 
-// WaitSpace blocks until some window capacity frees up or ctx ends.
+// newPending returns a recycled or new pending; p.mu is held.
+func (p *Publisher) newPending() *pending {
+	if n := len(p.free); n > 0 {
+		pd := p.free[n-1]
+		p.free[n-1] = nil
+		p.free = p.free[:n-1]
+		return pd
+	}
+	return &pending{}
+}
+
+// WaitSpace blocks until Space is signalled or ctx ends.
 func (p *Publisher) WaitSpace(ctx context.Context) error {
 	select {
 	case <-p.space:
@@ -292,6 +324,11 @@ func (p *Publisher) WaitSpace(ctx context.Context) error {
 		return ctx.Err()
 	}
 }
+
+// Space is signalled after a refused TryPublish once the window has drained
+// to three quarters of its limits (or is empty), and when the publisher
+// closes. A signal is a hint: TryPublish again.
+func (p *Publisher) Space() <-chan struct{} { return p.space }
 
 // Publish publishes m, waiting for window capacity.
 func (p *Publisher) Publish(ctx context.Context, m *Message) error {
@@ -451,11 +488,21 @@ func (p *Publisher) settle(pd *pending, res Result) {
 	if done := pd.m.Done; done != nil {
 		done(res)
 	}
-	pd.m, pd.cur = nil, nil
 	var next *pending
 	p.mu.Lock()
 	p.count--
 	p.bytes -= pd.size
+	// Nothing refers to pd any more: its attempt left inflight when the
+	// ack came, a settled message is never in retries or checking, and
+	// the ack-timeout scan holds only reply tokens.
+	if len(p.free) < p.cfg.MaxInFlight {
+		*pd = pending{}
+		p.free = append(p.free, pd)
+	}
+	wake := p.waiting && (p.count == 0 || p.count <= p.lowCount && p.bytes <= p.lowBytes)
+	if wake {
+		p.waiting = false
+	}
 	if k := key; k != "" {
 		ks := p.keys[k]
 		if len(ks.queue) > 0 {
@@ -472,9 +519,11 @@ func (p *Publisher) settle(pd *pending, res Result) {
 		}
 	}
 	p.mu.Unlock()
-	select {
-	case p.space <- struct{}{}:
-	default:
+	if wake {
+		select {
+		case p.space <- struct{}{}:
+		default:
+		}
 	}
 	if next != nil {
 		p.send(next)

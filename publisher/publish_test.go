@@ -2,6 +2,7 @@ package publisher_test
 
 import (
 	"context"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -47,10 +48,20 @@ func TestAckTimeoutRetry(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-done; _ = p.Close() })
 
 	var settled atomic.Int32
-	results := make(chan publisher.Result, 2)
+	// The ack is read inside Done: the publisher reuses it afterwards.
+	type outcome struct {
+		attempts int
+		seq      uint64
+		acked    bool
+	}
+	results := make(chan outcome, 2)
 	m := &publisher.Message{Subject: "acktest.a", Key: "a", Data: []byte("x"), Done: func(r publisher.Result) {
 		settled.Add(1)
-		results <- r
+		o := outcome{attempts: r.Attempts}
+		if r.Ack != nil {
+			o.seq, o.acked = r.Ack.Sequence, true
+		}
+		results <- o
 	}}
 	if err := p.Publish(ctx, m); err != nil {
 		t.Fatal(err)
@@ -68,9 +79,8 @@ func TestAckTimeoutRetry(t *testing.T) {
 	if err := second.Respond([]byte(`{"stream":"S","seq":2}`)); err != nil {
 		t.Fatal(err)
 	}
-	res := <-results
-	if res.Attempts != 2 || res.Ack == nil || res.Ack.Sequence != 2 {
-		t.Fatalf("result %+v (ack %+v), want 2 attempts and seq 2", res, res.Ack)
+	if res := <-results; res.attempts != 2 || !res.acked || res.seq != 2 {
+		t.Fatalf("result %+v, want 2 attempts and seq 2", res)
 	}
 	// The late answer to the first attempt must not settle it again.
 	if err := first.Respond([]byte(`{"stream":"S","seq":1}`)); err != nil {
@@ -85,5 +95,77 @@ func TestAckTimeoutRetry(t *testing.T) {
 	}
 	if n := p.InFlight(); n != 0 {
 		t.Fatalf("in flight %d after the ack", n)
+	}
+}
+
+// TestSpaceSignalsAtLowWater fills the window, is refused, and checks that
+// Space is signalled once the window has drained to three quarters, not on
+// the first ack: a full window must not wake the producer per message.
+func TestSpaceSignalsAtLowWater(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs a NATS server")
+	}
+	t.Parallel()
+	srv, err := testenv.StartNATS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	nc, err := nats.Connect(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	const window = 8 // low water: 6
+	got := make(chan *nats.Msg, window)
+	if _, err := nc.Subscribe("spacetest.>", func(m *nats.Msg) { got <- m }); err != nil {
+		t.Fatal(err)
+	}
+	p, err := publisher.New(nc, publisher.Config{MaxInFlight: window, AckTimeout: time.Minute},
+		publisher.WithStreamLookup(func(context.Context, string) error { return nil }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	var settled atomic.Int32
+	msg := func(i int) *publisher.Message {
+		return &publisher.Message{Subject: "spacetest.x", Key: string(rune('a' + i)), Data: []byte("x"), Done: func(publisher.Result) { settled.Add(1) }}
+	}
+	for i := range window {
+		if ok, err := p.TryPublish(msg(i)); !ok || err != nil {
+			t.Fatalf("message %d: ok %v, err %v", i, ok, err)
+		}
+	}
+	if ok, err := p.TryPublish(msg(window)); ok || err != nil {
+		t.Fatalf("a full window accepted a message: ok %v, err %v", ok, err)
+	}
+	ack := func(seq int) {
+		t.Helper()
+		m := <-got
+		if err := m.Respond([]byte(`{"stream":"S","seq":` + strconv.Itoa(seq) + `}`)); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for settled.Load() < int32(seq) || p.InFlight() > window-seq {
+			if time.Now().After(deadline) {
+				t.Fatalf("ack %d did not settle", seq)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	ack(1) // 7 in flight: above the low-water mark
+	select {
+	case <-p.Space():
+		t.Fatal("Space signalled with the window still above three quarters")
+	case <-time.After(50 * time.Millisecond): // the chance for a wrong signal to show
+	}
+	ack(2) // 6 in flight: at the low-water mark
+	select {
+	case <-p.Space():
+	case <-time.After(5 * time.Second):
+		t.Fatal("Space not signalled at the low-water mark")
+	}
+	if ok, err := p.TryPublish(msg(window)); !ok || err != nil {
+		t.Fatalf("after the signal: ok %v, err %v", ok, err)
 	}
 }

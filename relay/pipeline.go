@@ -23,6 +23,7 @@ type pipeline struct {
 	tx     *publisher.Tx
 	commit router.CommitInfo
 	msgs   *messageRoutes
+	wait   *time.Timer // reused by publish: a context per wait allocated
 }
 
 // waitSlice is how long the loop waits for publish capacity before it sends
@@ -101,7 +102,7 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.done}
 	} else {
 		rm := o.rm
-		o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
+		o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
 	}
 	o.tx.Add()
 	return p.publish(ctx, &o.msg)
@@ -162,13 +163,20 @@ func (p *pipeline) publish(ctx context.Context, m *publisher.Message) error {
 		if ok {
 			return nil
 		}
-		wctx, cancel := context.WithTimeout(ctx, waitSlice)
-		// A timeout only means it is time to tell the server we are alive.
-		_ = p.r.pub.WaitSpace(wctx)
-		cancel()
-		if ctx.Err() != nil {
+		if p.wait == nil {
+			p.wait = time.NewTimer(waitSlice)
+		} else {
+			p.wait.Reset(waitSlice)
+		}
+		select {
+		case <-p.r.pub.Space():
+		case <-p.wait.C:
+			// Only time to tell the server we are alive.
+		case <-ctx.Done():
+			p.wait.Stop()
 			return ctx.Err()
 		}
+		p.wait.Stop()
 		if err := p.st.Heartbeat(ctx); err != nil {
 			return err
 		}

@@ -465,6 +465,9 @@ func TestRouteMaxPayloadIsExact(t *testing.T) {
 	if size := nm.Size() - len(nm.Subject); size != limit {
 		t.Fatalf("largest accepted message is %d bytes on the wire, want %d", size, limit)
 	}
+	if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
+		t.Fatalf("HeaderLen %d, nats.go encodes %d bytes of headers", m.HeaderLen, hdr)
+	}
 	if _, err := route(lo + 1); !errors.Is(err, ErrUnroutable) {
 		t.Fatalf("one byte more: %v", err)
 	}
@@ -611,5 +614,46 @@ func TestRouteReleased(t *testing.T) {
 	}
 	if held.Header.Get(contract.AggregateID) != "held" || string(held.Data) != `{"a": 1}` || held.Key != "outbox\x00held" {
 		t.Fatalf("a held message changed: %v %q %q", held.Header, held.Data, held.Key)
+	}
+}
+
+// TestRouteReleasedAcrossTables recycles messages between tables whose rows
+// carry different header sets: a recycled header map never keeps a key the
+// new row does not have, and HeaderLen always matches the map.
+func TestRouteReleasedAcrossTables(t *testing.T) {
+	r := mustNew(t, Config{Tables: []TableConfig{
+		{Table: "outbox", Headers: map[string]string{"publish_state": "State"}},
+		{Table: "lean"},
+	}})
+	full := newRelation(1, "public", "outbox", seedColumns...)
+	lean := newRelation(2, "public", "lean", seedColumns...)
+	leanRow := seedRow()
+	leanRow["occurred_at"] = null
+	for i, step := range []struct {
+		rel  *replication.Relation
+		row  map[string]replication.Value
+		want int
+	}{
+		{full, seedRow(), fixedHeaders + 2}, // occurred_at and State
+		{lean, leanRow, fixedHeaders},
+		{full, seedRow(), fixedHeaders + 2},
+		{lean, seedRow(), fixedHeaders + 1},
+		{lean, leanRow, fixedHeaders},
+	} {
+		m, err := r.Route(newInsert(step.rel, step.row), testCommit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(m.Header) != step.want {
+			t.Fatalf("step %d (%s): %d headers, want %d: %v", i, m.Table, len(m.Header), step.want, m.Header)
+		}
+		if _, ok := m.Header["State"]; ok != (step.rel == full) {
+			t.Fatalf("step %d (%s): State header present %v", i, m.Table, ok)
+		}
+		nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
+			t.Fatalf("step %d: HeaderLen %d, nats.go encodes %d", i, m.HeaderLen, hdr)
+		}
+		r.Release(m)
 	}
 }

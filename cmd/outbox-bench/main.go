@@ -41,6 +41,7 @@ type options struct {
 	window         int
 	syncN          int
 	rates          []int
+	rowsPerTx      []int
 	warmup, dur    time.Duration
 	large          bool
 	largeBacklog   int64
@@ -88,6 +89,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.IntVar(&o.window, "window", 4096, "broker ceiling: async publishes in flight (the relay's default max_in_flight)")
 	fs.IntVar(&o.syncN, "sync", 5000, "broker ceiling: synchronous publishes for the round trip")
 	rates := fs.String("rates", "1000,2000,5000", "latency: offered loads in events/s")
+	rowsPerTx := fs.String("rows-per-tx", "1,100", "drain: rows per transaction of each backlog")
 	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "latency: warm-up per load, not sampled")
 	fs.DurationVar(&o.dur, "duration", 10*time.Second, "latency: sampled time per load")
 	fs.BoolVar(&o.large, "large", false, "also measure peak RSS for a large backlog and one huge transaction")
@@ -119,15 +121,12 @@ func parseFlags(args []string) (*options, error) {
 			o.relayEnv = append(o.relayEnv, kv)
 		}
 	}
-	for _, s := range strings.Split(*rates, ",") {
-		if s = strings.TrimSpace(s); s == "" {
-			continue
-		}
-		r, err := strconv.Atoi(s)
-		if err != nil || r <= 0 {
-			return nil, fmt.Errorf("--rates: %q is not a positive integer", s)
-		}
-		o.rates = append(o.rates, r)
+	var err error
+	if o.rates, err = positiveInts("--rates", *rates); err != nil {
+		return nil, err
+	}
+	if o.rowsPerTx, err = positiveInts("--rows-per-tx", *rowsPerTx); err != nil {
+		return nil, err
 	}
 	if _, err := os.Stat(o.relayBin); err != nil {
 		return nil, fmt.Errorf("--relay-bin %s: %w (build it: go build -o bin/outbox-relay ./cmd/outbox-relay)", o.relayBin, err)
@@ -204,6 +203,22 @@ type target struct {
 	OK    bool    `json:"ok"`
 }
 
+// positiveInts parses a comma-separated list of positive integers.
+func positiveInts(flagName, list string) ([]int, error) {
+	var out []int
+	for _, s := range strings.Split(list, ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			continue
+		}
+		n, err := strconv.Atoi(s)
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("%s: %q is not a positive integer", flagName, s)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
 func run(ctx context.Context, o *options) error {
 	began := time.Now()
 	work, err := os.MkdirTemp("", "outbox-bench-")
@@ -233,7 +248,7 @@ func run(ctx context.Context, o *options) error {
 		res.Broker = &b
 	}
 	if o.phases["drain"] {
-		for _, perTx := range []int{1, 100} {
+		for _, perTx := range o.rowsPerTx {
 			b, err := drainBacklog(ctx, o, env, perTx, res.Broker)
 			if err != nil {
 				return fmt.Errorf("drain %d rows/tx: %w", perTx, err)
