@@ -13,10 +13,9 @@ import (
 	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
-// TestAckTimeoutRetry answers a publish only on its second attempt and then
-// answers the first, late: the message settles once, after the retry, and
-// the late answer is ignored.
-func TestAckTimeoutRetry(t *testing.T) {
+// connectNATS starts a NATS server of the test's own and connects to it.
+func connectNATS(t *testing.T) *nats.Conn {
+	t.Helper()
 	if testing.Short() {
 		t.Skip("needs a NATS server")
 	}
@@ -31,6 +30,14 @@ func TestAckTimeoutRetry(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
+	return nc
+}
+
+// TestAckTimeoutRetry answers a publish only on its second attempt and then
+// answers the first, late: the message settles once, after the retry, and
+// the late answer is ignored.
+func TestAckTimeoutRetry(t *testing.T) {
+	nc := connectNATS(t)
 	// A plain subscriber stands in for the stream: it keeps the broker
 	// from answering "no responders" and decides which attempt gets an ack.
 	attempts := make(chan *nats.Msg, 10)
@@ -102,20 +109,7 @@ func TestAckTimeoutRetry(t *testing.T) {
 // Space is signalled once the window has drained to three quarters, not on
 // the first ack: a full window must not wake the producer per message.
 func TestSpaceSignalsAtLowWater(t *testing.T) {
-	if testing.Short() {
-		t.Skip("needs a NATS server")
-	}
-	t.Parallel()
-	srv, err := testenv.StartNATS()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Close)
-	nc, err := nats.Connect(srv.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	nc := connectNATS(t)
 	const window = 8 // low water: 6
 	got := make(chan *nats.Msg, window)
 	if _, err := nc.Subscribe("spacetest.>", func(m *nats.Msg) { got <- m }); err != nil {
