@@ -32,6 +32,9 @@ type readerReport struct {
 	WalsenderCPU time.Duration `json:"walsender_cpu_ns"` // the walsender's CPU over Active
 	MachineCores float64       `json:"machine_cores"`    // busy cores over Active
 	PeakRSS      int64         `json:"peak_rss"`         // VmHWM, bytes
+	// CommitToReceive (with -latency-from): commit timestamp to receipt
+	// of the Commit message, for commits at or after that time.
+	CommitToReceive quantiles `json:"commit_to_receive"`
 }
 
 // runReader is the bare pglogrepl reader: it parses every pgoutput message
@@ -45,6 +48,7 @@ func runReader(args []string) error {
 	pub := fs.String("publication", "", "publication")
 	events := fs.Int64("events", 0, "inserts to read")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile")
+	latencyFrom := fs.Int64("latency-from", 0, "record commit→receive latency of commits from this time (Unix ns)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -88,6 +92,8 @@ func runReader(args []string) error {
 		received, confirmed pglogrepl.LSN
 		columnBytes         int
 		relations           = map[uint32]*pglogrepl.RelationMessage{}
+		latencies           []time.Duration
+		from                = time.Unix(0, *latencyFrom)
 		statusEvery         = time.Second
 		nextStatus          = time.Now().Add(statusEvery)
 	)
@@ -162,6 +168,9 @@ func runReader(args []string) error {
 				}
 				rep.Inserts++
 			case *pglogrepl.CommitMessage:
+				if *latencyFrom != 0 && !m.CommitTime.Before(from) {
+					latencies = append(latencies, time.Since(m.CommitTime))
+				}
 				rep.Txs++
 				confirmed = m.TransactionEndLSN
 				if rep.Inserts >= *events {
@@ -172,6 +181,7 @@ func runReader(args []string) error {
 					}
 					rep.MachineCores = busyCores(m0, readMachineCPU())
 					rep.PeakRSS, _ = procHWM(os.Getpid())
+					rep.CommitToReceive = quantilesOf(latencies)
 					_ = pglogrepl.SendStandbyStatusUpdate(ctx, conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: received, WALFlushPosition: confirmed, WALApplyPosition: confirmed})
 					_ = columnBytes
 					return json.NewEncoder(os.Stdout).Encode(rep)
@@ -192,6 +202,9 @@ type drainResult struct {
 	PeakRSSMB    float64 `json:"peak_rss_mb"`     // 0 when not measured
 	WalsenderCPU float64 `json:"walsender_cores"` // walsender CPU / active seconds
 	MachineCores float64 `json:"machine_cores"`   // busy cores over the window
+	// NATSCores (relay drains with the embedded server) is this process's
+	// CPU over the window: the NATS server, and the bench polling it.
+	NATSCores float64 `json:"nats_bench_cores,omitempty"`
 	Profile      string  `json:"profile,omitempty"`
 }
 

@@ -3,9 +3,13 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -148,47 +152,12 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 	}
 	defer cc.Stop()
 
-	// Writers: event i is due at t0 + i/rate; each writer takes the next
-	// ticket, waits for its time and inserts one row in its own transaction.
-	writers := max(4, min(16, rate/400))
+	writers := writerCount(rate)
 	res.Writers = writers
-	var ticket atomic.Int64
-	late := make([][]time.Duration, writers)
-	errs := make(chan error, writers)
 	pm := db.postmasterPID(ctx)
 	cpu0, _ := procCPU(r.pid())
 	m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
-	period := time.Second / time.Duration(rate)
-	for w := range writers {
-		go func() {
-			conn, err := db.pool.Acquire(ctx)
-			if err != nil {
-				errs <- err
-				return
-			}
-			defer conn.Release()
-			for {
-				i := ticket.Add(1) - 1
-				if i >= int64(total) {
-					errs <- nil
-					return
-				}
-				due := t0.Add(time.Duration(i) * period)
-				if d := time.Until(due); d > 0 {
-					time.Sleep(d)
-				}
-				now := time.Now()
-				late[w] = append(late[w], now.Sub(due))
-				payload := fmt.Sprintf(`{"ins": %d, "seq": %d, "note": "%s", "customer": "customer-%d"}`, now.UnixNano(), i, padding(180), i%1000)
-				_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'order', $2, $3, 'OrderPlaced', $4)`,
-					uuid.NewString(), fmt.Sprintf("agg-%d", i%1000), i/1000+1, payload)
-				if err != nil {
-					errs <- err
-					return
-				}
-			}
-		}()
-	}
+	load := offerLoad(ctx, db, rate, total, t0)
 	profErr := make(chan error, 1)
 	if o.profileDir != "" {
 		go func() {
@@ -202,10 +171,9 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 	} else {
 		profErr <- nil
 	}
-	for range writers {
-		if err := <-errs; err != nil {
-			return res, fmt.Errorf("writer: %w", err)
-		}
+	late, err := load.wait()
+	if err != nil {
+		return res, err
 	}
 	res.Achieved = float64(total) / time.Since(t0).Seconds()
 	deadline = time.Now().Add(60 * time.Second)
@@ -243,10 +211,154 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 	res.CommitToAck = quantilesOf(commitAck)
 	res.InsertToDelivery = quantilesOf(insDeliver)
 	mu.Unlock()
-	var all []time.Duration
-	for _, l := range late {
-		all = append(all, l...)
+	res.WriterLate = quantilesOf(late)
+	return res, nil
+}
+
+// writerCount is the size of the writer pool for an offered load.
+func writerCount(rate int) int { return max(4, min(16, rate/400)) }
+
+// loadRun is a writer pool offering a steady load.
+type loadRun struct {
+	errs chan error
+	late [][]time.Duration
+}
+
+// offerLoad starts writers that insert total events at rate per second from
+// t0, one row per transaction: event i is due at t0 + i/rate; each writer
+// takes the next ticket, waits for its time and inserts its row.
+func offerLoad(ctx context.Context, db *benchDB, rate, total int, t0 time.Time) *loadRun {
+	writers := writerCount(rate)
+	l := &loadRun{errs: make(chan error, writers), late: make([][]time.Duration, writers)}
+	var ticket atomic.Int64
+	period := time.Second / time.Duration(rate)
+	for w := range writers {
+		go func() {
+			conn, err := db.pool.Acquire(ctx)
+			if err != nil {
+				l.errs <- err
+				return
+			}
+			defer conn.Release()
+			for {
+				i := ticket.Add(1) - 1
+				if i >= int64(total) {
+					l.errs <- nil
+					return
+				}
+				due := t0.Add(time.Duration(i) * period)
+				if d := time.Until(due); d > 0 {
+					time.Sleep(d)
+				}
+				now := time.Now()
+				l.late[w] = append(l.late[w], now.Sub(due))
+				payload := fmt.Sprintf(`{"ins": %d, "seq": %d, "note": "%s", "customer": "customer-%d"}`, now.UnixNano(), i, padding(180), i%1000)
+				_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'order', $2, $3, 'OrderPlaced', $4)`,
+					uuid.NewString(), fmt.Sprintf("agg-%d", i%1000), i/1000+1, payload)
+				if err != nil {
+					l.errs <- err
+					return
+				}
+			}
+		}()
 	}
-	res.WriterLate = quantilesOf(all)
+	return l
+}
+
+// wait waits for every writer and returns how late each insert was sent.
+func (l *loadRun) wait() ([]time.Duration, error) {
+	var first error
+	for range l.late {
+		if err := <-l.errs; err != nil && first == nil {
+			first = fmt.Errorf("writer: %w", err)
+		}
+	}
+	var all []time.Duration
+	for _, d := range l.late {
+		all = append(all, d...)
+	}
+	return all, first
+}
+
+// floorResult is PostgreSQL's share of the latency: the bare reader's
+// commit→receive at the same offered load, with no relay and no NATS.
+type floorResult struct {
+	Offered int `json:"offered_per_sec"`
+	// CommitToReceive runs from the commit timestamp in pgoutput's Commit
+	// message to the bare reader's receipt of that message.
+	CommitToReceive quantiles `json:"commit_to_receive"`
+	PostgresCores   float64   `json:"postgres_cores"`
+	MachineCores    float64   `json:"machine_cores"`
+}
+
+// floorRun offers the same load as latencyRun to the bare reader in a child
+// process: what a consumer that does nothing with the changes sees.
+func floorRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Duration) (floorResult, error) {
+	res := floorResult{Offered: rate}
+	slot := "floor"
+	db, err := env.newDB(ctx, slot)
+	if err != nil {
+		return res, err
+	}
+	defer db.drop()
+	total := int(float64(rate) * (warmup + dur).Seconds())
+	t0 := time.Now().Add(500 * time.Millisecond)
+	measureFrom := t0.Add(warmup)
+	self, err := os.Executable()
+	if err != nil {
+		return res, err
+	}
+	cmd := exec.CommandContext(ctx, self, readerCommand, "-url", db.url, "-slot", slot, "-publication", db.publication,
+		"-events", fmt.Sprint(total), "-latency-from", fmt.Sprint(measureFrom.UnixNano()))
+	cmd.Stderr = os.Stderr
+	var out strings.Builder
+	cmd.Stdout = &out
+	if err := cmd.Start(); err != nil {
+		return res, err
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	deadline := time.Now().Add(30 * time.Second)
+	for db.walsenderPID(ctx, slot) == 0 {
+		select {
+		case err := <-done:
+			return res, fmt.Errorf("decode reader exited before streaming: %v", err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			_ = cmd.Process.Kill()
+			<-done
+			return res, errors.New("decode reader not streaming after 30s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if d := time.Until(t0); d > 0 {
+		time.Sleep(d)
+	}
+	pm := db.postmasterPID(ctx)
+	m0, pg0 := readMachineCPU(), treeCPU(pm)
+	if _, err := offerLoad(ctx, db, rate, total, t0).wait(); err != nil {
+		_ = cmd.Process.Kill()
+		<-done
+		return res, err
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			return res, fmt.Errorf("decode reader: %w", err)
+		}
+	case <-time.After(60 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+		return res, errors.New("decode reader did not see every event within 60s of the load")
+	}
+	el := time.Since(t0)
+	res.MachineCores = busyCores(m0, readMachineCPU())
+	res.PostgresCores = (treeCPU(pm) - pg0).Seconds() / el.Seconds()
+	var rep readerReport
+	if err := json.Unmarshal([]byte(out.String()), &rep); err != nil {
+		return res, fmt.Errorf("decode reader output %q: %w", out.String(), err)
+	}
+	res.CommitToReceive = rep.CommitToReceive
 	return res, nil
 }

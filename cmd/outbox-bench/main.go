@@ -98,7 +98,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.profileDir, "profile-dir", "", "write CPU profiles of the decode reader and the relay drains here")
 	phases := fs.String("phases", "broker,drain,latency", "phases to run: broker, drain, latency (and large, implied by --large)")
 	relayEnv := fs.String("relay-env", "", "extra environment for the relay process, comma-separated KEY=VALUE (e.g. GOGC=200,GOMAXPROCS=1)")
-	fs.IntVar(&o.repeat, "repeat", 2, "drains: alternate the bare reader and the relay this many times on the same backlog and keep the best of each (the machine is noisy)")
+	fs.IntVar(&o.repeat, "repeat", 3, "drains: alternate the bare reader and the relay this many times on the same backlog and keep the best of each (the machine is noisy)")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 5*time.Minute, "give up on a relay drain after this long")
 	fs.DurationVar(&o.quietWait, "quiet-wait", 0, "wait up to this long for other processes to leave the CPUs idle (< 0.25 busy cores) before measuring")
 	if err := fs.Parse(args); err != nil {
@@ -158,8 +158,12 @@ type results struct {
 	Broker     *brokerResult     `json:"broker_ceiling,omitempty"`
 	Backlogs   []backlogResult   `json:"drain,omitempty"`
 	Latency    []latencyResult   `json:"latency,omitempty"`
-	Large      []largeResult     `json:"large,omitempty"`
-	Targets    []target          `json:"targets"`
+	// LatencyFloor is PostgreSQL's delivery latency at each offered load,
+	// measured with the bare reader: the part of commit→ack no relay can
+	// remove.
+	LatencyFloor []floorResult `json:"latency_floor,omitempty"`
+	Large        []largeResult `json:"large,omitempty"`
+	Targets      []target      `json:"targets"`
 	// BackgroundCores is the CPU other processes used just before the run
 	// (sampled over 2 s with the servers idle): above ~0.2 the figures are
 	// not trustworthy.
@@ -200,7 +204,10 @@ type target struct {
 	Value float64 `json:"value"`
 	Limit float64 `json:"limit"`
 	Le    bool    `json:"at_most"` // the value must be ≤ limit (else ≥)
-	OK    bool    `json:"ok"`
+	// Info marks a figure printed among the targets to read them by,
+	// not judged.
+	Info bool `json:"info,omitempty"`
+	OK   bool `json:"ok"`
 }
 
 // positiveInts parses a comma-separated list of positive integers.
@@ -258,6 +265,12 @@ func run(ctx context.Context, o *options) error {
 	}
 	if o.phases["latency"] {
 		for _, rate := range o.rates {
+			logf("latency floor: bare reader at %d events/s for %s (+%s warm-up)", rate, o.dur, o.warmup)
+			f, err := floorRun(ctx, env, rate, o.warmup, o.dur)
+			if err != nil {
+				return fmt.Errorf("latency floor at %d/s: %w", rate, err)
+			}
+			res.LatencyFloor = append(res.LatencyFloor, f)
 			logf("latency: %d events/s for %s (+%s warm-up)", rate, o.dur, o.warmup)
 			l, err := latencyRun(ctx, o, env, rate, o.warmup, o.dur)
 			if err != nil {

@@ -191,6 +191,8 @@ func drainRelay(ctx context.Context, o *options, env *benchEnv, db *benchDB, slo
 	poll := 10 * time.Millisecond
 	var (
 		cpu0, ws0 time.Duration
+		b0        time.Duration
+		t0        time.Time
 		m0        machineCPU
 		wsPID     int
 		first     bool
@@ -211,7 +213,7 @@ func drainRelay(ctx context.Context, o *options, env *benchEnv, db *benchDB, slo
 		if !first && st.Msgs > 0 {
 			first = true
 			cpu0, _ = procCPU(r.pid())
-			m0 = readMachineCPU()
+			m0, b0, t0 = readMachineCPU(), selfCPU(), time.Now()
 			if wsPID = db.walsenderPID(ctx, slot); wsPID != 0 {
 				ws0, _ = procCPU(wsPID)
 			}
@@ -232,6 +234,9 @@ func drainRelay(ctx context.Context, o *options, env *benchEnv, db *benchDB, slo
 	}
 	cpu1, _ := procCPU(r.pid())
 	d.MachineCores = busyCores(m0, readMachineCPU())
+	if env.nats != nil {
+		d.NATSCores = (selfCPU() - b0).Seconds() / time.Since(t0).Seconds()
+	}
 	if wsPID != 0 {
 		if ws1, err := procCPU(wsPID); err == nil {
 			d.WalsenderCPU = ws1.Seconds() - ws0.Seconds()

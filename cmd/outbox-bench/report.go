@@ -32,6 +32,13 @@ func judge(r *results) []target {
 			add("commit→ack p99 at 2,000/s (ms)", l.CommitToAck.P99, 3, true)
 		}
 	}
+	for _, f := range r.LatencyFloor {
+		if f.Offered == 2000 {
+			// Not a target: what PostgreSQL alone takes, for reading the
+			// two above.
+			ts = append(ts, target{Name: "  PostgreSQL alone: commit→receive p99 (ms)", Value: f.CommitToReceive.P99, Info: true})
+		}
+	}
 	for _, l := range r.Large {
 		add("peak RSS, "+l.Name+" (MB)", l.Relay.PeakRSSMB, 64, true)
 	}
@@ -70,6 +77,9 @@ func printTable(w io.Writer, r *results) {
 		row("relay ÷ decode", f2(b.RatioDecode), "", f2(b.RatioCPU), "", "", "")
 		row("relay ÷ min(decode, broker)", f2(b.RatioCeiling), "", "", "", "", "")
 		tw.Flush()
+		if line := budgetLine(b); line != "" {
+			fmt.Fprintln(w, line)
+		}
 	}
 	if len(r.Latency) > 0 {
 		fmt.Fprintf(w, "\nLatency, 1-row transactions from a writer pool (ms). commit→ack: pgoutput commit timestamp to JetStream store time;\ninsert→delivery: writer clock before INSERT to consumer receipt")
@@ -86,6 +96,14 @@ func printTable(w io.Writer, r *results) {
 		}
 		tw.Flush()
 	}
+	if len(r.LatencyFloor) > 0 {
+		fmt.Fprintln(w, "\nLatency floor: the bare reader at the same loads, no relay, no NATS (ms). commit→receive: pgoutput commit timestamp to\nthe reader's receipt of the Commit message; what PostgreSQL alone adds to commit→ack")
+		row("offered/s", "c→r p50", "p99", "p999", "postgres cores", "machine cores")
+		for _, f := range r.LatencyFloor {
+			row(fmt.Sprint(f.Offered), f3(f.CommitToReceive.P50), f3(f.CommitToReceive.P99), f3(f.CommitToReceive.P999), f2(f.PostgresCores), f2(f.MachineCores))
+		}
+		tw.Flush()
+	}
 	if len(r.Large) > 0 {
 		fmt.Fprintln(w, "\nMemory")
 		row("", "events/s", "CPU s/100k", "peak RSS MB")
@@ -96,6 +114,10 @@ func printTable(w io.Writer, r *results) {
 	}
 	fmt.Fprintln(w, "\nTargets")
 	for _, t := range r.Targets {
+		if t.Info {
+			fmt.Fprintf(w, "  %-52s %8.3f\n", t.Name, t.Value)
+			continue
+		}
 		op, mark := "≥", "ok"
 		if t.Le {
 			op = "≤"
@@ -106,6 +128,25 @@ func printTable(w io.Writer, r *results) {
 		fmt.Fprintf(w, "  %-52s %8.3f  %s %-6g %s\n", t.Name, t.Value, op, t.Limit, mark)
 	}
 	fmt.Fprintf(w, "\nwall time %.0f s\n", r.WallSeconds)
+}
+
+// budgetLine splits the relay drain's busy CPU per event between the
+// walsender, the NATS server and the relay, and bounds what a relay costing
+// nothing could reach on the same busy cores: the relay's share of a miss.
+func budgetLine(b backlogResult) string {
+	d := b.Relay
+	if d.Rate <= 0 || d.MachineCores <= 0 || d.NATSCores <= 0 {
+		return ""
+	}
+	us := func(cores float64) float64 { return cores / d.Rate * 1e6 }
+	relay := d.CPUSeconds / d.Seconds
+	zero := d.Rate * d.MachineCores / (d.MachineCores - relay)
+	ceiling := b.Decode.Rate
+	if b.RatioCeiling > 0 && b.RatioDecode > 0 {
+		ceiling = d.Rate / b.RatioCeiling
+	}
+	return fmt.Sprintf("  CPU per event (µs): walsender %.1f, NATS server+bench %.1f, relay %.1f, other %.1f; a relay costing nothing would reach ≤ %s/s on the same %.2f busy cores (%.2f of the ceiling)",
+		us(d.WalsenderCPU), us(d.NATSCores), us(relay), us(d.MachineCores-d.WalsenderCPU-d.NATSCores-relay), num(zero), d.MachineCores, zero/ceiling)
 }
 
 func num(v float64) string {
