@@ -205,7 +205,7 @@ type drainResult struct {
 	// NATSCores (relay drains with the embedded server) is this process's
 	// CPU over the window: the NATS server, and the bench polling it.
 	NATSCores float64 `json:"nats_bench_cores,omitempty"`
-	Profile      string  `json:"profile,omitempty"`
+	Profile   string  `json:"profile,omitempty"`
 }
 
 func finish(d *drainResult) {
