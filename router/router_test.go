@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -595,9 +596,21 @@ func TestRouteReleased(t *testing.T) {
 		}
 		return m
 	}
+	fresh := mustNew(t, seedConfig()) // never released into: the reference
 	held := route("11111111-1111-4111-8111-111111111111", "held", `{"a": 1}`)
 	for i := 0; i < 50; i++ {
 		m := route(fmt.Sprintf("22222222-2222-4222-8222-%012d", i), fmt.Sprintf("agg-%d", i), fmt.Sprintf(`{"n": %d}`, i))
+		row := seedRow()
+		row["event_id"] = txt(fmt.Sprintf("22222222-2222-4222-8222-%012d", i))
+		row["aggregate_id"] = txt(fmt.Sprintf("agg-%d", i))
+		row["payload"] = txt(fmt.Sprintf(`{"n": %d}`, i))
+		m2, err := fresh.Route(newInsert(rel, row), testCommit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(m.Header, m2.Header) {
+			t.Fatalf("row %d: recycled headers %v, fresh %v", i, m.Header, m2.Header)
+		}
 		if got, want := m.Header.Get(contract.MsgID), fmt.Sprintf("22222222-2222-4222-8222-%012d", i); got != want || m.EventID != want {
 			t.Fatalf("row %d: Nats-Msg-Id %q, EventID %q, want %q", i, got, m.EventID, want)
 		}
