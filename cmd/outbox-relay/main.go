@@ -44,6 +44,9 @@ type globals struct {
 	configFile string
 	flags      map[string]*string // key path -> flag value
 	cmd        *cobra.Command
+	// logWarnings: the command logs the configuration's warnings itself
+	// (run, through its logger) instead of load printing them.
+	logWarnings bool
 }
 
 // flagKeys are the configuration keys that have a command-line flag.
@@ -67,7 +70,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.PersistentFlags().StringVarP(&g.configFile, "config", "c", os.Getenv("OUTBOX_RELAY_CONFIG"), "YAML configuration file (env OUTBOX_RELAY_CONFIG)")
+	root.PersistentFlags().StringVarP(&g.configFile, "config", "c", os.Getenv(config.ConfigFileEnv), "YAML configuration file (env OUTBOX_RELAY_CONFIG)")
 	for _, f := range flagKeys {
 		g.flags[f.path] = root.PersistentFlags().String(f.name, "", f.usage)
 	}
@@ -84,7 +87,13 @@ func (g *globals) load() (config.Config, error) {
 			set[f.path] = *g.flags[f.path]
 		}
 	}
-	return config.Load(config.Sources{File: g.configFile, Env: os.LookupEnv, Flags: set})
+	cfg, err := config.Load(config.Sources{File: g.configFile, Env: os.LookupEnv, Environ: os.Environ(), Flags: set})
+	if err == nil && !g.logWarnings {
+		for _, w := range cfg.Warnings {
+			fmt.Fprintln(g.cmd.ErrOrStderr(), "outbox-relay: warning:", w)
+		}
+	}
+	return cfg, err
 }
 
 func newVersionCmd() *cobra.Command {

@@ -34,6 +34,7 @@ func newRunCmd(g *globals) *cobra.Command {
 		Short: "Stream the outbox to JetStream until SIGINT/SIGTERM",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			g.logWarnings = true
 			cfg, err := g.load()
 			if err != nil {
 				return err
@@ -43,6 +44,9 @@ func newRunCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer func() { _ = log.Sync() }()
+			for _, w := range cfg.Warnings {
+				log.Warn("configuration: " + w)
+			}
 			ctx, stop := signalContext()
 			defer stop()
 			return run(ctx, cfg, log)

@@ -54,6 +54,10 @@ type Config struct {
 	Metrics Metrics `yaml:"metrics"`
 	// Reconcile configures the relay's periodic reconciliation.
 	Reconcile Reconcile `yaml:"reconcile"`
+
+	// Warnings are Load's remarks on its input that did not stop it, for
+	// the caller to show.
+	Warnings []string `yaml:"-"`
 }
 
 // Metrics configures the polled gauges.

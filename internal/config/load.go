@@ -22,6 +22,10 @@ type Sources struct {
 	File string
 	// Env looks up an environment variable (os.LookupEnv in main).
 	Env func(string) (string, bool)
+	// Environ is the whole environment (os.Environ in main), to tell about
+	// OUTBOX_RELAY_* variables that are no configuration key: one a letter
+	// or two away from a key is an error, any other a warning.
+	Environ []string
 	// Flags maps key paths (e.g. "postgres.url") to values given on the
 	// command line; only flags the user set belong here.
 	Flags map[string]string
@@ -44,6 +48,9 @@ func Load(src Sources) (Config, error) {
 		if err := applyEnv(&cfg, src.Env); err != nil {
 			return cfg, err
 		}
+	}
+	if err := checkEnviron(&cfg, src.Environ); err != nil {
+		return cfg, err
 	}
 	for path, v := range src.Flags {
 		f, ok := fieldByPath(reflect.ValueOf(&cfg).Elem(), path)
@@ -227,6 +234,59 @@ func EnvKeys() map[string]string {
 
 func envName(path string) string {
 	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(path, ".", "_"))
+}
+
+// ConfigFileEnv names the configuration file; the only OUTBOX_RELAY_*
+// variable that is not a key.
+const ConfigFileEnv = EnvPrefix + "CONFIG"
+
+// checkEnviron rejects a misspelt OUTBOX_RELAY_* variable, which would
+// otherwise be ignored without a word, and records a warning for any other
+// unknown one (another program's, perhaps: the NATS server configuration
+// in docs/faults.md reads OUTBOX_RELAY_PASSWORD).
+func checkEnviron(cfg *Config, environ []string) error {
+	known := EnvKeys()
+	known[ConfigFileEnv] = ""
+	var errs []error
+	for _, kv := range environ {
+		name, _, _ := strings.Cut(kv, "=")
+		if _, ok := known[name]; ok || !strings.HasPrefix(name, EnvPrefix) {
+			continue
+		}
+		best, dist := "", 3
+		for k := range known {
+			if d := editDistance(name, k); d < dist || d == dist && k < best {
+				best, dist = k, d
+			}
+		}
+		if dist <= 2 {
+			errs = append(errs, fmt.Errorf("%w: environment variable %s is not a configuration key: did you mean %s?", ErrInvalid, name, best))
+			continue
+		}
+		cfg.Warnings = append(cfg.Warnings, fmt.Sprintf("environment variable %s is not a configuration key of the relay and is ignored (the keys' variables are listed in the README)", name))
+	}
+	return errors.Join(errs...)
+}
+
+// editDistance is the Levenshtein distance of two ASCII names.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
 }
 
 func applyEnv(cfg *Config, env func(string) (string, bool)) error {

@@ -1,6 +1,7 @@
 package config_test
 
 import (
+	"errors"
 	"net"
 	"os"
 	"path/filepath"
@@ -369,7 +370,7 @@ func TestComposeFile(t *testing.T) {
 	}
 	keys := config.EnvKeys()
 	for k := range relay.Environment {
-		if _, ok := keys[k]; !ok && k != "OUTBOX_RELAY_CONFIG" {
+		if _, ok := keys[k]; !ok && k != config.ConfigFileEnv {
 			t.Errorf("relay environment variable %s is not one the relay reads", k)
 		}
 	}
@@ -408,5 +409,51 @@ func TestComposeFile(t *testing.T) {
 		if !strings.Contains(string(df), want) {
 			t.Errorf("Dockerfile lacks %q", want)
 		}
+	}
+}
+
+// TestLoadUnknownEnvironment: an OUTBOX_RELAY_* variable that is no key is
+// an error when it is a typo of one (it would be ignored without a word
+// otherwise) and a warning when it is anything else.
+func TestLoadUnknownEnvironment(t *testing.T) {
+	t.Parallel()
+	file := writeConfig(t, "postgres: {url: postgres://relay@db/app}\nnats: {url: nats://127.0.0.1:4222}\ntables: [{table: outbox}]\n")
+	for _, tc := range []struct {
+		name     string
+		environ  []string
+		wantErr  string // substring; empty: Load succeeds
+		warnings int
+	}{
+		{"known keys and the file variable", []string{"OUTBOX_RELAY_NATS_MAX_IN_FLIGHT=8", config.ConfigFileEnv + "=/x.yaml", "PATH=/bin"}, "", 0},
+		{"typo", []string{"OUTBOX_RELAY_NATS_MAX_INFLIGHT=8"}, "OUTBOX_RELAY_NATS_MAX_INFLIGHT is not a configuration key: did you mean OUTBOX_RELAY_NATS_MAX_IN_FLIGHT?", 0},
+		{"transposed letters", []string{"OUTBOX_RELAY_POSTGERS_URL=postgres://x@y/z"}, "did you mean OUTBOX_RELAY_POSTGRES_URL?", 0},
+		{"another program's variable", []string{"OUTBOX_RELAY_PASSWORD=secret"}, "", 1},
+		{"other prefixes are not ours", []string{"OUTBOX_RELAYNATS_URL=x", "OUTBOX_TEST_NATS_URL=x"}, "", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := map[string]string{}
+			for _, kv := range tc.environ {
+				k, v, _ := strings.Cut(kv, "=")
+				env[k] = v
+			}
+			c, err := config.Load(config.Sources{File: file, Env: envOf(env), Environ: tc.environ})
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) || !errors.Is(err, config.ErrInvalid) {
+					t.Fatalf("want an error containing %q, got %v", tc.wantErr, err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(c.Warnings) != tc.warnings {
+				t.Fatalf("warnings %q, want %d", c.Warnings, tc.warnings)
+			}
+			for _, w := range c.Warnings {
+				if strings.Contains(w, "secret") {
+					t.Fatalf("a warning shows the value: %q", w)
+				}
+			}
+		})
 	}
 }
