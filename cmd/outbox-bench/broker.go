@@ -1,10 +1,12 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math"
 	"slices"
+	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -87,20 +89,9 @@ func routedMessages(subjectPrefix string, first int64, n, aggs, pad int) ([]*nat
 			return nil, 0, err
 		}
 		msgs[i] = &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
-		total += len(m.Data) + headerBytes(m.Header)
+		total += len(m.Data) + m.HeaderLen
 	}
 	return msgs, float64(total) / float64(n), nil
-}
-
-// headerBytes is the encoded size of a NATS header block.
-func headerBytes(h nats.Header) int {
-	n := len("NATS/1.0\r\n\r\n")
-	for k, vs := range h {
-		for _, v := range vs {
-			n += len(k) + 2 + len(v) + 2
-		}
-	}
-	return n
 }
 
 // brokerCeiling publishes n routed messages to a fresh file-storage stream
@@ -188,3 +179,89 @@ func percentile(sorted []time.Duration, q float64) time.Duration {
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// brokerPaced is the broker alone at a steady offered load: the relay's
+// messages published one by one on schedule (open loop), each timed from its
+// publish to its ack, with no PostgreSQL and no relay. What JetStream adds to
+// commit→ack at that load shows here, its own pauses included.
+type brokerPaced struct {
+	Offered      int       `json:"offered_per_sec"`
+	PublishToAck quantiles `json:"publish_to_ack"`
+	// Stalls are the stream sequences at which an ack took over 10 ms
+	// after acks under 3 ms: pauses of the server, which recur at the same
+	// sequences run after run.
+	Stalls []int `json:"stall_seqs,omitempty"`
+}
+
+// brokerPacedRun publishes rate messages per second for warmup+dur to a
+// fresh stream configured as the relay's; samples from the warm-up are
+// dropped.
+func brokerPacedRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Duration, aggs, pad int) (brokerPaced, error) {
+	res := brokerPaced{Offered: rate}
+	stream, prefix := streamNames("paced")
+	spec := publisher.StreamSpec{Name: stream, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}
+	if _, err := publisher.EnsureStream(ctx, env.js, spec, true); err != nil {
+		return res, err
+	}
+	defer func() { _ = env.js.DeleteStream(context.Background(), stream) }()
+	total := int(float64(rate) * (warmup + dur).Seconds())
+	msgs, _, err := routedMessages(prefix, 0, total, aggs, pad)
+	if err != nil {
+		return res, err
+	}
+	sent := make([]atomic.Int64, total)
+	lat := make([]time.Duration, total)
+	var acked, failed atomic.Int64
+	done := make(chan struct{})
+	inbox := env.nc.NewInbox() + "."
+	sub, err := env.nc.Subscribe(inbox+"*", func(m *nats.Msg) {
+		i, err := strconv.Atoi(m.Subject[len(inbox):])
+		if err != nil || i < 0 || i >= total {
+			return
+		}
+		lat[i] = time.Duration(time.Now().UnixNano() - sent[i].Load())
+		if bytes.Contains(m.Data, []byte(`"error"`)) || len(m.Data) == 0 {
+			failed.Add(1)
+		}
+		if acked.Add(1) == int64(total) {
+			close(done)
+		}
+	})
+	if err != nil {
+		return res, err
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := sub.SetPendingLimits(-1, -1); err != nil {
+		return res, err
+	}
+	t0 := time.Now().Add(50 * time.Millisecond)
+	period := time.Second / time.Duration(rate)
+	for i, m := range msgs {
+		if d := time.Until(t0.Add(time.Duration(i) * period)); d > 0 {
+			time.Sleep(d)
+		}
+		m.Reply = inbox + strconv.Itoa(i)
+		sent[i].Store(time.Now().UnixNano())
+		if err := env.nc.PublishMsg(m); err != nil {
+			return res, fmt.Errorf("publish: %w", err)
+		}
+	}
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		return res, fmt.Errorf("%d of %d acks within 60s of the last publish", acked.Load(), total)
+	case <-ctx.Done():
+		return res, ctx.Err()
+	}
+	if n := failed.Load(); n > 0 {
+		return res, fmt.Errorf("%d publishes failed", n)
+	}
+	from := int(float64(rate) * warmup.Seconds())
+	bySeq := make(map[int]time.Duration, total-from)
+	for i := from; i < total; i++ {
+		bySeq[i+1] = lat[i] // a fresh stream: message i is sequence i+1
+	}
+	res.Stalls = stalls(bySeq)
+	res.PublishToAck = quantilesOf(lat[from:])
+	return res, nil
+}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -55,7 +56,11 @@ type latencyResult struct {
 	// WriterLate is how far behind schedule the writers sent (load
 	// generator health: large values mean the offered load was not met).
 	WriterLate quantiles `json:"writer_late"`
-	RelayCores float64   `json:"relay_cores"`
+	// Stalls are the stream sequences at which commit→ack jumped over
+	// 10 ms after values under 3 ms: compare with the JetStream-alone
+	// run's.
+	Stalls     []int   `json:"stall_seqs,omitempty"`
+	RelayCores float64 `json:"relay_cores"`
 	// PostgresCores is the cluster's CPU (backends, walsender, WAL
 	// writer); BenchCores this process's: the embedded NATS server, the
 	// writers and the consumer. MachineCores minus the three is what other
@@ -113,6 +118,7 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 	var (
 		mu         sync.Mutex
 		commitAck  = make([]time.Duration, 0, total)
+		bySeq      = make(map[int]time.Duration, total)
 		insDeliver = make([]time.Duration, 0, total)
 		received   atomic.Int64
 		consumeErr atomic.Value
@@ -142,6 +148,7 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 		if !ins.Before(measureFrom) {
 			mu.Lock()
 			commitAck = append(commitAck, md.Timestamp.Sub(commit))
+			bySeq[int(md.Sequence.Stream)] = md.Timestamp.Sub(commit)
 			insDeliver = append(insDeliver, now.Sub(ins))
 			mu.Unlock()
 		}
@@ -209,10 +216,29 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 	res.PeakRSSMB = float64(rss) / (1 << 20)
 	mu.Lock()
 	res.CommitToAck = quantilesOf(commitAck)
+	res.Stalls = stalls(bySeq)
 	res.InsertToDelivery = quantilesOf(insDeliver)
 	mu.Unlock()
 	res.WriterLate = quantilesOf(late)
 	return res, nil
+}
+
+// stalls returns the sequences, in order, at which a latency jumped over
+// 10 ms after latencies under 3 ms.
+func stalls(bySeq map[int]time.Duration) []int {
+	seqs := slices.Sorted(maps.Keys(bySeq))
+	var out []int
+	stalled := false
+	for _, s := range seqs {
+		switch l := bySeq[s]; {
+		case l > 10*time.Millisecond && !stalled:
+			out = append(out, s)
+			stalled = true
+		case l < 3*time.Millisecond:
+			stalled = false
+		}
+	}
+	return out
 }
 
 // writerCount is the size of the writer pool for an offered load.

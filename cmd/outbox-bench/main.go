@@ -162,8 +162,11 @@ type results struct {
 	// measured with the bare reader: the part of commit→ack no relay can
 	// remove.
 	LatencyFloor []floorResult `json:"latency_floor,omitempty"`
-	Large        []largeResult `json:"large,omitempty"`
-	Targets      []target      `json:"targets"`
+	// BrokerPaced is JetStream's publish→ack latency alone at each
+	// offered load.
+	BrokerPaced []brokerPaced `json:"broker_paced,omitempty"`
+	Large       []largeResult `json:"large,omitempty"`
+	Targets     []target      `json:"targets"`
 	// BackgroundCores is the CPU other processes used just before the run
 	// (sampled over 2 s with the servers idle): above ~0.2 the figures are
 	// not trustworthy.
@@ -265,6 +268,12 @@ func run(ctx context.Context, o *options) error {
 	}
 	if o.phases["latency"] {
 		for _, rate := range o.rates {
+			logf("latency floor: JetStream alone at %d msgs/s for %s (+%s warm-up)", rate, o.dur, o.warmup)
+			bp, err := brokerPacedRun(ctx, env, rate, o.warmup, o.dur, o.aggs, o.pad)
+			if err != nil {
+				return fmt.Errorf("broker at %d/s: %w", rate, err)
+			}
+			res.BrokerPaced = append(res.BrokerPaced, bp)
 			logf("latency floor: bare reader at %d events/s for %s (+%s warm-up)", rate, o.dur, o.warmup)
 			f, err := floorRun(ctx, env, rate, o.warmup, o.dur)
 			if err != nil {

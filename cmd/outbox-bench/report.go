@@ -32,11 +32,17 @@ func judge(r *results) []target {
 			add("commit→ack p99 at 2,000/s (ms)", l.CommitToAck.P99, 3, true)
 		}
 	}
+	// Not targets: what each server alone takes at that load, to read
+	// the two above by.
 	for _, f := range r.LatencyFloor {
 		if f.Offered == 2000 {
-			// Not a target: what PostgreSQL alone takes, for reading the
-			// two above.
 			ts = append(ts, target{Name: "  PostgreSQL alone: commit→receive p99 (ms)", Value: f.CommitToReceive.P99, Info: true})
+		}
+	}
+	for _, b := range r.BrokerPaced {
+		if b.Offered == 2000 {
+			ts = append(ts, target{Name: "  JetStream alone: publish→ack p99 (ms)", Value: b.PublishToAck.P99, Info: true})
+			ts = append(ts, target{Name: "  JetStream alone: publish→ack max (ms)", Value: b.PublishToAck.Max, Info: true})
 		}
 	}
 	for _, l := range r.Large {
@@ -87,20 +93,26 @@ func printTable(w io.Writer, r *results) {
 			fmt.Fprintf(w, " (sync publish round trip: p50 %.3f, p99 %.3f)", r.Broker.SyncP50ms, r.Broker.SyncP99ms)
 		}
 		fmt.Fprintln(w)
-		row("offered/s", "achieved/s", "c→a p50", "p99", "p999", "i→d p50", "p99", "p999", "relay cores", "CPU s/100k", "RSS MB", "postgres cores", "nats+bench cores", "machine cores")
+		row("offered/s", "achieved/s", "c→a p50", "p99", "p999", "i→d p50", "p99", "p999", "relay cores", "CPU s/100k", "RSS MB", "postgres cores", "nats+bench cores", "machine cores", "c→a stalls at seq")
 		for _, l := range r.Latency {
 			row(fmt.Sprint(l.Offered), num(l.Achieved),
 				f3(l.CommitToAck.P50), f3(l.CommitToAck.P99), f3(l.CommitToAck.P999),
 				f3(l.InsertToDelivery.P50), f3(l.InsertToDelivery.P99), f3(l.InsertToDelivery.P999),
-				f2(l.RelayCores), f3(l.CPUPer100k), f1(l.PeakRSSMB), f2(l.PostgresCores), f2(l.BenchCores), f2(l.MachineCores))
+				f2(l.RelayCores), f3(l.CPUPer100k), f1(l.PeakRSSMB), f2(l.PostgresCores), f2(l.BenchCores), f2(l.MachineCores),
+				seqList(l.Stalls))
 		}
 		tw.Flush()
 	}
-	if len(r.LatencyFloor) > 0 {
-		fmt.Fprintln(w, "\nLatency floor: the bare reader at the same loads, no relay, no NATS (ms). commit→receive: pgoutput commit timestamp to\nthe reader's receipt of the Commit message; what PostgreSQL alone adds to commit→ack")
-		row("offered/s", "c→r p50", "p99", "p999", "postgres cores", "machine cores")
+	if len(r.LatencyFloor) > 0 || len(r.BrokerPaced) > 0 {
+		fmt.Fprintln(w, "\nLatency floors at the same loads, each server alone (ms). PostgreSQL: the bare reader, commit timestamp to its receipt\nof the Commit message. JetStream: the relay's messages published on schedule, publish to ack; stalls are the stream\nsequences where acks jumped over 10 ms")
+		row("offered/s", "server", "p50", "p99", "p999", "max", "stalls at seq")
 		for _, f := range r.LatencyFloor {
-			row(fmt.Sprint(f.Offered), f3(f.CommitToReceive.P50), f3(f.CommitToReceive.P99), f3(f.CommitToReceive.P999), f2(f.PostgresCores), f2(f.MachineCores))
+			q := f.CommitToReceive
+			row(fmt.Sprint(f.Offered), "PostgreSQL", f3(q.P50), f3(q.P99), f3(q.P999), f3(q.Max), "")
+		}
+		for _, b := range r.BrokerPaced {
+			q := b.PublishToAck
+			row(fmt.Sprint(b.Offered), "JetStream", f3(q.P50), f3(q.P99), f3(q.P999), f3(q.Max), seqList(b.Stalls))
 		}
 		tw.Flush()
 	}
@@ -147,6 +159,14 @@ func budgetLine(b backlogResult) string {
 	}
 	return fmt.Sprintf("  CPU per event (µs): walsender %.1f, NATS server+bench %.1f, relay %.1f, other %.1f; a relay costing nothing would reach ≤ %s/s on the same %.2f busy cores (%.2f of the ceiling)",
 		us(d.WalsenderCPU), us(d.NATSCores), us(relay), us(d.MachineCores-d.WalsenderCPU-d.NATSCores-relay), num(zero), d.MachineCores, zero/ceiling)
+}
+
+// seqList prints stream sequences, at most eight.
+func seqList(seqs []int) string {
+	if len(seqs) > 8 {
+		return strings.Trim(fmt.Sprint(seqs[:8]), "[]") + fmt.Sprintf(" (+%d)", len(seqs)-8)
+	}
+	return strings.Trim(fmt.Sprint(seqs), "[]")
 }
 
 func num(v float64) string {
