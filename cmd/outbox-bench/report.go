@@ -153,12 +153,12 @@ func budgetLine(b backlogResult) string {
 	us := func(cores float64) float64 { return cores / d.Rate * 1e6 }
 	relay := d.CPUSeconds / d.Seconds
 	zero := d.Rate * d.MachineCores / (d.MachineCores - relay)
-	ceiling := b.Decode.Rate
-	if b.RatioCeiling > 0 && b.RatioDecode > 0 {
-		ceiling = d.Rate / b.RatioCeiling
+	line := fmt.Sprintf("  CPU per event (µs): walsender %.1f, NATS server+bench %.1f, relay %.1f, other %.1f; a relay costing nothing would reach ≤ %s/s on the same %.2f busy cores",
+		us(d.WalsenderCPU), us(d.NATSCores), us(relay), us(d.MachineCores-d.WalsenderCPU-d.NATSCores-relay), num(zero), d.MachineCores)
+	if b.RatioCeiling > 0 { // the ceiling: min(decode, broker)
+		line += fmt.Sprintf(" (%.2f of the ceiling)", zero/(d.Rate/b.RatioCeiling))
 	}
-	return fmt.Sprintf("  CPU per event (µs): walsender %.1f, NATS server+bench %.1f, relay %.1f, other %.1f; a relay costing nothing would reach ≤ %s/s on the same %.2f busy cores (%.2f of the ceiling)",
-		us(d.WalsenderCPU), us(d.NATSCores), us(relay), us(d.MachineCores-d.WalsenderCPU-d.NATSCores-relay), num(zero), d.MachineCores, zero/ceiling)
+	return line
 }
 
 // seqList prints stream sequences, at most eight.
