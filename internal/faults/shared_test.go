@@ -1,6 +1,7 @@
 package faults
 
 import (
+	"os"
 	"sync"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -20,5 +21,9 @@ var secure struct {
 func closeShared() {
 	if secure.pg != nil {
 		secure.pg.Close()
+	}
+	if secure.dir != "" {
+		// The certificates and keys the secure cluster used.
+		_ = os.RemoveAll(secure.dir)
 	}
 }
