@@ -315,30 +315,40 @@ func (p *Publisher) newPending() *pending {
 	return &pending{}
 }
 
-// WaitSpace blocks until Space is signalled or ctx ends.
-func (p *Publisher) WaitSpace(ctx context.Context) error {
-	select {
-	case <-p.space:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
 // Space is signalled after a refused TryPublish once the window has drained
 // to three quarters of its limits (or is empty), and when the publisher
-// closes. A signal is a hint: TryPublish again.
+// closes. A signal is a hint: TryPublish again. It wakes one waiter: a
+// producer sharing the publisher with others must also try again on a timer
+// (Publish does), or a signal another producer took could leave it waiting.
 func (p *Publisher) Space() <-chan struct{} { return p.space }
 
-// Publish publishes m, waiting for window capacity.
+// spaceRecheck is how often Publish tries again without a signal.
+const spaceRecheck = 100 * time.Millisecond
+
+// Publish publishes m, waiting for window capacity. It is safe for
+// concurrent use; messages of one key must still come from one goroutine.
 func (p *Publisher) Publish(ctx context.Context, m *Message) error {
+	var t *time.Timer
+	defer func() {
+		if t != nil {
+			t.Stop()
+		}
+	}()
 	for {
 		ok, err := p.TryPublish(m)
 		if err != nil || ok {
 			return err
 		}
-		if err := p.WaitSpace(ctx); err != nil {
-			return err
+		if t == nil {
+			t = time.NewTimer(spaceRecheck)
+		} else {
+			t.Reset(spaceRecheck)
+		}
+		select {
+		case <-p.space:
+		case <-t.C:
+		case <-ctx.Done():
+			return ctx.Err()
 		}
 	}
 }

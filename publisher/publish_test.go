@@ -163,3 +163,42 @@ func TestSpaceSignalsAtLowWater(t *testing.T) {
 		t.Fatalf("after the signal: ok %v, err %v", ok, err)
 	}
 }
+
+// TestPublishConcurrentProducers runs producers that share a small window
+// through Publish: each finishes, although a Space signal wakes only one of
+// them.
+func TestPublishConcurrentProducers(t *testing.T) {
+	nc := connectNATS(t)
+	if _, err := nc.Subscribe("concurrent.>", func(m *nats.Msg) { _ = m.Respond([]byte(`{"stream":"S","seq":1}`)) }); err != nil {
+		t.Fatal(err)
+	}
+	p, err := publisher.New(nc, publisher.Config{MaxInFlight: 4},
+		publisher.WithStreamLookup(func(context.Context, string) error { return nil }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	const producers, each = 4, 200
+	var settled atomic.Int32
+	errs := make(chan error, producers)
+	for w := range producers {
+		go func() {
+			for i := range each {
+				m := &publisher.Message{Subject: "concurrent.x", Key: strconv.Itoa(w*each + i), Data: []byte("x"),
+					Done: func(publisher.Result) { settled.Add(1) }}
+				if err := p.Publish(ctx, m); err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	for range producers {
+		if err := <-errs; err != nil {
+			t.Fatalf("a producer: %v (%d of %d settled)", err, settled.Load(), producers*each)
+		}
+	}
+}
