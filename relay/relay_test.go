@@ -4,19 +4,16 @@ import (
 	"context"
 	"errors"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/opstest"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -24,111 +21,26 @@ import (
 
 func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
 
-// fixture is one test's database, names and connections.
-type fixture struct {
-	t       *testing.T
-	db      *testenv.Database
-	natsURL string
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	cfg     relay.Config
-	stream  string
-	dlq     string
-}
+// fixture is opstest's, with the helpers these tests are written with.
+type fixture struct{ *opstest.Fixture }
 
 func newFixture(t *testing.T, natsURL string) *fixture {
 	t.Helper()
-	env := testenv.Get(t)
-	if natsURL == "" {
-		natsURL = env.NATS.URL
-	}
-	db := env.NewDatabase(t)
-	db.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "outbox.sql"))
-	nc, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	name := strings.ToUpper(testenv.UniqueName("S"))
-	prefix := strings.ToLower(name)
-	f := &fixture{t: t, db: db, natsURL: natsURL, nc: nc, js: js, stream: name, dlq: name + "_DLQ"}
-	f.cfg = relay.Config{
-		Replication: replication.Config{
-			URL: db.URL, Slot: "slot_" + prefix, Publication: "pub_" + prefix,
-			Tables: []string{"public.outbox"}, StatusInterval: 200 * time.Millisecond,
-		},
-		Router: router.Config{
-			Tables:            []router.TableConfig{{Table: "public.outbox", Subject: prefix + ".{aggregate_type}.{aggregate_id}"}},
-			DeadLetterSubject: prefix + "_dlq",
-		},
-		Publisher:        publisher.Config{AckTimeout: 2 * time.Second},
-		Stream:           publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute},
-		DeadLetterStream: publisher.StreamSpec{Name: name + "_DLQ", Subjects: []string{prefix + "_dlq.>"}, Duplicates: 2 * time.Minute},
-		CreateStreams:    true,
-		ReconnectMin:     100 * time.Millisecond,
-		ReconnectMax:     time.Second,
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		_ = js.DeleteStream(ctx, f.stream)
-		_ = js.DeleteStream(ctx, f.dlq)
-	})
-	return f
-}
-
-func (f *fixture) setup(ctx context.Context) {
-	f.t.Helper()
-	if _, err := replication.Setup(ctx, f.cfg.Replication); err != nil {
-		f.t.Fatal(err)
-	}
+	return &fixture{opstest.New(t, natsURL, 0)}
 }
 
 // start runs the relay until the test ends; the returned stop waits for it.
 func (f *fixture) start(ctx context.Context) (stop func() error) {
-	f.t.Helper()
-	nc := f.nc
-	rl, err := relay.New(f.cfg, nc, relay.WithLogger(zaptest.NewLogger(f.t)))
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- rl.Run(rctx) }()
-	stopped := false
-	var result error
-	stop = func() error {
-		if !stopped {
-			stopped = true
-			cancel()
-			result = <-done
-		}
-		return result
-	}
-	f.t.Cleanup(func() { _ = stop() })
+	f.T.Helper()
+	_, stop = f.Start(ctx)
 	return stop
 }
 
-func (f *fixture) waitCount(ctx context.Context, stream string, n uint64, timeout time.Duration) {
-	f.t.Helper()
-	var got uint64
-	if !testenv.WaitFor(timeout, func() bool {
-		got = relaytest.StreamCount(ctx, f.js, stream)
-		return got >= n
-	}) {
-		f.t.Fatalf("stream %s holds %d messages after %s, want %d", stream, got, timeout, n)
-	}
-}
-
 func (f *fixture) slot(ctx context.Context) replication.SlotStatus {
-	f.t.Helper()
-	st, err := replication.Status(ctx, f.db.URL, f.cfg.Replication.Slot)
+	f.T.Helper()
+	st, err := replication.Status(ctx, f.DB.URL, f.Cfg.Replication.Slot)
 	if err != nil {
-		f.t.Fatal(err)
+		f.T.Fatal(err)
 	}
 	return st
 }
@@ -139,12 +51,12 @@ func TestRelayConcurrentWriters(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	f.setup(ctx)
+	f.Setup(ctx)
 	f.start(ctx)
-	evs := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 10000, Aggregates: 200, Writers: 4, BigTx: 50})
-	relaytest.StoredPayloads(ctx, t, f.db.Pool, "outbox", evs)
-	f.waitCount(ctx, f.stream, uint64(len(evs)), 60*time.Second)
-	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	evs := relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 10000, Aggregates: 200, Writers: 4, BigTx: 50})
+	relaytest.StoredPayloads(ctx, t, f.DB.Pool, "outbox", evs)
+	f.WaitCount(ctx, f.Stream, uint64(len(evs)), 60*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.JS, f.Stream)
 	rep := relaytest.Check(evs, got)
 	if !rep.OK() || rep.Received != 10000 {
 		t.Fatalf("stream check: %s", rep)
@@ -172,14 +84,14 @@ func TestRelayOnlyCommittedInserts(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	if _, err := f.db.Pool.Exec(ctx, "CREATE TABLE other (id int primary key, v text)"); err != nil {
+	if _, err := f.DB.Pool.Exec(ctx, "CREATE TABLE other (id int primary key, v text)"); err != nil {
 		t.Fatal(err)
 	}
-	f.setup(ctx)
+	f.Setup(ctx)
 	f.start(ctx)
 	exec := func(sql string) {
 		t.Helper()
-		if _, err := f.db.Pool.Exec(ctx, sql); err != nil {
+		if _, err := f.DB.Pool.Exec(ctx, sql); err != nil {
 			t.Fatalf("%s: %v", sql, err)
 		}
 	}
@@ -195,8 +107,8 @@ func TestRelayOnlyCommittedInserts(t *testing.T) {
 	exec("UPDATE other SET v = 'y'")
 	// A sentinel last: once it is in, everything before it was handled.
 	exec(ins("00000000-0000-0000-0000-000000000004", "c", 1))
-	f.waitCount(ctx, f.stream, 3, 30*time.Second)
-	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	f.WaitCount(ctx, f.Stream, 3, 30*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.JS, f.Stream)
 	var ids []string
 	for _, m := range got {
 		ids = append(ids, m.Event.ID)
@@ -219,17 +131,17 @@ func TestRelayBrokerOutage(t *testing.T) {
 	}
 	t.Cleanup(ns.Close)
 	f := newFixture(t, ns.URL)
-	f.setup(ctx)
+	f.Setup(ctx)
 	f.start(ctx)
-	first := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 100, Aggregates: 10})
-	f.waitCount(ctx, f.stream, 100, 30*time.Second)
+	first := relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 100, Aggregates: 10})
+	f.WaitCount(ctx, f.Stream, 100, 30*time.Second)
 	if !testenv.WaitFor(10*time.Second, func() bool { return f.slot(ctx).LagBytes < 64<<10 }) {
 		t.Fatal("slot did not confirm the first batch")
 	}
 	before := f.slot(ctx).ConfirmedFlushLSN
 
 	ns.Stop()
-	second := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 500, Aggregates: 10, Writers: 2, BigTx: 20})
+	second := relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 500, Aggregates: 10, Writers: 2, BigTx: 20})
 	// Give the relay time to try. Other tests write WAL in other databases
 	// meanwhile, which an idle relay may confirm; what it must never
 	// confirm is the commit of an event the broker has not stored. Those
@@ -248,9 +160,9 @@ func TestRelayBrokerOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	all := append(first, second...)
-	relaytest.StoredPayloads(ctx, t, f.db.Pool, "outbox", all)
-	f.waitCount(ctx, f.stream, uint64(len(all)), 60*time.Second)
-	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	relaytest.StoredPayloads(ctx, t, f.DB.Pool, "outbox", all)
+	f.WaitCount(ctx, f.Stream, uint64(len(all)), 60*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.JS, f.Stream)
 	rep := relaytest.Check(all, got)
 	if !rep.OK() {
 		t.Fatalf("after outage: %s", rep)
@@ -293,27 +205,27 @@ func TestRelayDeadLettersUnroutableRow(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	if _, err := f.db.Pool.Exec(ctx, `CREATE TABLE loose_outbox (event_id uuid, aggregate_id text, aggregate_version bigint, event_type text, payload jsonb)`); err != nil {
+	if _, err := f.DB.Pool.Exec(ctx, `CREATE TABLE loose_outbox (event_id uuid, aggregate_id text, aggregate_version bigint, event_type text, payload jsonb)`); err != nil {
 		t.Fatal(err)
 	}
-	f.cfg.Replication.Tables = []string{"public.loose_outbox"}
-	f.cfg.Router.Tables[0].Table = "public.loose_outbox"
-	f.setup(ctx)
+	f.Cfg.Replication.Tables = []string{"public.loose_outbox"}
+	f.Cfg.Router.Tables[0].Table = "public.loose_outbox"
+	f.Setup(ctx)
 	f.start(ctx)
-	_, err := f.db.Pool.Exec(ctx, `INSERT INTO loose_outbox VALUES
+	_, err := f.DB.Pool.Exec(ctx, `INSERT INTO loose_outbox VALUES
 		('00000000-0000-0000-0000-00000000000a', 'agg', 1, 'T', '{"a":1}'),
 		('00000000-0000-0000-0000-00000000000b', 'agg', 2, NULL, '{"a":2}'),
 		('00000000-0000-0000-0000-00000000000c', 'agg', 3, 'T', '{"a":3}')`)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.waitCount(ctx, f.stream, 2, 30*time.Second)
-	f.waitCount(ctx, f.dlq, 1, 30*time.Second)
-	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	f.WaitCount(ctx, f.Stream, 2, 30*time.Second)
+	f.WaitCount(ctx, f.DLQ, 1, 30*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.JS, f.Stream)
 	if len(got) != 2 || got[0].Event.AggregateVersion != 1 || got[1].Event.AggregateVersion != 3 {
 		t.Fatalf("stream: %+v", got)
 	}
-	dl := relaytest.ReadStream(ctx, t, f.js, f.dlq)
+	dl := relaytest.ReadStream(ctx, t, f.JS, f.DLQ)
 	if len(dl) != 1 {
 		t.Fatalf("dead letters: %d", len(dl))
 	}
@@ -331,20 +243,20 @@ func TestRelayAlterTableMidStream(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	f.setup(ctx)
+	f.Setup(ctx)
 	f.start(ctx)
-	first := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 200, Aggregates: 20})
-	if _, err := f.db.Pool.Exec(ctx, "ALTER TABLE outbox ADD COLUMN tenant text DEFAULT 'acme'"); err != nil {
+	first := relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 200, Aggregates: 20})
+	if _, err := f.DB.Pool.Exec(ctx, "ALTER TABLE outbox ADD COLUMN tenant text DEFAULT 'acme'"); err != nil {
 		t.Fatal(err)
 	}
-	second := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 200, Aggregates: 20})
+	second := relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 200, Aggregates: 20})
 	all := append(first, second...)
-	relaytest.StoredPayloads(ctx, t, f.db.Pool, "outbox", all)
-	f.waitCount(ctx, f.stream, 400, 30*time.Second)
-	if rep := relaytest.Check(all, relaytest.ReadStream(ctx, t, f.js, f.stream)); !rep.OK() {
+	relaytest.StoredPayloads(ctx, t, f.DB.Pool, "outbox", all)
+	f.WaitCount(ctx, f.Stream, 400, 30*time.Second)
+	if rep := relaytest.Check(all, relaytest.ReadStream(ctx, t, f.JS, f.Stream)); !rep.OK() {
 		t.Fatalf("after ALTER TABLE: %s", rep)
 	}
-	if n := relaytest.StreamCount(ctx, f.js, f.dlq); n != 0 {
+	if n := relaytest.StreamCount(ctx, f.JS, f.DLQ); n != 0 {
 		t.Fatalf("%d rows dead-lettered", n)
 	}
 }
@@ -355,16 +267,16 @@ func TestRelayIdleOutboxReleasesWAL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	if _, err := f.db.Pool.Exec(ctx, "CREATE TABLE busy (id bigserial primary key, filler text)"); err != nil {
+	if _, err := f.DB.Pool.Exec(ctx, "CREATE TABLE busy (id bigserial primary key, filler text)"); err != nil {
 		t.Fatal(err)
 	}
-	f.setup(ctx)
+	f.Setup(ctx)
 	f.start(ctx)
-	relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 10, Aggregates: 2})
-	f.waitCount(ctx, f.stream, 10, 30*time.Second)
+	relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 10, Aggregates: 2})
+	f.WaitCount(ctx, f.Stream, 10, 30*time.Second)
 	// About 200 MB of WAL from another table.
 	for i := 0; i < 20; i++ {
-		if _, err := f.db.Pool.Exec(ctx, "INSERT INTO busy (filler) SELECT repeat(md5(g::text), 30) FROM generate_series(1, 10000) g"); err != nil {
+		if _, err := f.DB.Pool.Exec(ctx, "INSERT INTO busy (filler) SELECT repeat(md5(g::text), 30) FROM generate_series(1, 10000) g"); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -381,7 +293,7 @@ func TestRelayIdleOutboxReleasesWAL(t *testing.T) {
 func TestRelayRefusesMissingSlot(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, "")
-	rl, err := relay.New(f.cfg, f.nc, relay.WithLogger(zaptest.NewLogger(t)))
+	rl, err := relay.New(f.Cfg, f.NC, relay.WithLogger(zaptest.NewLogger(t)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -400,17 +312,17 @@ func TestRelayLogicalMessages(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	prefix := "evt_" + strings.ToLower(f.stream[2:8])
-	f.cfg.MessagePrefixes = []string{prefix}
-	f.cfg.Router.Tables = append(f.cfg.Router.Tables, router.TableConfig{
+	prefix := "evt_" + strings.ToLower(f.Stream[2:8])
+	f.Cfg.MessagePrefixes = []string{prefix}
+	f.Cfg.Router.Tables = append(f.Cfg.Router.Tables, router.TableConfig{
 		Table:   relay.MessageSchema + "." + prefix,
-		Subject: f.cfg.Router.Tables[0].Subject,
+		Subject: f.Cfg.Router.Tables[0].Subject,
 	})
-	f.setup(ctx)
+	f.Setup(ctx)
 	f.start(ctx)
 	emit := func(transactional bool, commit bool, content string) {
 		t.Helper()
-		tx, err := f.db.Pool.Begin(ctx)
+		tx, err := f.DB.Pool.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -435,23 +347,23 @@ func TestRelayLogicalMessages(t *testing.T) {
 	emit(false, true, env("non-tx", 3))
 	emit(true, true, `{"event_id": "bad"}`)
 	// Another application's prefix is not ours: ignored.
-	if _, err := f.db.Pool.Exec(ctx, "SELECT pg_logical_emit_message(true, 'someone-else', 'x')"); err != nil {
+	if _, err := f.DB.Pool.Exec(ctx, "SELECT pg_logical_emit_message(true, 'someone-else', 'x')"); err != nil {
 		t.Fatal(err)
 	}
 	emit(true, true, env("m2", 2))
-	f.waitCount(ctx, f.stream, 2, 30*time.Second)
-	f.waitCount(ctx, f.dlq, 2, 30*time.Second)
-	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	f.WaitCount(ctx, f.Stream, 2, 30*time.Second)
+	f.WaitCount(ctx, f.DLQ, 2, 30*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.JS, f.Stream)
 	if len(got) != 2 || got[0].Event.ID != "m1" || got[1].Event.ID != "m2" {
 		t.Fatalf("events: %+v", got)
 	}
 	m := got[0]
-	if m.Subject != strings.ToLower(f.stream)+".order.o~2E1" || string(m.Data) != `{"total": 42}` || m.Event.AggregateVersion != 1 ||
+	if m.Subject != strings.ToLower(f.Stream)+".order.o~2E1" || string(m.Data) != `{"total": 42}` || m.Event.AggregateVersion != 1 ||
 		m.Headers[contract.Table][0] != relay.MessageSchema+"."+prefix || m.Headers[contract.OccurredAt][0] != "2026-11-29T09:35:21.5Z" ||
 		m.Headers[contract.CommitLSN][0] == "" || m.Headers[contract.MsgID][0] != "m1" {
 		t.Fatalf("message event: subject %s data %s headers %v", m.Subject, m.Data, m.Headers)
 	}
-	dl := relaytest.ReadStream(ctx, t, f.js, f.dlq)
+	dl := relaytest.ReadStream(ctx, t, f.JS, f.DLQ)
 	classes := []string{dl[0].Headers[contract.DLQReasonClass][0], dl[1].Headers[contract.DLQReasonClass][0]}
 	if strings.Join(classes, ",") != relay.ClassNonTransactional+","+relay.ClassInvalidEnvelope {
 		t.Fatalf("dead-letter classes %v", classes)
@@ -469,15 +381,15 @@ func TestBackfillThenStream(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	f.cfg.Stream.Duplicates = 100 * time.Millisecond
-	f.cfg.DeadLetterStream.Duplicates = 100 * time.Millisecond
+	f.Cfg.Stream.Duplicates = 100 * time.Millisecond
+	f.Cfg.DeadLetterStream.Duplicates = 100 * time.Millisecond
 	// With so short a window a retry after an ack timeout would be stored
 	// twice too; on a loaded machine a 2s timeout can fire, so make it long
 	// enough that only an overlap can produce a duplicate.
-	f.cfg.Publisher.AckTimeout = time.Minute
-	before := relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 5000, Aggregates: 300, Writers: 2, BigTx: 100})
+	f.Cfg.Publisher.AckTimeout = time.Minute
+	before := relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 5000, Aggregates: 300, Writers: 2, BigTx: 100})
 	// Rows a polling relay already published are not backfilled.
-	if _, err := f.db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_id, aggregate_version, event_type, payload, publish_state)
+	if _, err := f.DB.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_id, aggregate_version, event_type, payload, publish_state)
 		VALUES ('00000000-0000-0000-0000-0000000000ff', 'old', 1, 'T', '{}', 'PUBLISHED')`); err != nil {
 		t.Fatal(err)
 	}
@@ -485,12 +397,12 @@ func TestBackfillThenStream(t *testing.T) {
 	writing := make(chan struct{})
 	go func() {
 		defer close(writing)
-		during = relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 5000, Aggregates: 300, Writers: 2, BigTx: 20, Pause: 100 * time.Microsecond})
+		during = relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 5000, Aggregates: 300, Writers: 2, BigTx: 20, Pause: 100 * time.Microsecond})
 	}()
 	time.Sleep(20 * time.Millisecond) // let the writers get going: some rows land before the slot, some after
-	nc := f.nc
+	nc := f.NC
 	var reports int
-	rep, err := relay.Backfill(ctx, f.cfg, nc, zaptest.NewLogger(t), func(string, int, int) { reports++ })
+	rep, err := relay.Backfill(ctx, f.Cfg, nc, zaptest.NewLogger(t), func(string, int, int) { reports++ })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -500,14 +412,14 @@ func TestBackfillThenStream(t *testing.T) {
 	f.start(ctx)
 	<-writing
 	all := append(before, during...)
-	relaytest.StoredPayloads(ctx, t, f.db.Pool, "outbox", all)
-	f.waitCount(ctx, f.stream, 10000, 60*time.Second)
-	got := relaytest.ReadStream(ctx, t, f.js, f.stream)
+	relaytest.StoredPayloads(ctx, t, f.DB.Pool, "outbox", all)
+	f.WaitCount(ctx, f.Stream, 10000, 60*time.Second)
+	got := relaytest.ReadStream(ctx, t, f.JS, f.Stream)
 	if r := relaytest.Check(all, got); !r.OK() || r.Received != 10000 {
 		t.Fatalf("backfill + stream: %s (backfilled %d rows)", r, rep.Rows)
 	}
 	// A second backfill finds the slot and does nothing.
-	rep2, err := relay.Backfill(ctx, f.cfg, nc, nil, nil)
+	rep2, err := relay.Backfill(ctx, f.Cfg, nc, nil, nil)
 	if err != nil || rep2.SlotCreated || rep2.Rows != 0 {
 		t.Fatalf("second backfill: %+v, %v", rep2, err)
 	}
