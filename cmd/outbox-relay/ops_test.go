@@ -106,20 +106,9 @@ shutdown_timeout: 2s
 // start runs `run` until the test ends; stop cancels it and returns its
 // result.
 func (f *opsFixture) start() (stop func() error) {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- run(ctx, f.cfg, zaptest.NewLogger(f.t)) }()
-	var result error
-	stopped := false
-	stop = func() error {
-		if !stopped {
-			stopped = true
-			cancel()
-			result = <-done
-		}
-		return result
-	}
-	f.t.Cleanup(func() { _ = stop() })
+	stop = testenv.Background(context.Background(), f.t, func(ctx context.Context) error {
+		return run(ctx, f.cfg, zaptest.NewLogger(f.t))
+	})
 	if !testenv.WaitFor(30*time.Second, func() bool { return f.get("/readyz") == http.StatusOK }) {
 		f.t.Fatal("the relay is not ready within 30s")
 	}

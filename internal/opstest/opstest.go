@@ -124,20 +124,7 @@ func (f *Fixture) Start(ctx context.Context, opts ...relay.Option) (rl *relay.Re
 	if err != nil {
 		f.T.Fatal(err)
 	}
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- rl.Run(rctx) }()
-	stopped := false
-	var result error
-	stop = func() error {
-		if !stopped {
-			stopped = true
-			cancel()
-			result = <-done
-		}
-		return result
-	}
-	f.T.Cleanup(func() { _ = stop() })
+	stop = testenv.Background(ctx, f.T, rl.Run)
 	return rl, stop
 }
 

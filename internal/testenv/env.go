@@ -205,3 +205,23 @@ func Must(t testing.TB, err error, what string, args ...any) {
 		t.Fatalf("%s: %v", fmt.Sprintf(what, args...), err)
 	}
 }
+
+// Background runs fn on a goroutine until the test ends or the returned stop
+// is called; stop cancels fn's context, waits for fn and returns its error
+// (the same error on every call).
+func Background(ctx context.Context, t testing.TB, fn func(context.Context) error) (stop func() error) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- fn(ctx) }()
+	var once sync.Once
+	var result error
+	stop = func() error {
+		once.Do(func() {
+			cancel()
+			result = <-done
+		})
+		return result
+	}
+	t.Cleanup(func() { _ = stop() })
+	return stop
+}
