@@ -32,8 +32,8 @@ type readerReport struct {
 	WalsenderCPU time.Duration `json:"walsender_cpu_ns"` // the walsender's CPU over Active
 	MachineCores float64       `json:"machine_cores"`    // busy cores over Active
 	PeakRSS      int64         `json:"peak_rss"`         // VmHWM, bytes
-	// CommitToReceive (with -latency-from): commit timestamp to receipt
-	// of the Commit message, for commits at or after that time.
+	// CommitToReceive (with -latency): commit timestamp to receipt of the
+	// Commit message, for the commits after the skipped ones.
 	CommitToReceive quantiles `json:"commit_to_receive"`
 }
 
@@ -48,7 +48,8 @@ func runReader(args []string) error {
 	pub := fs.String("publication", "", "publication")
 	events := fs.Int64("events", 0, "inserts to read")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile")
-	latencyFrom := fs.Int64("latency-from", 0, "record commit→receive latency of commits from this time (Unix ns)")
+	latency := fs.Bool("latency", false, "record each commit's commit→receive latency")
+	latencySkip := fs.Int64("latency-skip", 0, "with -latency: do not record the first this many commits (warm-up)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -93,7 +94,6 @@ func runReader(args []string) error {
 		columnBytes         int
 		relations           = map[uint32]*pglogrepl.RelationMessage{}
 		latencies           []time.Duration
-		from                = time.Unix(0, *latencyFrom)
 		statusEvery         = time.Second
 		nextStatus          = time.Now().Add(statusEvery)
 	)
@@ -168,7 +168,7 @@ func runReader(args []string) error {
 				}
 				rep.Inserts++
 			case *pglogrepl.CommitMessage:
-				if *latencyFrom != 0 && !m.CommitTime.Before(from) {
+				if *latency && rep.Txs >= *latencySkip {
 					latencies = append(latencies, time.Since(m.CommitTime))
 				}
 				rep.Txs++

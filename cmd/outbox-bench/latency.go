@@ -328,14 +328,14 @@ func floorRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Dur
 	}
 	defer db.drop()
 	total := int(float64(rate) * (warmup + dur).Seconds())
-	t0 := time.Now().Add(500 * time.Millisecond)
-	measureFrom := t0.Add(warmup)
 	self, err := os.Executable()
 	if err != nil {
 		return res, err
 	}
+	// The warm-up's transactions are counted off, not timed off: the
+	// schedule starts only once the reader streams.
 	cmd := exec.CommandContext(ctx, self, readerCommand, "-url", db.url, "-slot", slot, "-publication", db.publication,
-		"-events", fmt.Sprint(total), "-latency-from", fmt.Sprint(measureFrom.UnixNano()))
+		"-events", fmt.Sprint(total), "-latency", "-latency-skip", fmt.Sprint(int(float64(rate)*warmup.Seconds())))
 	cmd.Stderr = os.Stderr
 	var out strings.Builder
 	cmd.Stdout = &out
@@ -358,9 +358,7 @@ func floorRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Dur
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if d := time.Until(t0); d > 0 {
-		time.Sleep(d)
-	}
+	t0 := time.Now().Add(50 * time.Millisecond)
 	pm := db.postmasterPID(ctx)
 	m0, pg0 := readMachineCPU(), treeCPU(pm)
 	if _, err := offerLoad(ctx, db, rate, total, t0).wait(); err != nil {
