@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime/pprof"
+	"strings"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -217,26 +218,62 @@ func finish(d *drainResult) {
 	}
 }
 
+// readerProc is the bare reader running in a child process of its own.
+type readerProc struct {
+	cmd  *exec.Cmd
+	out  strings.Builder
+	done chan error // the process's exit, once
+}
+
+// startReader starts the bare reader on slot until it has read events
+// inserts; extra are further reader flags.
+func startReader(ctx context.Context, db *benchDB, slot string, events int64, extra ...string) (*readerProc, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	args := append([]string{readerCommand, "-url", db.url, "-slot", slot, "-publication", db.publication, "-events", fmt.Sprint(events)}, extra...)
+	p := &readerProc{cmd: exec.CommandContext(ctx, self, args...), done: make(chan error, 1)}
+	p.cmd.Stdout, p.cmd.Stderr = &p.out, os.Stderr
+	if err := p.cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() { p.done <- p.cmd.Wait() }()
+	return p, nil
+}
+
+// report waits for the reader to finish and returns what it printed.
+func (p *readerProc) report() (readerReport, error) {
+	var rep readerReport
+	if err := <-p.done; err != nil {
+		return rep, fmt.Errorf("decode reader: %w", err)
+	}
+	if err := json.Unmarshal([]byte(p.out.String()), &rep); err != nil {
+		return rep, fmt.Errorf("decode reader output %q: %w", p.out.String(), err)
+	}
+	return rep, nil
+}
+
+// kill stops the reader and waits for it.
+func (p *readerProc) kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
 // decodeCeiling runs the bare reader on slot in a child process.
 func decodeCeiling(ctx context.Context, db *benchDB, slot string, events int64, profile string) (drainResult, error) {
-	self, err := os.Executable()
+	var extra []string
+	if profile != "" {
+		extra = append(extra, "-cpuprofile", profile)
+	}
+	start := time.Now()
+	p, err := startReader(ctx, db, slot, events, extra...)
 	if err != nil {
 		return drainResult{}, err
 	}
-	args := []string{readerCommand, "-url", db.url, "-slot", slot, "-publication", db.publication, "-events", fmt.Sprint(events)}
-	if profile != "" {
-		args = append(args, "-cpuprofile", profile)
-	}
-	cmd := exec.CommandContext(ctx, self, args...)
-	cmd.Stderr = os.Stderr
-	start := time.Now()
-	out, err := cmd.Output()
+	rep, err := p.report()
 	if err != nil {
-		return drainResult{}, fmt.Errorf("decode reader: %w", err)
-	}
-	var rep readerReport
-	if err := json.Unmarshal(out, &rep); err != nil {
-		return drainResult{}, fmt.Errorf("decode reader output %q: %w", out, err)
+		return drainResult{}, err
 	}
 	d := drainResult{
 		Events:       rep.Inserts,

@@ -6,11 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -328,32 +325,21 @@ func floorRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Dur
 	}
 	defer db.drop()
 	total := int(float64(rate) * (warmup + dur).Seconds())
-	self, err := os.Executable()
+	// The warm-up's transactions are counted off, not timed off: the
+	// schedule starts only once the reader streams.
+	p, err := startReader(ctx, db, slot, int64(total), "-latency", "-latency-skip", fmt.Sprint(int(float64(rate)*warmup.Seconds())))
 	if err != nil {
 		return res, err
 	}
-	// The warm-up's transactions are counted off, not timed off: the
-	// schedule starts only once the reader streams.
-	cmd := exec.CommandContext(ctx, self, readerCommand, "-url", db.url, "-slot", slot, "-publication", db.publication,
-		"-events", fmt.Sprint(total), "-latency", "-latency-skip", fmt.Sprint(int(float64(rate)*warmup.Seconds())))
-	cmd.Stderr = os.Stderr
-	var out strings.Builder
-	cmd.Stdout = &out
-	if err := cmd.Start(); err != nil {
-		return res, err
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
 	deadline := time.Now().Add(30 * time.Second)
 	for db.walsenderPID(ctx, slot) == 0 {
 		select {
-		case err := <-done:
+		case err := <-p.done:
 			return res, fmt.Errorf("decode reader exited before streaming: %v", err)
 		default:
 		}
 		if time.Now().After(deadline) {
-			_ = cmd.Process.Kill()
-			<-done
+			p.kill()
 			return res, errors.New("decode reader not streaming after 30s")
 		}
 		time.Sleep(20 * time.Millisecond)
@@ -362,27 +348,23 @@ func floorRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Dur
 	pm := db.postmasterPID(ctx)
 	m0, pg0 := readMachineCPU(), treeCPU(pm)
 	if _, err := offerLoad(ctx, db, rate, total, t0).wait(); err != nil {
-		_ = cmd.Process.Kill()
-		<-done
+		p.kill()
 		return res, err
 	}
-	select {
-	case err := <-done:
-		if err != nil {
-			return res, fmt.Errorf("decode reader: %w", err)
-		}
-	case <-time.After(60 * time.Second):
-		_ = cmd.Process.Kill()
-		<-done
+	// Every event was committed: the reader has them within seconds.
+	var late atomic.Bool
+	timer := time.AfterFunc(60*time.Second, func() { late.Store(true); _ = p.cmd.Process.Kill() })
+	rep, err := p.report()
+	timer.Stop()
+	if late.Load() {
 		return res, errors.New("decode reader did not see every event within 60s of the load")
+	}
+	if err != nil {
+		return res, err
 	}
 	el := time.Since(t0)
 	res.MachineCores = busyCores(m0, readMachineCPU())
 	res.PostgresCores = (treeCPU(pm) - pg0).Seconds() / el.Seconds()
-	var rep readerReport
-	if err := json.Unmarshal([]byte(out.String()), &rep); err != nil {
-		return res, fmt.Errorf("decode reader output %q: %w", out.String(), err)
-	}
 	res.CommitToReceive = rep.CommitToReceive
 	return res, nil
 }
