@@ -94,18 +94,29 @@ func routedMessages(subjectPrefix string, first int64, n, aggs, pad int) ([]*nat
 	return msgs, float64(total) / float64(n), nil
 }
 
+// freshStream creates the scenario's stream, configured as the relay's
+// (file storage, R1, 2-minute de-duplication), and returns its subject
+// prefix and a function that deletes it.
+func freshStream(ctx context.Context, env *benchEnv, scenario string) (prefix string, drop func(), err error) {
+	stream, prefix := streamNames(scenario)
+	spec := publisher.StreamSpec{Name: stream, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}
+	if _, err := publisher.EnsureStream(ctx, env.js, spec, true); err != nil {
+		return "", nil, err
+	}
+	return prefix, func() { _ = env.js.DeleteStream(context.Background(), stream) }, nil
+}
+
 // brokerCeiling publishes n routed messages to a fresh file-storage stream
 // with async publish and at most window unacknowledged, waiting for every
 // ack; then syncN synchronous publishes for the round-trip floor.
 //
 // The async part runs repeat times; the best round counts.
 func brokerCeiling(ctx context.Context, env *benchEnv, n, window, syncN, aggs, pad, repeat int) (brokerResult, error) {
-	stream, prefix := streamNames("broker")
-	spec := publisher.StreamSpec{Name: stream, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}
-	if _, err := publisher.EnsureStream(ctx, env.js, spec, true); err != nil {
+	prefix, drop, err := freshStream(ctx, env, "broker")
+	if err != nil {
 		return brokerResult{}, err
 	}
-	defer func() { _ = env.js.DeleteStream(context.Background(), stream) }()
+	defer drop()
 	msgs, avg, err := routedMessages(prefix, 0, n+syncN, aggs, pad)
 	if err != nil {
 		return brokerResult{}, err
@@ -198,12 +209,11 @@ type brokerPaced struct {
 // dropped.
 func brokerPacedRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Duration, aggs, pad int) (brokerPaced, error) {
 	res := brokerPaced{Offered: rate}
-	stream, prefix := streamNames("paced")
-	spec := publisher.StreamSpec{Name: stream, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}
-	if _, err := publisher.EnsureStream(ctx, env.js, spec, true); err != nil {
+	prefix, drop, err := freshStream(ctx, env, "paced")
+	if err != nil {
 		return res, err
 	}
-	defer func() { _ = env.js.DeleteStream(context.Background(), stream) }()
+	defer drop()
 	total := int(float64(rate) * (warmup + dur).Seconds())
 	msgs, _, err := routedMessages(prefix, 0, total, aggs, pad)
 	if err != nil {
