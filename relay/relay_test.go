@@ -393,12 +393,7 @@ func TestBackfillThenStream(t *testing.T) {
 		VALUES ('00000000-0000-0000-0000-0000000000ff', 'old', 1, 'T', '{}', 'PUBLISHED')`); err != nil {
 		t.Fatal(err)
 	}
-	var during []relaytest.Event
-	writing := make(chan struct{})
-	go func() {
-		defer close(writing)
-		during = relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 5000, Aggregates: 300, Writers: 2, BigTx: 20, Pause: 100 * time.Microsecond})
-	}()
+	writes := relaytest.WriteAsync(ctx, t, f.DB.Pool, relaytest.Load{Events: 5000, Aggregates: 300, Writers: 2, BigTx: 20, Pause: 100 * time.Microsecond})
 	time.Sleep(20 * time.Millisecond) // let the writers get going: some rows land before the slot, some after
 	nc := f.NC
 	var reports int
@@ -410,8 +405,7 @@ func TestBackfillThenStream(t *testing.T) {
 		t.Fatalf("backfill report %+v, %d progress reports", rep, reports)
 	}
 	f.start(ctx)
-	<-writing
-	all := append(before, during...)
+	all := append(before, writes()...)
 	relaytest.StoredPayloads(ctx, t, f.DB.Pool, "outbox", all)
 	f.WaitCount(ctx, f.Stream, 10000, 60*time.Second)
 	got := relaytest.ReadStream(ctx, t, f.JS, f.Stream)

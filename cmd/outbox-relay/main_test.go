@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -138,13 +137,7 @@ func TestKill9DuringLoad(t *testing.T) {
 	f := newProcFixture(t)
 	cmd := f.start()
 
-	var evs []relaytest.Event
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		evs = relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 20000, Aggregates: 500, Writers: 4, BigTx: 100, BigEvery: 5, Pause: time.Millisecond})
-	}()
+	writes := relaytest.WriteAsync(ctx, t, f.db.Pool, relaytest.Load{Events: 20000, Aggregates: 500, Writers: 4, BigTx: 100, BigEvery: 5, Pause: time.Millisecond})
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1))
 	for i := 0; i < 5; i++ {
 		time.Sleep(time.Duration(300+rng.IntN(1200)) * time.Millisecond)
@@ -155,7 +148,7 @@ func TestKill9DuringLoad(t *testing.T) {
 		t.Logf("kill %d: stream holds %d events", i+1, relaytest.StreamCount(ctx, f.js, f.stream))
 		cmd = f.start()
 	}
-	wg.Wait()
+	evs := writes()
 	rep := f.waitAll(ctx, evs, 90*time.Second)
 	t.Logf("after 5 kills: %s", rep)
 	if !rep.OK() || rep.Received != 20000 {
@@ -170,13 +163,7 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 	ctx := context.Background()
 	f := newProcFixture(t)
 	cmd := f.start()
-	var evs []relaytest.Event
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		evs = relaytest.Write(ctx, t, f.db.Pool, relaytest.Load{Events: 5000, Aggregates: 100, Writers: 2, BigTx: 50, Pause: time.Millisecond})
-	}()
+	writes := relaytest.WriteAsync(ctx, t, f.db.Pool, relaytest.Load{Events: 5000, Aggregates: 100, Writers: 2, BigTx: 50, Pause: time.Millisecond})
 	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.js, f.stream) > 100 }) {
 		t.Fatal("relay did not start publishing")
 	}
@@ -200,7 +187,7 @@ func TestSIGTERMDuringLoad(t *testing.T) {
 	if err != nil || st.ConfirmedFlushLSN == 0 {
 		t.Fatalf("slot after shutdown: %+v, %v", st, err)
 	}
-	wg.Wait()
+	evs := writes()
 	f.start()
 	rep := f.waitAll(ctx, evs, 60*time.Second)
 	if !rep.OK() {

@@ -42,6 +42,21 @@ type Load struct {
 	Pause time.Duration
 }
 
+// WriteAsync runs Write on a goroutine; wait blocks until it is done and
+// returns its events.
+func WriteAsync(ctx context.Context, t testing.TB, pool *pgxpool.Pool, l Load) (wait func() []Event) {
+	var evs []Event
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		evs = Write(ctx, t, pool, l)
+	}()
+	return func() []Event {
+		<-done
+		return evs
+	}
+}
+
 // Write inserts the load's events and returns them. Each writer owns a
 // disjoint set of aggregates so versions are assigned without conflicts,
 // and inserts them in version order.
