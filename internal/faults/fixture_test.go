@@ -410,6 +410,21 @@ func (s *scenario) waitSlotActive(timeout time.Duration) int32 {
 	return pid
 }
 
+// streamInfo returns the stream's configuration and state, failing the
+// test when it cannot.
+func (s *scenario) streamInfo(ctx context.Context, stream string) *jetstream.StreamInfo {
+	s.t.Helper()
+	st, err := s.js.Stream(ctx, stream)
+	if err != nil {
+		s.t.Fatalf("stream %s: %v", stream, err)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		s.t.Fatalf("stream %s: %v", stream, err)
+	}
+	return info
+}
+
 // streamState returns the stream's message count and last sequence (zeros
 // when it is missing or unreachable).
 func (s *scenario) streamState(ctx context.Context, stream string) (msgs, last uint64) {

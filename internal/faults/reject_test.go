@@ -135,14 +135,7 @@ func TestBrokerRejectsUnboundSubject(t *testing.T) {
 	r := s.startRelay()
 	ld := startLoad(t, s.db.Pool, loadSpec{Writers: 2, Aggregates: 50, Pause: 5 * time.Millisecond})
 	s.waitCount(s.stream, 100, 30*time.Second)
-	st, err := s.js.Stream(ctx, s.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := st.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	info := s.streamInfo(ctx, s.stream)
 	cfg := info.Config
 	cfg.Subjects = []string{s.name + ".registration.>"}
 	if _, err := s.js.UpdateStream(ctx, cfg); err != nil {
@@ -191,14 +184,7 @@ func TestEventStreamDeleted(t *testing.T) {
 		t.Fatal(err)
 	}
 	old := committedRows(ctx, t, s)
-	st, err := s.js.Stream(ctx, s.stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := st.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	info := s.streamInfo(ctx, s.stream)
 	if err := s.js.DeleteStream(ctx, s.stream); err != nil {
 		t.Fatal(err)
 	}
@@ -270,14 +256,7 @@ func TestDeadLetterStreamUnavailable(t *testing.T) {
 	r := s.startRelay()
 	ld := startLoad(t, s.db.Pool, loadSpec{Writers: 2, Aggregates: 50, Pause: 5 * time.Millisecond})
 	s.waitCount(s.stream, 100, 30*time.Second)
-	dst, err := s.js.Stream(ctx, s.dlq)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dinfo, err := dst.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	dinfo := s.streamInfo(ctx, s.dlq)
 	if err := s.js.DeleteStream(ctx, s.dlq); err != nil {
 		t.Fatal(err)
 	}
