@@ -172,9 +172,8 @@ type Publisher struct {
 	prefix string // reply subject prefix
 	sub    *nats.Subscription
 
-	mu       sync.Mutex
-	count    int // messages holding window capacity
-	bytes    int
+	window
+
 	seq      uint64
 	inflight map[uint64]*pending // by reply token
 	attempts []attemptRef        // in send order, from attemptsHead
@@ -184,16 +183,6 @@ type Publisher struct {
 	free     []*pending  // settled, for reuse: a pending is the size of a row
 	retries  []*pending
 	checking map[*pending]bool // no-stream look-ups in progress
-	closed   error
-	// space is signalled when a refused TryPublish may succeed: once the
-	// window has drained to its low-water mark (lowCount, lowBytes), not
-	// on every ack. A full window then costs the waiting producer one
-	// wake-up per quarter window instead of one per message, which on two
-	// cores was a cross-thread hand-off per event.
-	space    chan struct{}
-	waiting  bool // a TryPublish was refused since the last signal
-	lowCount int
-	lowBytes int
 	lookups  sync.WaitGroup
 
 	stream string // interned stream name of the acks, onReply's alone
@@ -213,9 +202,7 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 		inflight: map[uint64]*pending{},
 		keys:     map[string]*keyState{},
 		checking: map[*pending]bool{},
-		space:    make(chan struct{}, 1),
-		lowCount: cfg.MaxInFlight - (cfg.MaxInFlight+3)/4,
-		lowBytes: cfg.MaxInFlightBytes - (cfg.MaxInFlightBytes+3)/4,
+		window:   newWindow(cfg),
 	}
 	for _, o := range opts {
 		o(p)
@@ -239,18 +226,27 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 	// one subscription matching the reply subject, and nats.go's request
 	// mux already listens on NewRespInbox's prefix once any request ran on
 	// the connection; sharing it would hide every "no responders" from us.
-	p.prefix = nc.NewInbox() + "."
-	sub, err := nc.Subscribe(p.prefix+"*", p.onReply)
+	var err error
+	if p.prefix, p.sub, err = subscribeAcks(nc, "*", p.onReply); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// subscribeAcks subscribes handler to a fresh inbox prefix followed by
+// wildcard, and returns the prefix (with its trailing dot).
+func subscribeAcks(nc *nats.Conn, wildcard string, handler nats.MsgHandler) (string, *nats.Subscription, error) {
+	prefix := nc.NewInbox() + "."
+	sub, err := nc.Subscribe(prefix+wildcard, handler)
 	if err != nil {
-		return nil, fmt.Errorf("subscribe to acks: %w", err)
+		return "", nil, fmt.Errorf("subscribe to acks: %w", err)
 	}
 	// Acks must never be dropped as a slow consumer: the window already
 	// bounds how many can be outstanding.
 	if err := sub.SetPendingLimits(-1, -1); err != nil {
-		return nil, err
+		return "", nil, err
 	}
-	p.sub = sub
-	return p, nil
+	return prefix, sub, nil
 }
 
 func msgSize(m *Message) int {
@@ -271,17 +267,10 @@ func msgSize(m *Message) int {
 func (p *Publisher) TryPublish(m *Message) (bool, error) {
 	size := msgSize(m)
 	p.mu.Lock()
-	if p.closed != nil {
+	if ok, err := p.admit(size); !ok {
 		p.mu.Unlock()
-		return false, p.closed
+		return false, err
 	}
-	if p.count > 0 && (p.count+1 > p.cfg.MaxInFlight || p.bytes+size > p.cfg.MaxInFlightBytes) {
-		p.waiting = true
-		p.mu.Unlock()
-		return false, nil
-	}
-	p.count++
-	p.bytes += size
 	pd := p.newPending()
 	pd.m, pd.cur, pd.size, pd.first = m, m, size, time.Now()
 	if m.Key != "" {
@@ -315,13 +304,6 @@ func (p *Publisher) newPending() *pending {
 	return &pending{}
 }
 
-// Space is signalled after a refused TryPublish once the window has drained
-// to three quarters of its limits (or is empty), and when the publisher
-// closes. A signal is a hint: TryPublish again. It wakes one waiter: a
-// producer sharing the publisher with others must also try again on a timer
-// (Publish does), or a signal another producer took could leave it waiting.
-func (p *Publisher) Space() <-chan struct{} { return p.space }
-
 // spaceRecheck is how often Publish tries again without a signal.
 const spaceRecheck = 100 * time.Millisecond
 
@@ -351,13 +333,6 @@ func (p *Publisher) Publish(ctx context.Context, m *Message) error {
 			return ctx.Err()
 		}
 	}
-}
-
-// InFlight returns the number of messages holding window capacity.
-func (p *Publisher) InFlight() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.count
 }
 
 // send starts one attempt of pd.
@@ -500,18 +475,13 @@ func (p *Publisher) settle(pd *pending, res Result) {
 	}
 	var next *pending
 	p.mu.Lock()
-	p.count--
-	p.bytes -= pd.size
+	p.release(pd.size)
 	// Nothing refers to pd any more: its attempt left inflight when the
 	// ack came, a settled message is never in retries or checking, and
 	// the ack-timeout scan holds only reply tokens.
 	if len(p.free) < p.cfg.MaxInFlight {
 		*pd = pending{}
 		p.free = append(p.free, pd)
-	}
-	wake := p.waiting && (p.count == 0 || p.count <= p.lowCount && p.bytes <= p.lowBytes)
-	if wake {
-		p.waiting = false
 	}
 	if k := key; k != "" {
 		ks := p.keys[k]
@@ -529,12 +499,6 @@ func (p *Publisher) settle(pd *pending, res Result) {
 		}
 	}
 	p.mu.Unlock()
-	if wake {
-		select {
-		case p.space <- struct{}{}:
-		default:
-		}
-	}
 	if next != nil {
 		p.send(next)
 	}
@@ -543,25 +507,8 @@ func (p *Publisher) settle(pd *pending, res Result) {
 // Run handles ack timeouts and retries until ctx ends. It returns the
 // reason the publisher closed, or ctx's error.
 func (p *Publisher) Run(ctx context.Context) error {
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
 	defer p.lookups.Wait()
-	for {
-		select {
-		case <-ctx.Done():
-			p.mu.Lock()
-			err := p.closed
-			p.mu.Unlock()
-			if err != nil {
-				return err
-			}
-			return ctx.Err()
-		case <-tick.C:
-		}
-		if err := p.tick(ctx); err != nil {
-			return err
-		}
-	}
+	return p.ticks(ctx, func() error { return p.tick(ctx) })
 }
 
 // maxKeptQueue is the largest per-key queue capacity kept for reuse.
@@ -658,40 +605,6 @@ func (p *Publisher) checkNoStream(ctx context.Context, pd *pending) {
 			p.send(pd)
 		}
 	}()
-}
-
-func (p *Publisher) close(err error) {
-	p.mu.Lock()
-	if p.closed == nil {
-		p.closed = err
-	}
-	p.mu.Unlock()
-	select {
-	case p.space <- struct{}{}:
-	default:
-	}
-}
-
-// Drain waits until every message handed over is settled or ctx ends.
-func (p *Publisher) Drain(ctx context.Context) error {
-	t := time.NewTicker(5 * time.Millisecond)
-	defer t.Stop()
-	for {
-		p.mu.Lock()
-		n, closed := p.count, p.closed
-		p.mu.Unlock()
-		if n == 0 {
-			return nil
-		}
-		if closed != nil {
-			return closed
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("drain with %d messages unacknowledged: %w", n, ctx.Err())
-		case <-t.C:
-		}
-	}
 }
 
 // Close unsubscribes from acks. Unsettled messages stay unsettled: the

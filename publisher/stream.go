@@ -27,6 +27,10 @@ type StreamSpec struct {
 	// RequireDurable refuses a stream whose acks are not durable (memory
 	// storage or fewer than 3 replicas).
 	RequireDurable bool
+	// AllowBatch creates the stream with fast-ingest batch publishing
+	// allowed (allow_batched, nats-server 2.14 or later; older servers
+	// ignore it). An existing stream is never changed.
+	AllowBatch bool
 }
 
 // ErrNotDurable means the stream's acknowledgements do not survive a
@@ -77,6 +81,8 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 			MaxAge:     spec.MaxAge,
 			Retention:  jetstream.LimitsPolicy,
 			Discard:    jetstream.DiscardOld,
+
+			AllowBatchPublish: spec.AllowBatch,
 		}
 		s, err = js.CreateStream(ctx, cfg)
 		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {

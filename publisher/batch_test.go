@@ -1,0 +1,322 @@
+package publisher_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/publisher"
+)
+
+// batchFixture is a Batch on a test server of its own, with the per-key
+// publisher it hands failures to, both running.
+type batchFixture struct {
+	t     *testing.T
+	nc    *nats.Conn
+	js    jetstream.JetStream
+	keyed *publisher.Publisher
+	b     *publisher.Batch
+	runs  chan error
+
+	mu      sync.Mutex
+	results map[int]publisher.Result
+	retried int // failed batches
+}
+
+// Published implements publisher.Observer.
+func (f *batchFixture) Published(string, bool, time.Duration) {}
+
+// Retried implements publisher.Observer.
+func (f *batchFixture) Retried(string) {
+	f.mu.Lock()
+	f.retried++
+	f.mu.Unlock()
+}
+
+// DeadLettered implements publisher.Observer.
+func (f *batchFixture) DeadLettered(string) {}
+
+func newBatchFixture(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Config) *batchFixture {
+	t.Helper()
+	nc := connectNATS(t)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := js.CreateStream(ctx, scfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "DLQ", Subjects: []string{"dlq.>"}, Storage: jetstream.FileStorage}); err != nil {
+		t.Fatal(err)
+	}
+	keyed, err := publisher.New(nc, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &batchFixture{t: t, nc: nc, js: js, keyed: keyed, runs: make(chan error, 2), results: map[int]publisher.Result{}}
+	b, err := publisher.NewBatch(nc, keyed, cfg, publisher.BatchConfig{Stream: scfg.Name}, publisher.WithObserver(f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.b = b
+	rctx, cancel := context.WithCancel(ctx)
+	go func() { f.runs <- keyed.Run(rctx) }()
+	go func() { f.runs <- b.Run(rctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-f.runs
+		<-f.runs
+		_ = b.Close()
+		_ = keyed.Close()
+	})
+	return f
+}
+
+// publish hands message i (subject bt.<key>, data "i") to the batch.
+func (f *batchFixture) publish(ctx context.Context, i int, key string, data []byte) {
+	f.t.Helper()
+	id := strconv.Itoa(i)
+	m := &publisher.Message{
+		Subject: "bt." + key,
+		Header:  nats.Header{"Nats-Msg-Id": {id}, "Seq": {id}},
+		Data:    data,
+		Key:     key,
+		DeadLetter: func(reason error) *publisher.Message {
+			return &publisher.Message{Subject: "dlq." + key, Header: nats.Header{"Seq": {id}, "Reason": {reason.Error()}}}
+		},
+		Done: func(r publisher.Result) {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			if _, dup := f.results[i]; dup {
+				f.t.Errorf("message %d settled twice", i)
+			}
+			f.results[i] = publisher.Result{DeadLettered: r.DeadLettered, Reason: r.Reason, Attempts: r.Attempts}
+		},
+	}
+	for {
+		ok, err := f.b.TryPublish(m)
+		if err != nil {
+			f.t.Fatalf("publish %d: %v", i, err)
+		}
+		if ok {
+			return
+		}
+		select {
+		case <-f.b.Space():
+		case <-time.After(100 * time.Millisecond):
+		case <-ctx.Done():
+			f.t.Fatal(ctx.Err())
+		}
+	}
+}
+
+// drain waits until every message settled.
+func (f *batchFixture) drain(ctx context.Context) {
+	f.t.Helper()
+	if err := f.b.Drain(ctx); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+// stored returns the Seq header of every message in stream, in stream
+// order.
+func (f *batchFixture) stored(ctx context.Context, stream string) []int {
+	f.t.Helper()
+	s, err := f.js.Stream(ctx, stream)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	var out []int
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil {
+			f.t.Fatalf("get %d: %v", seq, err)
+		}
+		n, err := strconv.Atoi(m.Header.Get("Seq"))
+		if err != nil {
+			f.t.Fatalf("stream %s seq %d: %v", stream, seq, err)
+		}
+		out = append(out, n)
+	}
+	return out
+}
+
+// checkInOrder fails unless got is exactly 0..n-1 without skip.
+func checkInOrder(t *testing.T, got []int, n int, skip map[int]bool) {
+	t.Helper()
+	want := 0
+	for i, v := range got {
+		for skip[want] {
+			want++
+		}
+		if v != want {
+			t.Fatalf("stream position %d holds message %d, want %d (order or completeness broken)", i, v, want)
+		}
+		want++
+	}
+	for skip[want] {
+		want++
+	}
+	if want != n {
+		t.Fatalf("stream holds %d messages, want %d", len(got), n-len(skip))
+	}
+}
+
+func batchStream(name string) jetstream.StreamConfig {
+	return jetstream.StreamConfig{Name: name, Subjects: []string{"bt.>"}, Storage: jetstream.FileStorage, AllowBatchPublish: true, Duplicates: time.Minute}
+}
+
+// TestBatchOrder publishes more messages than the window holds over a few
+// keys: every message settles once and the stream holds them in exactly
+// the order handed over.
+func TestBatchOrder(t *testing.T) {
+	f := newBatchFixture(t, batchStream("B"), publisher.Config{MaxInFlight: 256})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n = 5000
+	for i := range n {
+		f.publish(ctx, i, "k"+strconv.Itoa(i%7), []byte("payload"))
+	}
+	f.drain(ctx)
+	checkInOrder(t, f.stored(ctx, "B"), n, nil)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.retried != 0 {
+		t.Fatalf("%d batches failed", f.retried)
+	}
+	if len(f.results) != n {
+		t.Fatalf("%d settled, want %d", len(f.results), n)
+	}
+	for i, r := range f.results {
+		if r.DeadLettered {
+			t.Fatalf("message %d dead-lettered: %v", i, r.Reason)
+		}
+	}
+}
+
+// TestBatchIdleCommit publishes bursts with pauses between them: every
+// burst settles, which needs its batch committed after the lull (the server
+// acknowledges a batch's tail only on commit). The first message of a burst
+// leaves alone, as a batch of one; the rest queue behind it and form a batch.
+func TestBatchIdleCommit(t *testing.T) {
+	f := newBatchFixture(t, batchStream("B"), publisher.Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const bursts, size = 5, 20
+	for i := range bursts * size {
+		f.publish(ctx, i, "k", []byte("x"))
+		if i%size == size-1 {
+			f.drain(ctx)
+		}
+	}
+	checkInOrder(t, f.stored(ctx, "B"), bursts*size, nil)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.retried != 0 {
+		t.Fatalf("%d batches failed", f.retried)
+	}
+}
+
+// TestBatchRejectedMidBatch sends a message the stream refuses as too large
+// in the middle of a batch: it is dead-lettered, and every other message is
+// stored once, in order, none after it overtaking it.
+func TestBatchRejectedMidBatch(t *testing.T) {
+	cfg := batchStream("B")
+	cfg.MaxMsgSize = 1000
+	f := newBatchFixture(t, cfg, publisher.Config{MaxInFlight: 128, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n, big = 600, 301
+	for i := range n {
+		data := []byte("small")
+		if i == big {
+			data = make([]byte, 2000)
+		}
+		f.publish(ctx, i, "k"+strconv.Itoa(i%3), data)
+	}
+	f.drain(ctx)
+	checkInOrder(t, f.stored(ctx, "B"), n, map[int]bool{big: true})
+	if got := f.stored(ctx, "DLQ"); len(got) != 1 || got[0] != big {
+		t.Fatalf("dead-letter stream holds %v, want [%d]", got, big)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for i, r := range f.results {
+		if r.DeadLettered != (i == big) {
+			t.Fatalf("message %d dead-lettered %v (reason %v)", i, r.DeadLettered, r.Reason)
+		}
+	}
+}
+
+// TestBatchTransientFailureKeepsOrder fills a stream that discards new
+// messages beyond a limit, so that a batch fails in its middle while later
+// messages are already on the wire; after the limit is raised everything
+// is stored once, in order.
+func TestBatchTransientFailureKeepsOrder(t *testing.T) {
+	cfg := batchStream("B")
+	cfg.MaxMsgs = 250
+	cfg.Discard = jetstream.DiscardNew
+	f := newBatchFixture(t, cfg, publisher.Config{MaxInFlight: 512, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n = 400
+	for i := range n {
+		f.publish(ctx, i, "k"+strconv.Itoa(i%5), []byte("x"))
+	}
+	// Wait until the stream is full and the rest are held back.
+	s, err := f.js.Stream(ctx, "B")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		info, err := s.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.State.Msgs == 250 && f.b.InFlight() == n-250 {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("stream holds %d, %d in flight", info.State.Msgs, f.b.InFlight())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cfg.MaxMsgs = -1
+	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	f.drain(ctx)
+	checkInOrder(t, f.stored(ctx, "B"), n, nil)
+}
+
+// TestBatchDisabled publishes to a stream that does not allow batches: the
+// publisher stops with ErrBatchDisabled rather than dead-lettering.
+func TestBatchDisabled(t *testing.T) {
+	cfg := batchStream("B")
+	cfg.AllowBatchPublish = false
+	f := newBatchFixture(t, cfg, publisher.Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	f.publish(ctx, 0, "k", []byte("x"))
+	err := f.b.Drain(ctx)
+	if !errors.Is(err, publisher.ErrBatchDisabled) {
+		t.Fatalf("drain: %v, want ErrBatchDisabled", err)
+	}
+	if _, err := f.b.TryPublish(&publisher.Message{Subject: "bt.k"}); !errors.Is(err, publisher.ErrBatchDisabled) {
+		t.Fatalf("publish after: %v", err)
+	}
+	if got := f.stored(ctx, "DLQ"); len(got) != 0 {
+		t.Fatalf("dead-lettered %v", got)
+	}
+}

@@ -1,0 +1,149 @@
+package publisher
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// window is the capacity unsettled messages hold, shared by Publisher and
+// Batch: a count and a byte size bound, the signal that wakes a refused
+// producer, and the reason the publisher closed. Its mutex is the
+// publisher's.
+type window struct {
+	mu       sync.Mutex
+	count    int // messages holding window capacity
+	bytes    int
+	maxCount int
+	maxBytes int
+	closed   error
+	// space is signalled when a refused producer may succeed: once the
+	// window has drained to its low-water mark (lowCount, lowBytes), not
+	// on every ack. A full window then costs the waiting producer one
+	// wake-up per quarter window instead of one per message, which on two
+	// cores was a cross-thread hand-off per event.
+	space    chan struct{}
+	waiting  bool // a producer was refused since the last signal
+	lowCount int
+	lowBytes int
+}
+
+func newWindow(cfg Config) window {
+	return window{
+		maxCount: cfg.MaxInFlight,
+		maxBytes: cfg.MaxInFlightBytes,
+		space:    make(chan struct{}, 1),
+		lowCount: cfg.MaxInFlight - (cfg.MaxInFlight+3)/4,
+		lowBytes: cfg.MaxInFlightBytes - (cfg.MaxInFlightBytes+3)/4,
+	}
+}
+
+// admit takes capacity for a message of size bytes. It refuses with the
+// reason once the publisher closed, and without one when the window is full,
+// remembering that a producer waits; w.mu is held. A single message larger
+// than the byte bound is admitted alone.
+func (w *window) admit(size int) (bool, error) {
+	if w.closed != nil {
+		return false, w.closed
+	}
+	if w.count > 0 && (w.count+1 > w.maxCount || w.bytes+size > w.maxBytes) {
+		w.waiting = true
+		return false, nil
+	}
+	w.count++
+	w.bytes += size
+	return true, nil
+}
+
+// release frees a settled message's capacity and signals a waiting
+// producer at the low-water mark; w.mu is held.
+func (w *window) release(size int) {
+	w.count--
+	w.bytes -= size
+	if w.waiting && (w.count == 0 || w.count <= w.lowCount && w.bytes <= w.lowBytes) {
+		w.waiting = false
+		w.signal()
+	}
+}
+
+func (w *window) signal() {
+	select {
+	case w.space <- struct{}{}:
+	default:
+	}
+}
+
+// Space is signalled after a refused TryPublish once the window has drained
+// to three quarters of its limits (or is empty), and when the publisher
+// closes. A signal is a hint: TryPublish again. It wakes one waiter: a
+// producer sharing the publisher with others must also try again on a timer
+// (Publish does), or a signal another producer took could leave it waiting.
+func (w *window) Space() <-chan struct{} { return w.space }
+
+// InFlight returns the number of messages holding window capacity.
+func (w *window) InFlight() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.count
+}
+
+// close records why the publisher stopped (the first reason wins) and
+// wakes a waiting producer to see it.
+func (w *window) close(err error) {
+	w.mu.Lock()
+	if w.closed == nil {
+		w.closed = err
+	}
+	w.mu.Unlock()
+	w.signal()
+}
+
+// ticks calls tick every 20ms until it fails or ctx ends, and returns the
+// reason the publisher closed, or ctx's error.
+func (w *window) ticks(ctx context.Context, tick func() error) error {
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			if err := w.closedErr(); err != nil {
+				return err
+			}
+			return ctx.Err()
+		case <-t.C:
+		}
+		if err := tick(); err != nil {
+			return err
+		}
+	}
+}
+
+// closedErr returns the reason the publisher closed, or nil.
+func (w *window) closedErr() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.closed
+}
+
+// Drain waits until every message handed over is settled or ctx ends.
+func (w *window) Drain(ctx context.Context) error {
+	t := time.NewTicker(5 * time.Millisecond)
+	defer t.Stop()
+	for {
+		w.mu.Lock()
+		n, closed := w.count, w.closed
+		w.mu.Unlock()
+		if n == 0 {
+			return nil
+		}
+		if closed != nil {
+			return closed
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("drain with %d messages unacknowledged: %w", n, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
