@@ -74,10 +74,13 @@ type Batch struct {
 	sent   int // queue[head:head+sent] were sent in the current batch
 	state  batchState
 	id     string // current batch id
-	ids    uint64
-	seq    uint64 // last batch sequence sent in the current batch
-	acked  uint64 // every message of the current batch up to it is stored
-	eob    uint64 // batch sequence of the commit, 0 before it is sent
+	// subject is the current batch's first subject: its commit goes to
+	// the same stream.
+	subject string
+	ids     uint64
+	seq     uint64 // last batch sequence sent in the current batch
+	acked   uint64 // every message of the current batch up to it is stored
+	eob     uint64 // batch sequence of the commit, 0 before it is sent
 	// failed is the first failure reported in the current batch.
 	failed   error
 	lastAck  time.Time // last ack of the current batch, or its start
@@ -235,6 +238,7 @@ func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
 		b.state = batchOpen
 		b.lastAck = time.Now()
 		op = opStart
+		b.subject = b.queue[b.head+b.sent].m.Subject
 		if b.head+b.sent+1 == len(b.queue) {
 			// One message and no backlog: a batch of one, committed by
 			// the message itself, costs the server one answer instead of
@@ -275,6 +279,9 @@ func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
 	b.mu.Lock()
 	pd.bseq = 0
 	b.sent--
+	if b.eob == b.seq {
+		b.eob = 0 // the batch of one's commit did not leave either
+	}
 	b.seq--
 	b.failBatch(fmt.Errorf("publish to %s: %w", m.Subject, err))
 	b.mu.Unlock()
@@ -333,7 +340,7 @@ func (b *Batch) commit() {
 	b.eob = b.seq + 1
 	id := b.id
 	reply := string(b.reply(nil, b.eob, opCommitEOB))
-	subject := b.queue[b.head+b.sent-1].m.Subject
+	subject := b.subject
 	b.mu.Unlock()
 	err := b.nc.PublishMsg(&nats.Msg{Subject: subject, Reply: reply})
 	b.sendMu.Unlock()
@@ -427,6 +434,13 @@ func (b *Batch) onReply(msg *nats.Msg) {
 		// The batch's final PubAck: Count messages are stored.
 		b.ack(r.Count)
 		b.finish(r.Count)
+	case r.Stream != "":
+		// A plain PubAck: the server took the message as a lone publish,
+		// so it does not know fast-ingest batches, and pipelined lone
+		// publishes could be reordered by a failure.
+		b.mu.Unlock()
+		b.close(fmt.Errorf("%w: the server answered a batch message with a plain ack (fast-ingest batches need nats-server 2.14 or later)", ErrBatchDisabled))
+		return
 	default:
 		b.failBatch(fmt.Errorf("%w: unexpected batch answer %q", ErrTransient, msg.Data))
 	}

@@ -320,3 +320,31 @@ func TestBatchDisabled(t *testing.T) {
 		t.Fatalf("dead-lettered %v", got)
 	}
 }
+
+// TestBatchPlainAckServer answers batch messages the way a server without
+// fast-ingest batches does, with a plain PubAck: the publisher stops with
+// ErrBatchDisabled instead of pipelining lone publishes that a failure
+// could reorder.
+func TestBatchPlainAckServer(t *testing.T) {
+	nc := connectNATS(t)
+	if _, err := nc.Subscribe("plain.>", func(m *nats.Msg) { _ = m.Respond([]byte(`{"stream":"S","seq":1}`)) }); err != nil {
+		t.Fatal(err)
+	}
+	keyed, err := publisher.New(nc, publisher.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := publisher.NewBatch(nc, keyed, publisher.Config{}, publisher.BatchConfig{Stream: "S"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close(); _ = keyed.Close() })
+	if ok, err := b.TryPublish(&publisher.Message{Subject: "plain.a", Data: []byte("x")}); !ok || err != nil {
+		t.Fatalf("publish: %v %v", ok, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := b.Drain(ctx); !errors.Is(err, publisher.ErrBatchDisabled) {
+		t.Fatalf("drain: %v, want ErrBatchDisabled", err)
+	}
+}

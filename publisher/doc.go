@@ -10,13 +10,22 @@
 // fail on its own (no responders during a stream-leader election, a timeout
 // after which it may or may not be stored) while later ones succeed, and
 // resending it would store version 7 after version 8; Nats-Msg-Id
-// de-duplication does not repair that. The publisher therefore keeps at most
-// one unacknowledged message per ordering key (the aggregate): the next
-// message of an aggregate leaves only after the previous one is acked, so a
-// retry can never overtake or be overtaken. Different aggregates pipeline
-// freely. A single hot aggregate is limited to one round trip per event
-// (about 4,000 events/s on loopback); that is the price of correctness that
-// does not depend on server features.
+// de-duplication does not repair that. Two publishers keep order:
+//
+// [Publisher] keeps at most one unacknowledged message per ordering key (the
+// aggregate): the next message of an aggregate leaves only after the
+// previous one is acked, so a retry can never overtake or be overtaken.
+// Different aggregates pipeline freely. A single hot aggregate is limited to
+// one round trip per event (about 4,000 events/s on loopback); that is the
+// price of correctness that does not depend on server features.
+//
+// [Batch] publishes one stream's messages as fast-ingest batches (nats-server
+// 2.14, stream allow_batched) in "gap: fail" mode, where the server stores
+// nothing after a message that failed and an ack of batch sequence N
+// confirms every message up to N in order. All messages keep their order,
+// hot aggregates are not limited, and the server answers once per few
+// hundred messages. Failures go to a Publisher, one message at a time, so
+// both share one retry and dead-letter policy.
 //
 // A retried message keeps its Nats-Msg-Id (the event id), so when the first
 // attempt was stored after all, the stream reports a duplicate instead of
