@@ -55,7 +55,7 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 		return rep, err
 	}
 	// Streams first: with no stream the publishes would only be retried.
-	if _, err := ensureStreams(ctx, js, cfg, log); err != nil {
+	if _, _, err := ensureStreams(ctx, js, cfg, log); err != nil {
 		return rep, err
 	}
 	snap, err := replication.CreateSlotWithSnapshot(ctx, cfg.Replication)

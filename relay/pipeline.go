@@ -100,12 +100,13 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 		r.obs.Unroutable(reasonClass(err))
 		r.log.Warn("dead-lettering unroutable row", zap.String("table", ins.Relation.QualifiedName()), zap.Stringer("lsn", ins.LSN), zap.Error(err))
 		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.done}
-	} else {
-		rm := o.rm
-		o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
+		o.tx.Add()
+		return p.publish(ctx, r.pub, &o.msg)
 	}
+	rm := o.rm
+	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
 	o.tx.Add()
-	return p.publish(ctx, &o.msg)
+	return p.publish(ctx, r.eventPublisher(), &o.msg)
 }
 
 // outbound is one row on its way through the publisher. It is recycled once
@@ -152,11 +153,11 @@ func (o *outbound) deadLetterRecord(reason error) *publisher.Message {
 	return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
 }
 
-// publish hands m to the publisher, waiting for capacity without going
-// silent towards PostgreSQL.
-func (p *pipeline) publish(ctx context.Context, m *publisher.Message) error {
+// publish hands m to pub, waiting for capacity without going silent
+// towards PostgreSQL.
+func (p *pipeline) publish(ctx context.Context, pub eventPublisher, m *publisher.Message) error {
 	for {
-		ok, err := p.r.pub.TryPublish(m)
+		ok, err := pub.TryPublish(m)
 		if err != nil {
 			return err
 		}
@@ -169,7 +170,7 @@ func (p *pipeline) publish(ctx context.Context, m *publisher.Message) error {
 			p.wait.Reset(waitSlice)
 		}
 		select {
-		case <-p.r.pub.Space():
+		case <-pub.Space():
 		case <-p.wait.C:
 			// Only time to tell the server we are alive.
 		case <-ctx.Done():

@@ -28,6 +28,10 @@ type Config struct {
 	Stream           publisher.StreamSpec
 	DeadLetterStream publisher.StreamSpec
 	CreateStreams    bool
+	// BatchPublish is "auto" (the default: fast-ingest batches when the
+	// event stream allows them), "on" (require them) or "off" (publish per
+	// aggregate).
+	BatchPublish string
 	// MessagePrefixes are the pg_logical_emit_message prefixes relayed as
 	// table-less events. Router.Tables must map each one as the table
 	// MessageSchema.<prefix>.
@@ -42,13 +46,22 @@ type Config struct {
 
 // Relay streams an outbox to JetStream.
 type Relay struct {
-	cfg     Config
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	log     *zap.Logger
-	obs     Observer
-	router  *router.Router
-	pub     *publisher.Publisher
+	cfg    Config
+	nc     *nats.Conn
+	js     jetstream.JetStream
+	log    *zap.Logger
+	obs    Observer
+	router *router.Router
+	// pub publishes per aggregate: events when they are not batched,
+	// dead-letter records, and the message a failed batch isolates.
+	pub *publisher.Publisher
+	// batch publishes events as fast-ingest batches; nil with
+	// BatchPublish "off".
+	batch *publisher.Batch
+	// events is where routed events go: batch or pub, chosen when the
+	// event stream's settings are known and changed back to pub when the
+	// stream stops allowing batches.
+	events  atomic.Pointer[eventPublisher]
 	tracker atomic.Pointer[publisher.Tracker]
 	ready   func(bool)
 	durable atomic.Int32 // 1 when the event stream's acks are durable, 0 when not, -1 unknown
@@ -101,8 +114,44 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 		return nil, err
 	}
 	r.pub = pub
+	var events eventPublisher = pub
+	r.events.Store(&events)
+	if cfg.BatchPublish != "off" {
+		b, err := publisher.NewBatch(nc, pub, cfg.Publisher, publisher.BatchConfig{Stream: cfg.Stream.Name},
+			publisher.WithLogger(r.log.Named("batch")), publisher.WithObserver(r.obs))
+		if err != nil {
+			return nil, err
+		}
+		r.batch = b
+	}
 	r.tracker.Store(publisher.NewTracker(0))
 	return r, nil
+}
+
+// eventPublisher takes routed events: a per-aggregate Publisher or a Batch.
+type eventPublisher interface {
+	TryPublish(m *publisher.Message) (bool, error)
+	Space() <-chan struct{}
+	Drain(ctx context.Context) error
+	InFlight() int
+}
+
+func (r *Relay) eventPublisher() eventPublisher { return *r.events.Load() }
+
+// InFlight returns the number of messages handed to the publishers and not
+// yet acknowledged.
+func (r *Relay) InFlight() int {
+	n := r.pub.InFlight()
+	if r.Batched() {
+		n += r.batch.InFlight()
+	}
+	return n
+}
+
+// Batched reports whether events are published in fast-ingest batches.
+func (r *Relay) Batched() bool {
+	_, ok := r.eventPublisher().(*publisher.Batch)
+	return ok
 }
 
 // streamLookup tells a subject bound to no stream (a permanent rejection:
@@ -132,9 +181,6 @@ func (r *Relay) StreamDurable() int { return int(r.durable.Load()) }
 // Tracker returns the ack tracker, for metrics.
 func (r *Relay) Tracker() *publisher.Tracker { return r.tracker.Load() }
 
-// Publisher returns the publisher, for metrics.
-func (r *Relay) Publisher() *publisher.Publisher { return r.pub }
-
 // Run streams until ctx ends, then waits (up to ShutdownTimeout) for
 // in-flight acks, confirms the final watermark and returns nil. It returns
 // an error only for conditions that need an operator.
@@ -145,17 +191,35 @@ func (r *Relay) Run(ctx context.Context) error {
 	pubCtx, stopPub := context.WithCancel(context.Background())
 	g, _ := errgroup.WithContext(pubCtx)
 	g.Go(func() error { return r.pub.Run(pubCtx) })
+	if r.batch != nil {
+		g.Go(func() error { return r.batch.Run(pubCtx) })
+	}
 	err := r.stream(ctx)
 	stopPub()
 	_ = g.Wait()
+	if r.batch != nil {
+		_ = r.batch.Close()
+	}
 	_ = r.pub.Close()
 	return err
 }
 
 func (r *Relay) checkStreams(ctx context.Context) error {
-	durable, err := ensureStreams(ctx, r.js, r.cfg, r.log)
+	durable, batched, err := ensureStreams(ctx, r.js, r.cfg, r.log)
 	if err != nil {
 		return err
+	}
+	switch {
+	case r.batch == nil:
+	case batched:
+		var events eventPublisher = r.batch
+		r.events.Store(&events)
+		r.log.Info("publishing events in fast-ingest batches", zap.String("stream", r.cfg.Stream.Name))
+	case r.cfg.BatchPublish == "on":
+		return fmt.Errorf("stream %s does not allow batched publishing and nats.batch_publish is on: set allow_batched on the stream (nats-server 2.14 or later) or set nats.batch_publish to auto", r.cfg.Stream.Name)
+	default:
+		r.log.Info("publishing events per aggregate: the event stream does not allow batched publishing (set allow_batched on it, nats-server 2.14 or later, for fast-ingest batches)",
+			zap.String("stream", r.cfg.Stream.Name))
 	}
 	if durable {
 		r.durable.Store(1)
@@ -167,15 +231,16 @@ func (r *Relay) checkStreams(ctx context.Context) error {
 
 // ensureStreams checks (and with CreateStreams creates) the event and
 // dead-letter streams, logs their warnings and reports whether the event
-// stream's acks are durable.
-func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) (durable bool, err error) {
+// stream's acks are durable and whether it allows batched publishing.
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) (durable, batched bool, err error) {
 	for i, spec := range []publisher.StreamSpec{cfg.Stream, cfg.DeadLetterStream} {
 		rep, err := publisher.EnsureStream(ctx, js, spec, cfg.CreateStreams)
 		if err != nil {
-			return false, err
+			return false, false, err
 		}
 		if i == 0 {
 			durable = rep.Durable
+			batched = rep.Info.Config.AllowBatchPublish
 		}
 		if rep.Created {
 			log.Info("created stream", zap.String("stream", spec.Name), zap.Strings("subjects", spec.Subjects))
@@ -184,7 +249,7 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log 
 			log.Warn(w, zap.String("stream", spec.Name))
 		}
 	}
-	return durable, nil
+	return durable, batched, nil
 }
 
 // stream (re)starts the replication stream until ctx ends or a permanent
@@ -197,6 +262,14 @@ func (r *Relay) stream(ctx context.Context) error {
 		r.ready(false)
 		if ctx.Err() != nil {
 			return nil
+		}
+		if errors.Is(err, publisher.ErrBatchDisabled) {
+			// The stream stopped allowing batches: what the batch did not
+			// confirm is re-sent per aggregate by the next session.
+			var events eventPublisher = r.pub
+			r.events.Store(&events)
+			r.log.Warn("event stream no longer allows batched publishing: publishing per aggregate from now on", zap.Error(err))
+			continue
 		}
 		if replication.IsPermanent(err) || errors.Is(err, publisher.ErrClosed) {
 			return err
@@ -271,7 +344,11 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	if ctx.Err() != nil {
 		// Graceful stop: wait for the acks, then confirm them.
 		dctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
-		if derr := r.pub.Drain(dctx); derr != nil {
+		derr := r.eventPublisher().Drain(dctx)
+		if derr == nil {
+			derr = r.pub.Drain(dctx)
+		}
+		if derr != nil {
 			r.log.Warn("shutdown with unacknowledged messages; they are re-sent after restart", zap.Error(derr))
 		}
 		cancel()

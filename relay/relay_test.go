@@ -418,3 +418,92 @@ func TestBackfillThenStream(t *testing.T) {
 		t.Fatalf("second backfill: %+v, %v", rep2, err)
 	}
 }
+
+// Events go in fast-ingest batches when the event stream allows them and
+// per aggregate when it does not; "on" refuses a stream without them; and a
+// stream that stops allowing them mid-stream makes the relay switch to per
+// aggregate without losing or reordering anything.
+func TestRelayPublishModes(t *testing.T) {
+	t.Parallel()
+	load := relaytest.Load{Events: 2000, Aggregates: 20, Writers: 2, BigTx: 20}
+	run := func(t *testing.T, allow bool, mode string) (*fixture, *relay.Relay) {
+		t.Helper()
+		ctx := context.Background()
+		f := newFixture(t, "")
+		f.Cfg.Stream.AllowBatch = allow
+		f.Cfg.BatchPublish = mode
+		f.Setup(ctx)
+		rl, _ := f.Start(ctx)
+		return f, rl
+	}
+	check := func(t *testing.T, f *fixture, evs []relaytest.Event) {
+		t.Helper()
+		ctx := context.Background()
+		relaytest.StoredPayloads(ctx, t, f.DB.Pool, "outbox", evs)
+		f.WaitCount(ctx, f.Stream, uint64(len(evs)), 60*time.Second)
+		if rep := relaytest.Check(evs, relaytest.ReadStream(ctx, t, f.JS, f.Stream)); !rep.OK() {
+			t.Fatalf("stream check: %s", rep)
+		}
+	}
+	for _, c := range []struct {
+		name    string
+		allow   bool
+		mode    string
+		batched bool
+	}{
+		{"allowed", true, "", true},
+		{"not allowed", false, "auto", false},
+		{"off", true, "off", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			f, rl := run(t, c.allow, c.mode)
+			evs := relaytest.Write(context.Background(), t, f.DB.Pool, load)
+			check(t, f, evs)
+			if rl.Batched() != c.batched {
+				t.Fatalf("batched %v, want %v", rl.Batched(), c.batched)
+			}
+		})
+	}
+	t.Run("on without batches", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		f := newFixture(t, "")
+		f.Cfg.Stream.AllowBatch = false
+		f.Cfg.BatchPublish = "on"
+		f.Setup(ctx)
+		rl, err := relay.New(f.Cfg, f.NC)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		if err := rl.Run(rctx); err == nil || !strings.Contains(err.Error(), "allow_batched") {
+			t.Fatalf("run: %v, want an error naming allow_batched", err)
+		}
+	})
+	t.Run("disallowed mid-stream", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		f, rl := run(t, true, "")
+		first := relaytest.Write(ctx, t, f.DB.Pool, load)
+		f.WaitCount(ctx, f.Stream, uint64(len(first)), 60*time.Second)
+		if !rl.Batched() {
+			t.Fatal("not batched at first")
+		}
+		s, err := f.JS.Stream(ctx, f.Stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := s.CachedInfo().Config
+		cfg.AllowBatchPublish = false
+		if _, err := f.JS.UpdateStream(ctx, cfg); err != nil {
+			t.Skipf("the server does not let a stream stop allowing batches: %v", err)
+		}
+		second := relaytest.Write(ctx, t, f.DB.Pool, load)
+		check(t, f, append(first, second...))
+		if rl.Batched() {
+			t.Fatal("still batched after the stream stopped allowing it")
+		}
+	})
+}

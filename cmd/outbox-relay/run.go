@@ -66,7 +66,7 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var rl *relay.Relay
 	obs := metrics.NewRelay(reg, metrics.Gauges{
-		InFlight:     func() float64 { return float64(rl.Publisher().InFlight()) },
+		InFlight:     func() float64 { return float64(rl.InFlight()) },
 		ConfirmedLSN: func() float64 { return float64(rl.Tracker().Confirmed()) },
 		OldestAge: func() float64 {
 			if t := rl.Tracker().Oldest(); !t.IsZero() {

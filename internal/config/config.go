@@ -115,13 +115,17 @@ type NATS struct {
 	AckTimeout       time.Duration `yaml:"ack_timeout"`
 	MaxInFlight      int           `yaml:"max_in_flight"`
 	MaxInFlightBytes int           `yaml:"max_in_flight_bytes"`
-	User             string        `yaml:"user"`
-	Password         string        `yaml:"password"`
-	CredentialsFile  string        `yaml:"credentials_file"`
-	NKeySeedFile     string        `yaml:"nkey_seed_file"`
-	CAFile           string        `yaml:"ca_file"`
-	CertFile         string        `yaml:"cert_file"`
-	KeyFile          string        `yaml:"key_file"`
+	// BatchPublish chooses how events are published: "auto" (fast-ingest
+	// batches when the event stream allows them, per aggregate otherwise),
+	// "on" (batches, refusing to start without them) or "off".
+	BatchPublish    string `yaml:"batch_publish"`
+	User            string `yaml:"user"`
+	Password        string `yaml:"password"`
+	CredentialsFile string `yaml:"credentials_file"`
+	NKeySeedFile    string `yaml:"nkey_seed_file"`
+	CAFile          string `yaml:"ca_file"`
+	CertFile        string `yaml:"cert_file"`
+	KeyFile         string `yaml:"key_file"`
 	// RequireDurableStream refuses to run unless the event stream is
 	// file-backed with at least 3 replicas.
 	RequireDurableStream bool `yaml:"require_durable_stream"`
@@ -170,6 +174,7 @@ func Default() Config {
 			AckTimeout:        5 * time.Second,
 			MaxInFlight:       4096,
 			MaxInFlightBytes:  64 << 20,
+			BatchPublish:      "auto",
 			MaxExpectedOutage: 2 * time.Minute,
 		},
 		HTTP:            HTTP{Listen: "127.0.0.1:9187", LingerOnError: 15 * time.Second},
@@ -258,6 +263,11 @@ func (c *Config) Validate() error {
 	}
 	if c.NATS.MaxInFlightBytes < 1<<10 {
 		bad("nats.max_in_flight_bytes", "%d is too small: use at least 1024 (default 67108864)", c.NATS.MaxInFlightBytes)
+	}
+	switch c.NATS.BatchPublish {
+	case "auto", "on", "off":
+	default:
+		bad("nats.batch_publish", "%q is not a mode: use auto (default), on or off", c.NATS.BatchPublish)
 	}
 	if c.NATS.CredentialsFile != "" && (c.NATS.User != "" || c.NATS.NKeySeedFile != "") {
 		bad("nats.credentials_file", "set only one of credentials_file, user/password and nkey_seed_file")

@@ -48,6 +48,7 @@ func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
 		// The dedup window must cover the longest outage: warn below it.
 		MinDuplicates:  c.NATS.MaxExpectedOutage,
 		RequireDurable: c.NATS.RequireDurableStream,
+		AllowBatch:     c.NATS.BatchPublish != "off",
 	}
 	deadLetters = publisher.StreamSpec{
 		Name:       c.NATS.DeadLetterStream,
@@ -72,6 +73,7 @@ func (c *Config) Relay() relay.Config {
 		Stream:           events,
 		DeadLetterStream: dlq,
 		CreateStreams:    c.NATS.CreateStreams,
+		BatchPublish:     c.NATS.BatchPublish,
 		ShutdownTimeout:  c.ShutdownTimeout,
 		MessagePrefixes:  c.messagePrefixes(),
 	}

@@ -78,7 +78,7 @@ func New(t *testing.T, natsURL string, duplicates time.Duration) *Fixture {
 			DeadLetterSubject: prefix + "_dlq",
 		},
 		Publisher:        publisher.Config{AckTimeout: 2 * time.Second},
-		Stream:           publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: duplicates},
+		Stream:           publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: duplicates, AllowBatch: true},
 		DeadLetterStream: publisher.StreamSpec{Name: name + "_DLQ", Subjects: []string{prefix + "_dlq.>"}, Duplicates: 2 * time.Minute},
 		CreateStreams:    true,
 		ReconnectMin:     100 * time.Millisecond,
