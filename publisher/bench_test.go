@@ -46,8 +46,9 @@ func benchHeader(i int) nats.Header {
 }
 
 // BenchmarkPublish measures the publish path end to end against JetStream
-// with file storage: TryPublish, the ack, Done. Messages spread over 1,000
-// keys like outbox-bench's backlog. With the embedded server, time and
+// with file storage: TryPublish, the ack, Done, per key (Publisher) and in
+// fast-ingest batches (Batch). Messages spread over 1,000 keys like
+// outbox-bench's backlog. With the embedded server, time and
 // allocations include the server's; for the client's alone run a server as
 // a process of its own:
 //
@@ -55,6 +56,18 @@ func benchHeader(i int) nats.Header {
 //	/tmp/nats-server -js -sd /tmp/js -p 4333 &
 //	OUTBOX_TEST_NATS_URL=nats://127.0.0.1:4333 go test -run XXX -bench Publish ./publisher/
 func BenchmarkPublish(b *testing.B) {
+	b.Run("per_key", func(b *testing.B) { benchmarkPublish(b, false) })
+	b.Run("batch", func(b *testing.B) { benchmarkPublish(b, true) })
+}
+
+// tryPublisher is what Publisher and Batch offer a producer.
+type tryPublisher interface {
+	TryPublish(m *publisher.Message) (bool, error)
+	Space() <-chan struct{}
+	Drain(ctx context.Context) error
+}
+
+func benchmarkPublish(b *testing.B, batch bool) {
 	if testing.Short() {
 		b.Skip("needs a NATS server")
 	}
@@ -79,7 +92,7 @@ func BenchmarkPublish(b *testing.B) {
 	name := strings.ToUpper(testenv.UniqueName("BENCH"))
 	prefix := strings.ToLower(name)
 	ctx := context.Background()
-	if _, err := publisher.EnsureStream(ctx, js, publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}, true); err != nil {
+	if _, err := publisher.EnsureStream(ctx, js, publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute, AllowBatch: true}, true); err != nil {
 		b.Fatal(err)
 	}
 	defer func() { _ = js.DeleteStream(ctx, name) }()
@@ -88,9 +101,19 @@ func BenchmarkPublish(b *testing.B) {
 		b.Fatal(err)
 	}
 	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
+	done := make(chan error, 2)
 	go func() { done <- p.Run(rctx) }()
 	defer func() { cancel(); <-done; _ = p.Close() }()
+	var pub tryPublisher = p
+	if batch {
+		bp, err := publisher.NewBatch(nc, p, publisher.Config{}, publisher.BatchConfig{Stream: name})
+		if err != nil {
+			b.Fatal(err)
+		}
+		go func() { done <- bp.Run(rctx) }()
+		defer func() { cancel(); <-done; _ = bp.Close() }()
+		pub = bp
+	}
 
 	const n = 1 << 14 // distinct messages, reused with fresh ids
 	data := []byte(`{"seq": 1, "note": "` + strings.Repeat("x", 176) + `", "customer": "customer-1", "amount_cents": 7919}`)
@@ -129,13 +152,20 @@ func BenchmarkPublish(b *testing.B) {
 		m.Subject, m.Key = subjects[i%1000], keys[i%1000]
 		// A fresh id, so the stream stores every message.
 		m.Header[contract.MsgID][0] = ids[i%len(ids)]
-		if err := p.Publish(ctx, m); err != nil {
-			b.Fatal(err)
+		for {
+			ok, err := pub.TryPublish(m)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if ok {
+				break
+			}
+			<-pub.Space()
 		}
 	}
 	dctx, dcancel := context.WithTimeout(ctx, time.Minute)
 	defer dcancel()
-	if err := p.Drain(dctx); err != nil {
+	if err := pub.Drain(dctx); err != nil {
 		b.Fatal(err)
 	}
 	b.StopTimer()
