@@ -81,6 +81,9 @@ type Batch struct {
 	seq     uint64 // last batch sequence sent in the current batch
 	acked   uint64 // every message of the current batch up to it is stored
 	eob     uint64 // batch sequence of the commit, 0 before it is sent
+	// commitAt is the batch sequence whose message commits the batch, 0
+	// for a batch committed after a lull.
+	commitAt uint64
 	// failed is the first failure reported in the current batch.
 	failed   error
 	lastAck  time.Time // last ack of the current batch, or its start
@@ -125,6 +128,10 @@ type BatchConfig struct {
 	// may choose fewer). Default min(500, MaxInFlight/4), at least 1.
 	AckEvery int
 }
+
+// shortBatch is the longest queue sent as a batch committed by its last
+// message.
+const shortBatch = 32
 
 // Fast-ingest batch operations, the next-to-last token of a reply subject.
 const (
@@ -230,38 +237,48 @@ func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
 		b.mu.Unlock()
 		return false, false
 	}
-	op := opAppend
 	if b.state == batchIdle {
 		b.ids++
 		b.id = strconv.FormatUint(b.ids, 36)
 		b.seq, b.acked, b.eob, b.failed = 0, 0, 0, nil
 		b.state = batchOpen
 		b.lastAck = time.Now()
-		op = opStart
 		b.subject = b.queue[b.head+b.sent].m.Subject
-		if b.head+b.sent+1 == len(b.queue) {
-			// One message and no backlog: a batch of one, committed by
-			// the message itself, costs the server one answer instead of
-			// three (flow, commit) and the message no idle wait. Messages
-			// arriving meanwhile queue up and form the next batch.
-			op = opCommit
-			b.state = batchEnding
-			b.eob = 1
-			b.endBy = b.lastAck.Add(b.cfg.AckTimeout)
+		// A short queue (what arrived while the previous batch was
+		// answered, at moderate load) goes as a batch committed by its
+		// last message: no idle wait, no separate commit, and for a
+		// single message one answer instead of three. A longer one opens
+		// a batch that stays open while messages keep coming.
+		b.commitAt = 0
+		if k := len(b.queue) - b.head - b.sent; k <= shortBatch {
+			b.commitAt = uint64(k)
 		}
 	}
 	pd := b.queue[b.head+b.sent]
 	b.sent++
 	b.seq++
 	pd.bseq = b.seq
+	op := opAppend
+	switch {
+	case b.seq == b.commitAt:
+		op = opCommit
+		b.state = batchEnding
+		b.eob = b.seq
+		b.endBy = time.Now().Add(b.cfg.AckTimeout)
+	case b.seq == 1:
+		op = opStart
+	}
 	*reply = b.reply((*reply)[:0], b.seq, op)
 	m := pd.m
+	// Only a batch left open needs the flusher: one committed by its last
+	// message is answered anyway.
+	open := b.commitAt == 0
 	b.mu.Unlock()
 
 	msg := nats.Msg{Subject: m.Subject, Reply: string(*reply), Header: m.Header, Data: m.Data}
 	err := b.nc.PublishMsg(&msg)
 	b.lastSend.Add(1)
-	if b.flushIdle.CompareAndSwap(true, false) {
+	if open && b.flushIdle.CompareAndSwap(true, false) {
 		select {
 		case b.kick <- struct{}{}:
 		default:

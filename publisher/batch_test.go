@@ -208,12 +208,13 @@ func TestBatchOrder(t *testing.T) {
 // TestBatchIdleCommit publishes bursts with pauses between them: every
 // burst settles, which needs its batch committed after the lull (the server
 // acknowledges a batch's tail only on commit). The first message of a burst
-// leaves alone, as a batch of one; the rest queue behind it and form a batch.
+// leaves alone, as a batch of one; the rest queue behind it, more than a
+// short batch, and form a batch left open.
 func TestBatchIdleCommit(t *testing.T) {
 	f := newBatchFixture(t, batchStream("B"), publisher.Config{})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	const bursts, size = 5, 20
+	const bursts, size = 5, 200
 	for i := range bursts * size {
 		f.publish(ctx, i, "k", []byte("x"))
 		if i%size == size-1 {
