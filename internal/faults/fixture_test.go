@@ -20,6 +20,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.yaml.in/yaml/v3"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/replication"
@@ -439,6 +440,24 @@ func (s *scenario) streamState(ctx context.Context, stream string) (msgs, last u
 		return 0, 0
 	}
 	return info.State.Msgs, info.State.LastSeq
+}
+
+// lastCommitLSN returns the Outbox-Commit-LSN of the event stream's newest
+// message (0 when there is none or it cannot be read).
+func (s *scenario) lastCommitLSN(ctx context.Context) replication.LSN {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	_, last := s.streamState(ctx, s.stream)
+	st, err := s.js.Stream(ctx, s.stream)
+	if err != nil || last == 0 {
+		return 0
+	}
+	m, err := st.GetMsg(ctx, last)
+	if err != nil {
+		return 0
+	}
+	lsn, _ := replication.ParseLSN(m.Header.Get(contract.CommitLSN))
+	return lsn
 }
 
 // waitProgress waits until the stream's last sequence passes from and

@@ -102,19 +102,32 @@ func TestKillAfterPublishBeforeAck(t *testing.T) {
 	for i := 0; i < rounds; i++ {
 		before, _ := s.streamState(ctx, s.stream)
 		proxy.Stall(testenv.Downstream) // publishes reach the broker, acks do not come back
-		// What was on the wire when the acks stopped is stored: the
-		// batch in flight (and, after the ack timeout, the message a
-		// failed batch isolates), or with per-aggregate publishing one
-		// message per busy aggregate.
-		if !testenv.WaitFor(10*time.Second, func() bool { n, _ := s.streamState(ctx, s.stream); return n > before }) {
-			t.Fatal("no messages stored while acks were held back")
+		// What was on the wire when the acks stopped is stored and never
+		// confirmed: the batch in flight (stored perhaps before `before`
+		// was read; after the ack timeout its first message is re-sent
+		// alone, a duplicate), or with per-aggregate publishing one
+		// message per busy aggregate. The newest stored message then
+		// stays past the slot's confirmed position.
+		if !testenv.WaitFor(10*time.Second, func() bool {
+			st, err := s.slot(ctx)
+			return err == nil && s.lastCommitLSN(ctx) >= st.ConfirmedFlushLSN
+		}) {
+			t.Fatal("no stored message stayed unconfirmed while acks were held back")
 		}
 		time.Sleep(500 * time.Millisecond)
 		stored, _ := s.streamState(ctx, s.stream)
 		r.kill()
 		proxy.Heal()
 		proxy.Cut()
-		t.Logf("round %d: %d messages stored whose acks the killed relay never saw", i+1, stored-before)
+		unconfirmed := 0
+		if st, err := s.slot(ctx); err == nil {
+			for _, m := range readStream(ctx, t, s.js, s.stream) {
+				if m.CommitLSN >= st.ConfirmedFlushLSN {
+					unconfirmed++
+				}
+			}
+		}
+		t.Logf("round %d: %d messages stored during the stall, %d stored past the slot's confirmed position when the relay died", i+1, stored-before, unconfirmed)
 		_, last := s.streamState(ctx, s.stream)
 		r = s.startRelay()
 		recovery = s.waitProgress(last, 60*time.Second)
