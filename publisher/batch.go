@@ -32,11 +32,13 @@ var ErrBatchDisabled = errors.New("stream does not allow batched publishing")
 // per event, while the server answers once per few hundred messages
 // instead of once per message (less CPU on both sides).
 //
-// The last messages before a lull are acknowledged only when the batch is
-// committed, so a batch is committed as soon as no message was sent for
-// IdleCommit, and the next message starts a new one. A new batch starts
-// only after the previous one's final answer: a batch that failed must not
-// be overtaken by the next.
+// The server acknowledges a batch's last messages only when it is
+// committed. What queued up while the previous batch was answered forms the
+// next batch: a short queue (moderate load) is committed by its last
+// message; a longer one stays open while messages keep coming and is
+// committed as soon as none was sent for IdleCommit. A new batch starts only
+// after the previous one's final answer: a batch that failed must not be
+// overtaken by the next.
 //
 // Failures are not handled here but by the per-key Publisher given to
 // NewBatch: when a batch fails (an error, a gap, no answer within

@@ -61,10 +61,21 @@ func TestNATSRestart(t *testing.T) {
 
 // A three-node cluster with an R3 stream loses the stream's leader in the
 // middle of the load. Publishes in flight fail or time out while a new
-// leader is elected; the relay retries them without reordering (one
-// unacknowledged message per aggregate) and follows the new leader.
+// leader is elected; the relay retries them without reordering and follows
+// the new leader: in fast-ingest batches (a failed batch stores nothing
+// after its failure; the rest is re-sent in order) and per aggregate (one
+// unacknowledged message per aggregate).
 func TestNATSClusterLeaderLoss(t *testing.T) {
 	t.Parallel()
+	for _, mode := range []string{"auto", "off"} {
+		t.Run("batch_publish="+mode, func(t *testing.T) {
+			t.Parallel()
+			natsClusterLeaderLoss(t, mode)
+		})
+	}
+}
+
+func natsClusterLeaderLoss(t *testing.T, batchPublish string) {
 	cl, err := testenv.StartCluster(3)
 	if err != nil {
 		t.Fatal(err)
@@ -72,6 +83,7 @@ func TestNATSClusterLeaderLoss(t *testing.T) {
 	t.Cleanup(cl.Close)
 	s := newScenario(t, testenv.Get(t).PG, cl.URL())
 	s.set("nats.replicas", 3)
+	s.set("nats.batch_publish", batchPublish)
 	// An R3 file stream is what nats.require_durable_stream asks for.
 	durable, _ := s.trySet("nats.require_durable_stream", true)
 	port, err := testenv.FreePort()
@@ -82,6 +94,10 @@ func TestNATSClusterLeaderLoss(t *testing.T) {
 	s.sample()
 	ctx := context.Background()
 	s.startRelay()
+	s.waitSlotActive(30 * time.Second)
+	if got := s.streamInfo(ctx, s.stream).Config.AllowBatchPublish; got != (batchPublish != "off") {
+		t.Fatalf("created stream allow_batched %v with nats.batch_publish %s", got, batchPublish)
+	}
 	ld := startLoad(t, s.db.Pool, loadSpec{Writers: 3, Aggregates: 150, TxRows: []int{1, 1, 10}, Pause: 2 * time.Millisecond})
 	kills := 1
 	if chaos {
@@ -120,5 +136,5 @@ func TestNATSClusterLeaderLoss(t *testing.T) {
 		}
 	}
 	o := s.verify(2 * time.Minute)
-	s.mustHold("nats R3 stream leader killed", o, worst, fmt.Sprintf("%d leader kill(s), 3 nodes", kills))
+	s.mustHold("nats R3 stream leader killed, batch_publish "+batchPublish, o, worst, fmt.Sprintf("%d leader kill(s), 3 nodes", kills))
 }
