@@ -60,6 +60,7 @@ type Batch struct {
 	stream string // the stream's name, for Result.Ack
 
 	prefix string // reply prefix: <inbox>.; a reply is prefix+<id>.<flow>.fail.<seq>.<op>.$FI
+	idBase string // unique start of every batch id
 	sub    *nats.Subscription
 
 	// sendMu serialises sending: batch sequence order must be wire order,
@@ -180,12 +181,18 @@ func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opt
 	}
 	b.isoDone = b.isolatedSettled
 	b.flushIdle.Store(true)
-	// The inbox's unique token also makes the batch ids unique: the server
-	// keys batches by id within a stream, across clients.
 	var err error
 	if b.prefix, b.sub, err = subscribeAcks(nc, ">", b.onReply); err != nil {
 		return nil, err
 	}
+	// Batch ids must be unique across processes and restarts: the server
+	// keys batches by id within a stream, and keeps a batch whose publisher
+	// died for its timeout. A new batch taking such an id would be read as
+	// a backward gap in the old one, and the old one's count answered to
+	// the new one's messages: messages never stored would count as stored.
+	// The inbox's last token is a fresh NUID; a counter follows it.
+	inbox := b.prefix[:len(b.prefix)-1]
+	b.idBase = inbox[strings.LastIndexByte(inbox, '.')+1:]
 	return b, nil
 }
 
@@ -241,7 +248,7 @@ func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
 	}
 	if b.state == batchIdle {
 		b.ids++
-		b.id = strconv.FormatUint(b.ids, 36)
+		b.id = b.idBase + strconv.FormatUint(b.ids, 36)
 		b.seq, b.acked, b.eob, b.failed = 0, 0, 0, nil
 		b.state = batchOpen
 		b.lastAck = time.Now()
@@ -271,7 +278,7 @@ func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
 		op = opStart
 	}
 	*reply = b.reply((*reply)[:0], b.seq, op)
-	m := pd.m
+	m, id, seq := pd.m, b.id, b.seq
 	// Only a batch left open needs the flusher: one committed by its last
 	// message is answered anyway.
 	open := b.commitAt == 0
@@ -294,8 +301,13 @@ func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
 		return false, false
 	}
 	// Not on the wire (and, sendMu held, nothing after it): the batch ends
-	// before it.
+	// before it, unless an answer ended the batch meanwhile (then pd is
+	// unsent already).
 	b.mu.Lock()
+	if b.id != id || pd.bseq != seq {
+		b.mu.Unlock()
+		return false, false
+	}
 	pd.bseq = 0
 	b.sent--
 	if b.eob == b.seq {
@@ -431,6 +443,10 @@ func (b *Batch) onReply(msg *nats.Msg) {
 		b.failBatch(&PublishError{Subject: b.subjectAt(seq), Class: "no_responders", Err: ErrTransient})
 		// Nothing reached a stream: no final answer comes.
 		b.finish(b.acked)
+	case r.Type == "ack" && r.Seq > b.seq:
+		// Never confirm what was not sent: this answer is not about
+		// this batch's messages.
+		b.failBatch(fmt.Errorf("%w: batch ack for %d of %d sent", ErrTransient, r.Seq, b.seq))
 	case r.Type == "ack":
 		b.ack(r.Seq)
 	case r.Type == "gap":
@@ -449,6 +465,9 @@ func (b *Batch) onReply(msg *nats.Msg) {
 			// it is unknown here): no final answer comes.
 			b.finish(b.acked)
 		}
+	case r.Batch != "" && (r.Batch != b.id || r.Count > b.seq):
+		b.failBatch(fmt.Errorf("%w: batch %s committed with %d messages, %d sent in batch %s", ErrTransient, r.Batch, r.Count, b.seq, b.id))
+		b.finish(b.acked)
 	case r.Batch != "":
 		// The batch's final PubAck: Count messages are stored.
 		b.ack(r.Count)
@@ -496,10 +515,9 @@ func (b *Batch) subjectAt(seq uint64) string {
 // ack settles the current batch's messages up to batch sequence n; b.mu is
 // held and is released while Done runs.
 func (b *Batch) ack(n uint64) {
-	if n <= b.acked {
+	if n <= b.acked || n > b.seq {
 		return
 	}
-	n = min(n, b.seq)
 	b.acked = n
 	b.lastAck = time.Now()
 	for b.head < len(b.queue) && b.sent > 0 {

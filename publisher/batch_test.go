@@ -349,3 +349,67 @@ func TestBatchPlainAckServer(t *testing.T) {
 		t.Fatalf("drain: %v, want ErrBatchDisabled", err)
 	}
 }
+
+// TestBatchAfterPublisherDied leaves a batch open on the server, as a
+// relay killed mid-batch does (the server keeps it until its timeout), and
+// publishes with a new Batch: every message the new one settles is stored.
+// Batch ids that repeat across processes would make the server read the new
+// batch as a backward gap in the old one and answer with the old one's
+// count, settling messages that were never stored.
+func TestBatchAfterPublisherDied(t *testing.T) {
+	f := newBatchFixture(t, batchStream("B"), publisher.Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// The dead publisher: its own connection, a batch left open (no idle
+	// commit), then the connection gone.
+	nc, err := nats.Connect(f.nc.ConnectedUrl())
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyed, err := publisher.New(nc, publisher.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead, err := publisher.NewBatch(nc, keyed, publisher.Config{}, publisher.BatchConfig{Stream: "B", IdleCommit: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const stale = 100
+	for i := range stale {
+		id := "dead-" + strconv.Itoa(i)
+		if ok, err := dead.TryPublish(&publisher.Message{Subject: "bt.dead", Header: nats.Header{"Nats-Msg-Id": {id}, "Seq": {strconv.Itoa(1000 + i)}}, Data: []byte("x")}); !ok || err != nil {
+			t.Fatalf("dead publisher: %v %v", ok, err)
+		}
+	}
+	s, err := f.js.Stream(ctx, "B")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		info, err := s.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.State.Msgs == stale {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("stale batch: %d stored", info.State.Msgs)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	nc.Close()
+
+	const n = 300
+	for i := range n {
+		f.publish(ctx, i, "k", []byte("x"))
+	}
+	f.drain(ctx)
+	var mine []int
+	for _, v := range f.stored(ctx, "B") {
+		if v < 1000 {
+			mine = append(mine, v)
+		}
+	}
+	checkInOrder(t, mine, n, nil)
+}
