@@ -47,17 +47,36 @@ func readStream(ctx context.Context, t *testing.T, js jetstream.JetStream, strea
 	if info.State.Msgs == 0 {
 		return nil
 	}
-	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	// A cluster that just lost a node may answer "no responders" or time
+	// out for a while: read again from the next sequence, with a fresh
+	// consumer, until the deadline.
 	var out []storedMsg
+	var cons jetstream.Consumer
 	for uint64(len(out)) < info.State.Msgs {
+		if cons == nil {
+			cfg := jetstream.OrderedConsumerConfig{}
+			if len(out) > 0 {
+				cfg.DeliverPolicy = jetstream.DeliverByStartSequencePolicy
+				cfg.OptStartSeq = out[len(out)-1].Seq + 1
+			}
+			if cons, err = st.OrderedConsumer(ctx, cfg); err != nil {
+				if ctx.Err() != nil {
+					t.Fatalf("consume %s: %v", stream, err)
+				}
+				time.Sleep(200 * time.Millisecond)
+				continue
+			}
+		}
 		// Ask for no more than remain: Fetch waits for the whole batch.
 		remain := int(info.State.Msgs) - len(out)
 		batch, err := cons.Fetch(min(remain, 2000), jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
-			t.Fatalf("fetch from %s: %v", stream, err)
+			if ctx.Err() != nil {
+				t.Fatalf("fetch from %s: %v", stream, err)
+			}
+			cons = nil
+			time.Sleep(200 * time.Millisecond)
+			continue
 		}
 		n := 0
 		for m := range batch.Messages() {
@@ -70,8 +89,12 @@ func readStream(ctx context.Context, t *testing.T, js jetstream.JetStream, strea
 			sm.CommitLSN, _ = replication.ParseLSN(h.Get(contract.CommitLSN))
 			out = append(out, sm)
 		}
-		if batch.Error() != nil {
-			t.Fatalf("fetch from %s: %v", stream, batch.Error())
+		if err := batch.Error(); err != nil {
+			if ctx.Err() != nil {
+				t.Fatalf("fetch from %s: %v", stream, err)
+			}
+			cons = nil
+			continue
 		}
 		if n == 0 {
 			t.Fatalf("stream %s: read %d of %d messages, then nothing", stream, len(out), info.State.Msgs)
