@@ -152,6 +152,28 @@ func (f *batchFixture) stored(ctx context.Context, stream string) []int {
 	return out
 }
 
+// waitStored waits until stream B holds n messages and also holds.
+func (f *batchFixture) waitStored(ctx context.Context, n uint64, also func() bool) {
+	f.t.Helper()
+	s, err := f.js.Stream(ctx, "B")
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	for {
+		info, err := s.Info(ctx)
+		if err != nil {
+			f.t.Fatal(err)
+		}
+		if info.State.Msgs == n && (also == nil || also()) {
+			return
+		}
+		if ctx.Err() != nil {
+			f.t.Fatalf("stream holds %d messages, want %d (in flight %d)", info.State.Msgs, n, f.b.InFlight())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 // checkInOrder fails unless got is exactly 0..n-1 without skip.
 func checkInOrder(t *testing.T, got []int, n int, skip map[int]bool) {
 	t.Helper()
@@ -276,23 +298,7 @@ func TestBatchTransientFailureKeepsOrder(t *testing.T) {
 		f.publish(ctx, i, "k"+strconv.Itoa(i%5), []byte("x"))
 	}
 	// Wait until the stream is full and the rest are held back.
-	s, err := f.js.Stream(ctx, "B")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		info, err := s.Info(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if info.State.Msgs == 250 && f.b.InFlight() == n-250 {
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("stream holds %d, %d in flight", info.State.Msgs, f.b.InFlight())
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	f.waitStored(ctx, 250, func() bool { return f.b.InFlight() == n-250 })
 	cfg.MaxMsgs = -1
 	if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
 		t.Fatal(err)
@@ -381,23 +387,7 @@ func TestBatchAfterPublisherDied(t *testing.T) {
 			t.Fatalf("dead publisher: %v %v", ok, err)
 		}
 	}
-	s, err := f.js.Stream(ctx, "B")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		info, err := s.Info(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if info.State.Msgs == stale {
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("stale batch: %d stored", info.State.Msgs)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	f.waitStored(ctx, stale, nil)
 	nc.Close()
 
 	const n = 300
