@@ -470,7 +470,6 @@ func (b *Batch) onReply(msg *nats.Msg) {
 		b.finish(b.acked)
 	case r.Batch != "":
 		// The batch's final PubAck: Count messages are stored.
-		b.ack(r.Count)
 		b.finish(r.Count)
 	case r.Stream != "":
 		// A plain PubAck: the server took the message as a lone publish,
@@ -513,7 +512,7 @@ func (b *Batch) subjectAt(seq uint64) string {
 }
 
 // ack settles the current batch's messages up to batch sequence n; b.mu is
-// held and is released while Done runs.
+// held, also while Done runs (Done must not block).
 func (b *Batch) ack(n uint64) {
 	if n <= b.acked || n > b.seq {
 		return
@@ -530,7 +529,7 @@ func (b *Batch) ack(n uint64) {
 		b.sent--
 		b.settleLocked(pd, Result{Ack: &b.pubAck, Attempts: 1})
 	}
-	b.compact()
+	b.queue, b.head = compactFront(b.queue, b.head)
 }
 
 // settleLocked frees pd's capacity and calls its Done; b.mu is held.
@@ -543,16 +542,6 @@ func (b *Batch) settleLocked(pd *bpending, res Result) {
 	if len(b.free) < b.cfg.MaxInFlight {
 		*pd = bpending{}
 		b.free = append(b.free, pd)
-	}
-}
-
-func (b *Batch) compact() {
-	if b.head == len(b.queue) {
-		b.queue, b.head = b.queue[:0], 0
-	} else if b.head > 1024 && b.head*2 > len(b.queue) {
-		n := copy(b.queue, b.queue[b.head:])
-		clear(b.queue[n:])
-		b.queue, b.head = b.queue[:n], 0
 	}
 }
 
@@ -649,7 +638,7 @@ func (b *Batch) isolatedSettled(res Result) {
 	pd := b.queue[b.head]
 	b.queue[b.head] = nil
 	b.head++
-	b.compact()
+	b.queue, b.head = compactFront(b.queue, b.head)
 	b.state = batchIdle
 	b.isoSent = false
 	b.iso = Message{}

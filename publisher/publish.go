@@ -540,12 +540,7 @@ func (p *Publisher) tick(ctx context.Context) error {
 		}
 		p.attHead++
 	}
-	if p.attHead == len(p.attempts) {
-		p.attempts, p.attHead = p.attempts[:0], 0
-	} else if p.attHead > 1024 && p.attHead*2 > len(p.attempts) {
-		n := copy(p.attempts, p.attempts[p.attHead:])
-		p.attempts, p.attHead = p.attempts[:n], 0
-	}
+	p.attempts, p.attHead = compactFront(p.attempts, p.attHead)
 	keep := p.retries[:0]
 	for _, pd := range p.retries {
 		switch {

@@ -119,6 +119,22 @@ func (w *window) ticks(ctx context.Context, tick func() error) error {
 	}
 }
 
+// compactFront drops s[:head], a consumed front whose entries the caller
+// has already cleared: an empty slice is reset, and a front of more than
+// 1024 entries and half the slice is copied over, so a queue consumed from
+// the front reuses its array instead of growing.
+func compactFront[T any](s []T, head int) ([]T, int) {
+	if head == len(s) {
+		return s[:0], 0
+	}
+	if head > 1024 && head*2 > len(s) {
+		n := copy(s, s[head:])
+		clear(s[n:])
+		return s[:n], 0
+	}
+	return s, head
+}
+
 // closedErr returns the reason the publisher closed, or nil.
 func (w *window) closedErr() error {
 	w.mu.Lock()
