@@ -447,12 +447,15 @@ func (s *scenario) streamState(ctx context.Context, stream string) (msgs, last u
 func (s *scenario) lastCommitLSN(ctx context.Context) replication.LSN {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	_, last := s.streamState(ctx, s.stream)
 	st, err := s.js.Stream(ctx, s.stream)
-	if err != nil || last == 0 {
+	if err != nil {
 		return 0
 	}
-	m, err := st.GetMsg(ctx, last)
+	info, err := st.Info(ctx)
+	if err != nil || info.State.LastSeq == 0 {
+		return 0
+	}
+	m, err := st.GetMsg(ctx, info.State.LastSeq)
 	if err != nil {
 		return 0
 	}
