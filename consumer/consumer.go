@@ -49,7 +49,7 @@ type Consumer struct {
 	met         *metrics
 	afterCommit func(*Message)
 	wanted      map[string]bool
-	workers     []*worker
+	workers     []*worker // made by Run: per-run state
 	running     atomic.Bool
 }
 
@@ -91,9 +91,6 @@ func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (
 			c.wanted[t] = true
 		}
 	}
-	for i := 0; i < cfg.Workers; i++ {
-		c.workers = append(c.workers, newWorker(c, i))
-	}
 	return c, nil
 }
 
@@ -112,6 +109,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err := CheckSchema(ctx, c.db); err != nil {
 		return err
 	}
+	if err := Migrate(ctx, c.db); err != nil {
+		return err
+	}
 	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, c.consumerConfig())
 	if err != nil {
 		return fmt.Errorf("create durable consumer %s on stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
@@ -119,6 +119,13 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.log.Info("consuming", zap.String("stream", c.cfg.Stream), zap.Strings("filter_subjects", c.cfg.FilterSubjects),
 		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
 		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
+	// Worker state (retry counters, held aggregates) describes deliveries of
+	// this run's durable consumer; a later run may read a recreated stream
+	// whose sequences mean other messages, so every run starts afresh.
+	c.workers = make([]*worker, c.cfg.Workers)
+	for i := range c.workers {
+		c.workers[i] = newWorker(c, i)
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	for _, w := range c.workers {
 		g.Go(func() error { return w.run(gctx) })
@@ -234,7 +241,7 @@ func (c *Consumer) parse(it *item, data []byte) {
 func (c *Consumer) workerIndex(key string) int {
 	h := fnv.New64a()
 	h.Write([]byte(key))
-	return int(h.Sum64() % uint64(len(c.workers)))
+	return int(h.Sum64() % uint64(c.cfg.Workers))
 }
 
 // statsLoop refreshes the open dead-letter gauges.

@@ -42,7 +42,9 @@ func unclassed(err error) error {
 
 // insertDeadLetter writes the record of a message that failed for good. A
 // redelivery of a message whose record is still open (the process died
-// before terminating it) updates that record.
+// before terminating it) updates that record; a record is that message's
+// only if the event id and payload match too, since a recreated stream
+// reuses sequence numbers for other messages.
 func (c *Consumer) insertDeadLetter(ctx context.Context, it *item, class Class, reason error, f *failState) (int64, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
@@ -57,7 +59,7 @@ func (c *Consumer) insertDeadLetter(ctx context.Context, it *item, class Class, 
 			aggregate_version, subject, stream, stream_seq, deliveries, headers, payload, failure_class, reason,
 			attempts, first_failed_at, last_failed_at)
 		VALUES ($1, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)
-		ON CONFLICT (consumer, stream, stream_seq) WHERE status IN ('open', 'replaying') DO UPDATE
+		ON CONFLICT (consumer, stream, stream_seq, event_id, sha256(payload)) WHERE status IN ('open', 'replaying') DO UPDATE
 		SET deliveries = EXCLUDED.deliveries, failure_class = EXCLUDED.failure_class, reason = EXCLUDED.reason,
 			attempts = consumer_dead_letter.attempts + EXCLUDED.attempts, last_failed_at = EXCLUDED.last_failed_at
 		RETURNING id`,

@@ -52,6 +52,9 @@ var (
 	ErrInvalidConfig = errors.New("invalid consumer config")
 	// ErrSchemaMissing means the consumer's tables are not in the database.
 	ErrSchemaMissing = errors.New("consumer schema missing")
+	// ErrSchemaOutdated means the consumer's tables need an upgrade the
+	// library could not apply by itself (see [Migrate]).
+	ErrSchemaOutdated = errors.New("consumer schema outdated")
 	// ErrConflict is the error of a message classified ClassConflict.
 	ErrConflict = errors.New("event conflict")
 	// ErrGap is the error of a message classified ClassGap.

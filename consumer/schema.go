@@ -45,3 +45,62 @@ func CheckSchema(ctx context.Context, db DB) error {
 	}
 	return nil
 }
+
+// migrations upgrade, in place, the tables of an earlier sql/consumer.sql
+// (which contains the same steps). Each step's probe says whether it is still
+// needed, so a current schema runs no DDL and needs no privilege beyond the
+// library's own.
+var migrations = []struct {
+	what, needed string
+	ddl          []string
+}{
+	{
+		what: "dead-letter records keyed by event, not by stream sequence alone",
+		needed: `SELECT to_regclass('consumer_dead_letter_event_key') IS NULL
+			OR to_regclass('consumer_dead_letter_message_key') IS NOT NULL`,
+		ddl: []string{
+			`CREATE UNIQUE INDEX IF NOT EXISTS consumer_dead_letter_event_key
+				ON consumer_dead_letter (consumer, stream, stream_seq, event_id, sha256(payload))
+				WHERE status IN ('open', 'replaying')`,
+			`DROP INDEX IF EXISTS consumer_dead_letter_message_key`,
+		},
+	},
+}
+
+// Migrate applies the upgrade steps an older schema lacks (see
+// sql/consumer.sql, which has the same steps); [Consumer.Run] calls it after
+// [CheckSchema]. A step that needs privileges the connection lacks fails
+// with ErrSchemaOutdated naming the fix.
+func Migrate(ctx context.Context, db DB) error {
+	for _, m := range migrations {
+		var needed bool
+		if err := db.QueryRow(ctx, m.needed).Scan(&needed); err != nil {
+			return fmt.Errorf("check schema upgrade (%s): %w", m.what, err)
+		}
+		if !needed {
+			continue
+		}
+		if err := migrateStep(ctx, db, m.ddl); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
+				return fmt.Errorf("%w: %s: %s; run sql/consumer.sql as the owner of the consumer tables", ErrSchemaOutdated, m.what, pgErr.Message)
+			}
+			return fmt.Errorf("upgrade schema (%s): %w", m.what, err)
+		}
+	}
+	return nil
+}
+
+func migrateStep(ctx context.Context, db DB, ddl []string) error {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	for _, stmt := range ddl {
+		if _, err := tx.Exec(ctx, stmt); err != nil {
+			return err
+		}
+	}
+	return tx.Commit(ctx)
+}

@@ -116,10 +116,17 @@ CREATE TABLE IF NOT EXISTS consumer_dead_letter (
 
 -- A message redelivered after its record was written (a crash between the
 -- insert and the broker's termination) updates the open record instead of
--- adding a second one.
-CREATE UNIQUE INDEX IF NOT EXISTS consumer_dead_letter_message_key
-    ON consumer_dead_letter (consumer, stream, stream_seq)
+-- adding a second one. A record belongs to one message: the stream position
+-- alone is not its identity, because a stream that is deleted and recreated
+-- numbers its messages from 1 again, so the event id and the payload's hash
+-- are part of the key.
+CREATE UNIQUE INDEX IF NOT EXISTS consumer_dead_letter_event_key
+    ON consumer_dead_letter (consumer, stream, stream_seq, event_id, sha256(payload))
     WHERE status IN ('open', 'replaying');
+-- Upgrade: the key of earlier versions (consumer, stream, stream_seq) merged
+-- a new message into the open record of an old one at the same sequence.
+-- consumer.Run applies this step too (consumer.Migrate).
+DROP INDEX IF EXISTS consumer_dead_letter_message_key;
 
 -- Replays run in aggregate order; gap checks look for a dead-lettered
 -- earlier version of the same aggregate.
