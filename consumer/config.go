@@ -80,11 +80,13 @@ type Config struct {
 	// Incompatible with VersionCheck, for the reason given there.
 	EventTypes []string
 
-	// MaxAttempts is how often a message failing with ClassUnknown is
-	// handled before it is dead-lettered. Default DefaultMaxAttempts.
+	// MaxAttempts is how many ClassUnknown failures of a message are
+	// allowed before it is dead-lettered. Each class counts against its own
+	// limit: transient failures (an outage) do not use up these attempts.
+	// Default DefaultMaxAttempts.
 	MaxAttempts int
 	// TransientAttempts, when positive, dead-letters a message after that
-	// many transient failures. 0 retries transient failures without limit:
+	// many transient failures (other classes' failures not counted). 0 retries transient failures without limit:
 	// a database outage must not empty the stream into the dead-letter
 	// queue. Only the failing aggregate waits meanwhile.
 	TransientAttempts int

@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"errors"
 
 	"fmt"
 	"strings"
@@ -93,5 +94,36 @@ func TestDeadLetterNotMergedAcrossStreamRecreation(t *testing.T) {
 		if seq != 1 || payload != e.Payload || !strings.Contains(reason, e.ID) {
 			t.Errorf("dead letter of %s: seq %d payload %q reason %q", e.ID, seq, payload, reason)
 		}
+	}
+}
+
+// Issue 15, case 2: each failure class counts against its own limit. A
+// message that failed transiently five times (an outage) used to be
+// dead-lettered on its first unclassified error.
+func TestAttemptsCountedPerClass(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	r := newRecorder("perclass")
+	r.fail = func(m *Message, call int) error {
+		if call <= 5 {
+			return Transient(errors.New("database failing over"))
+		}
+		return errors.New("odd state")
+	}
+	cfg := f.baseConfig("perclass")
+	cfg.MaxAttempts = 2
+	f.start(cfg, r)
+	e := event{ID: uuidN(1), AggID: "a", Version: 1}
+	f.publish(e)
+	f.waitSettled("perclass", 20*time.Second)
+	if n := r.callCount(e.ID); n != 7 {
+		t.Fatalf("handler called %d times, want 7 (5 transient, then MaxAttempts 2 unknown)", n)
+	}
+	var class, reason string
+	var attempts int
+	testenv.Must(t, f.pool.QueryRow(context.Background(), `SELECT failure_class, reason, attempts FROM consumer_dead_letter
+		WHERE consumer = 'perclass' AND event_id = $1`, e.ID).Scan(&class, &reason, &attempts), "read dead letter")
+	if class != "unknown" || attempts != 7 || !strings.Contains(reason, "gave up after 2 unknown attempts, 7 in all") {
+		t.Fatalf("dead letter class %q attempts %d reason %q", class, attempts, reason)
 	}
 }

@@ -36,9 +36,12 @@ type block struct {
 	held  []*item   // later messages of the aggregate, in arrival order
 }
 
-// failState counts failed attempts of one message.
+// failState counts failed attempts of one message. Each class counts
+// against its own limit: transient failures through an outage must not use
+// up the attempts an unclassified error is allowed afterwards.
 type failState struct {
-	attempts    int
+	attempts    int           // all failed attempts: the backoff step, the record's attempts
+	byClass     map[Class]int // failed attempts per class, against the class's limit
 	first, last time.Time
 }
 
@@ -242,12 +245,12 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 		return w.deadLetter(ctx, it, ClassGap, reason, &failState{attempts: g.deferrals, first: g.since, last: time.Now()})
 	case resConflict:
 		c.met.conflict.Inc()
-		return w.deadLetter(ctx, it, ClassConflict, res.err, w.fail(seq))
+		return w.deadLetter(ctx, it, ClassConflict, res.err, w.fail(seq, ClassConflict))
 	case resStale:
 		return 0, false
 	}
 	// resFailed
-	f := w.fail(seq)
+	f := w.fail(seq, res.class)
 	limit := 0
 	switch res.class {
 	case ClassTransient:
@@ -257,21 +260,22 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 	default: // permanent, and conflict or gap returned by a handler
 		return w.deadLetter(ctx, it, res.class, res.err, f)
 	}
-	if limit > 0 && f.attempts >= limit {
-		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d attempts)", unclassed(res.err), f.attempts), f)
+	if n := f.byClass[res.class]; limit > 0 && n >= limit {
+		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d %s attempts, %d in all)", unclassed(res.err), n, res.class, f.attempts), f)
 	}
 	return w.retry(it, res.class, res.err, f.attempts, log)
 }
 
-// fail records a failed attempt of the message at seq.
-func (w *worker) fail(seq uint64) *failState {
+// fail records a failed attempt of class of the message at seq.
+func (w *worker) fail(seq uint64, class Class) *failState {
 	now := time.Now()
 	f := w.fails[seq]
 	if f == nil {
-		f = &failState{first: now}
+		f = &failState{first: now, byClass: map[Class]int{}}
 		w.fails[seq] = f
 	}
 	f.attempts++
+	f.byClass[class]++
 	f.last = now
 	return f
 }
