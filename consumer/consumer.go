@@ -49,7 +49,9 @@ type Consumer struct {
 	met         *metrics
 	afterCommit func(*Message)
 	wanted      map[string]bool
-	workers     []*worker // made by Run: per-run state
+	workers     []*worker          // made by Run: per-run state
+	cons        jetstream.Consumer // set by Run
+	strm        jetstream.Stream   // set by Run
 	running     atomic.Bool
 }
 
@@ -112,10 +114,15 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err := Migrate(ctx, c.db); err != nil {
 		return err
 	}
+	strm, err := c.js.Stream(ctx, c.cfg.Stream)
+	if err != nil {
+		return fmt.Errorf("look up stream %s: %w", c.cfg.Stream, err)
+	}
 	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, c.consumerConfig())
 	if err != nil {
 		return fmt.Errorf("create durable consumer %s on stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
 	}
+	c.cons, c.strm = cons, strm
 	c.log.Info("consuming", zap.String("stream", c.cfg.Stream), zap.Strings("filter_subjects", c.cfg.FilterSubjects),
 		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
 		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
@@ -242,6 +249,30 @@ func (c *Consumer) workerIndex(key string) int {
 	h := fnv.New64a()
 	h.Write([]byte(key))
 	return int(h.Sum64() % uint64(c.cfg.Workers))
+}
+
+// gone reports which of the stream sequences seqs are known to need no
+// further processing by this consumer: at or below the durable consumer's
+// ack floor, or no longer in the stream. A sequence whose state cannot be
+// learnt (JetStream unreachable) is not gone. The lookups are bounded so
+// that an unreachable server delays the calling worker by little.
+func (c *Consumer) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
+	ctx, cancel := context.WithTimeout(ctx, min(c.cfg.AckWait/3, 5*time.Second))
+	defer cancel()
+	info, err := c.cons.Info(ctx)
+	if err != nil {
+		return nil
+	}
+	gone := make(map[uint64]bool, len(seqs))
+	for _, seq := range seqs {
+		if seq <= info.AckFloor.Stream {
+			gone[seq] = true
+			continue
+		}
+		_, err := c.strm.GetMsg(ctx, seq)
+		gone[seq] = errors.Is(err, jetstream.ErrMsgNotFound)
+	}
+	return gone
 }
 
 // statsLoop refreshes the open dead-letter gauges.

@@ -3,12 +3,13 @@ package consumer
 import (
 	"context"
 	"errors"
-
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap/zaptest"
 
@@ -126,4 +127,90 @@ func TestAttemptsCountedPerClass(t *testing.T) {
 	if class != "unknown" || attempts != 7 || !strings.Contains(reason, "gave up after 2 unknown attempts, 7 in all") {
 		t.Fatalf("dead letter class %q attempts %d reason %q", class, attempts, reason)
 	}
+}
+
+// Issue 15, case 3: while NATS is unreachable the failed message cannot come
+// back, so its aggregate stays held however long the outage lasts. The
+// heartbeat used to release it after the retry delay plus 2×AckWait, and a
+// later event was applied first.
+func TestHeldAggregateKeptThroughNATSOutage(t *testing.T) {
+	if testing.Short() {
+		t.Skip("fault test")
+	}
+	t.Parallel()
+	env := testenv.Get(t)
+	f := newFixture(t)
+	proxy, err := testenv.StartProxy(strings.TrimPrefix(env.NATS.URL, "nats://"))
+	testenv.Must(t, err, "start proxy")
+	t.Cleanup(proxy.Close)
+	nc, err := nats.Connect("nats://"+proxy.Addr, nats.MaxReconnects(-1))
+	testenv.Must(t, err, "connect through proxy")
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	testenv.Must(t, err, "jetstream")
+
+	var stalled atomic.Bool
+	r := newRecorder("outage-order")
+	r.fail = func(m *Message, call int) error {
+		if m.AggregateVersion == 1 && call == 1 {
+			proxy.Stall(testenv.Both) // the NATS link stops, the database works
+			stalled.Store(true)
+			return Transient(errors.New("downstream busy"))
+		}
+		return nil
+	}
+	cfg := f.baseConfig("outage-order")
+	cfg.AckWait = time.Second // the old release came after the retry delay + 2 s
+	cfg.HandlerTimeout = 500 * time.Millisecond
+	cfg.GapWait = 2 * time.Second
+	f.publish(event{ID: uuidN(1), AggID: "a", Version: 1}, event{ID: uuidN(2), AggID: "a", Version: 2})
+	c, err := New(f.pool, js, cfg, r, WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
+	testenv.Must(t, err, "new consumer")
+	f.run(c)
+	f.waitFor("version 1 failing", 15*time.Second, stalled.Load)
+	// The outage itself is the scenario: several release periods long.
+	time.Sleep(5 * time.Second)
+	if got := appliedVersions(t, f, "outage-order", "a"); len(got) != 0 {
+		t.Fatalf("applied %v during the NATS outage, want nothing (version 1 has not come back)", got)
+	}
+	proxy.Heal()
+	f.waitFor("both versions applied", 30*time.Second, func() bool {
+		return len(appliedVersions(t, f, "outage-order", "a")) >= 2
+	})
+	if got := appliedVersions(t, f, "outage-order", "a"); fmt.Sprint(got) != "[1 2]" {
+		t.Fatalf("applied %v, want [1 2]", got)
+	}
+}
+
+// The other side of case 3: a retried message that left the stream (deleted
+// by an operator, or aged out) cannot come back, and its aggregate is
+// released.
+func TestHeldAggregateReleasedWhenFailedMessageLeftTheStream(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	var failedSeq atomic.Uint64
+	r := newRecorder("left")
+	r.fail = func(m *Message, call int) error {
+		if m.AggregateVersion == 1 {
+			failedSeq.Store(m.StreamSeq)
+			return Transient(errors.New("downstream busy"))
+		}
+		return nil
+	}
+	cfg := f.baseConfig("left")
+	cfg.AckWait = time.Second
+	cfg.HandlerTimeout = 500 * time.Millisecond
+	cfg.RetryBase, cfg.RetryMax = 4*time.Second, 4*time.Second // the retry waits; the test deletes it meanwhile
+	cfg.GapWait = 5 * time.Second
+	f.publish(event{ID: uuidN(1), AggID: "a", Version: 1}, event{ID: uuidN(2), AggID: "a", Version: 2})
+	f.start(cfg, r)
+	f.waitFor("version 1 failing", 15*time.Second, func() bool { return failedSeq.Load() != 0 })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := f.js.Stream(ctx, f.stream)
+	testenv.Must(t, err, "stream")
+	testenv.Must(t, s.DeleteMsg(ctx, failedSeq.Load()), "delete the failed message")
+	f.waitFor("version 2 applied", 20*time.Second, func() bool {
+		return fmt.Sprint(appliedVersions(t, f, "left", "a")) == "[2]"
+	})
 }

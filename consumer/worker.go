@@ -31,9 +31,10 @@ type worker struct {
 // block holds back an aggregate's messages while one of them (head) waits
 // for its redelivery after a failure.
 type block struct {
-	head  uint64    // stream sequence of the failed message
-	until time.Time // stop waiting for the redelivery after this
-	held  []*item   // later messages of the aggregate, in arrival order
+	head    uint64    // stream sequence of the failed message
+	until   time.Time // ask JetStream whether head is gone after this
+	held    []*item   // later messages of the aggregate, in arrival order
+	waiting bool      // the overdue head was reported once
 }
 
 // failState counts failed attempts of one message. Each class counts
@@ -75,7 +76,7 @@ func (w *worker) run(ctx context.Context) error {
 			case it := <-w.in:
 				w.queue = append(w.queue, it)
 			case <-tick.C:
-				w.heartbeat()
+				w.heartbeat(ctx)
 			}
 			continue
 		}
@@ -84,7 +85,7 @@ func (w *worker) run(ctx context.Context) error {
 			w.release()
 			return nil
 		case <-tick.C:
-			w.heartbeat()
+			w.heartbeat(ctx)
 		default:
 		}
 		it := w.queue[0]
@@ -112,29 +113,47 @@ func (w *worker) drain() {
 
 // heartbeat tells the broker that queued and held messages are still being
 // worked on, so that ack_wait only has to cover one message's handling, and
-// releases blocks whose retried message never came back.
-func (w *worker) heartbeat() {
+// releases blocks whose retried message is known to be gone.
+func (w *worker) heartbeat(ctx context.Context) {
 	now := time.Now()
 	for _, it := range w.queue {
 		if it.msg != nil {
 			_ = it.msg.InProgress() // a lost progress ack only costs a harmless redelivery
 		}
 	}
-	for key, b := range w.blocked {
+	var overdue []uint64
+	for _, b := range w.blocked {
 		for _, it := range b.held {
 			_ = it.msg.InProgress()
 		}
-		if now.After(b.until) && w.queued(b.head) {
+		switch {
+		case !now.After(b.until):
+		case w.queued(b.head):
 			b.until = now.Add(w.c.cfg.AckWait) // redelivered, not yet reached
-			continue
+		default:
+			overdue = append(overdue, b.head)
 		}
-		if now.After(b.until) {
-			// The retried message was not redelivered to this process (taken
-			// by another process sharing the durable consumer, or deleted
-			// from the stream); holding its successors longer helps nobody.
-			w.c.log.Warn("retried message was not redelivered in time; releasing its aggregate",
+	}
+	if len(overdue) == 0 {
+		return
+	}
+	// The retried message did not come back in time. Its successors may go
+	// only when it cannot come back: settled (by another process sharing
+	// the durable consumer) or removed from the stream. A message that is
+	// merely late, because JetStream is unreachable or slow, keeps its
+	// aggregate held: releasing it then would apply a later event first.
+	gone := w.c.gone(ctx, overdue)
+	for key, b := range w.blocked {
+		switch {
+		case !now.After(b.until) || w.queued(b.head):
+		case gone[b.head]:
+			w.c.log.Warn("retried message was settled elsewhere or left the stream; releasing its aggregate",
 				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
 			w.unblock(key, b)
+		case !b.waiting:
+			b.waiting = true
+			w.c.log.Warn("retried message not redelivered yet; holding its aggregate until it is back or known to be gone",
+				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
 		}
 	}
 }
