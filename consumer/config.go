@@ -28,13 +28,19 @@ const (
 type Config struct {
 	// Name is the JetStream durable consumer name and the consumer column of
 	// every table row the library writes. Required. Two services must not
-	// share a name unless they share the effects' database and handler.
+	// share a name: Run records the database and filter subjects in the
+	// durable consumer's metadata and refuses to start (ErrDurableClash)
+	// when they differ from its own.
 	Name string
 	// Stream is the JetStream stream to consume. Required.
 	Stream string
 	// FilterSubjects restricts the durable consumer to these subjects
 	// (e.g. "outbox.registration.>"). Empty: the whole stream.
 	FilterSubjects []string
+	// AllowFilterChange lets Run change the filter subjects of a durable
+	// consumer recorded for this database (a deliberate reconfiguration).
+	// A durable consumer recorded for another database is never taken over.
+	AllowFilterChange bool
 	// Owner names who must act on this consumer's dead letters (a team or
 	// an on-call rotation). It is stored on every dead-letter record, shown
 	// by `outbox-relay dlq list` and used as a metric label for alerts.

@@ -214,3 +214,47 @@ func TestHeldAggregateReleasedWhenFailedMessageLeftTheStream(t *testing.T) {
 		return fmt.Sprint(appliedVersions(t, f, "left", "a")) == "[2]"
 	})
 }
+
+// Issue 15, case 4: a second service with the same Name, another database
+// and another filter is refused instead of taking over the durable
+// consumer (which used to rewrite its filter, so the first service received
+// none of its own events and applied the other's with its handler).
+func TestDurableNameClashIsRefused(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	other := newFixture(t) // another database; its stream is not used
+	regs, pays := newRecorder("clash"), newRecorder("clash")
+	cfg := f.baseConfig("clash")
+	cfg.FilterSubjects = []string{f.stream + ".registration.>"}
+	f.start(cfg, regs)
+	f.publish(event{ID: uuidN(1), AggID: "r1", Version: 1})
+	f.waitSettled("clash", 15*time.Second)
+
+	runFor := func(db DB, cfg Config) error {
+		c, err := New(db, f.js, cfg, pays, WithLogger(zaptest.NewLogger(t)), WithRegisterer(other.reg))
+		testenv.Must(t, err, "new consumer")
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		return c.Run(ctx)
+	}
+	clash := cfg
+	clash.FilterSubjects = []string{f.stream + ".payment.>"}
+	if err := runFor(other.pool, clash); !errors.Is(err, ErrDurableClash) || !strings.Contains(err.Error(), "belongs to database") {
+		t.Fatalf("second service with the same name: Run = %v, want ErrDurableClash naming the database", err)
+	}
+	// The same service changing its filter must say so.
+	if err := runFor(f.pool, clash); !errors.Is(err, ErrDurableClash) || !strings.Contains(err.Error(), "AllowFilterChange") {
+		t.Fatalf("filter change without AllowFilterChange: Run = %v, want ErrDurableClash", err)
+	}
+	// Even allowed, a filter change never takes over another database's.
+	clash.AllowFilterChange = true
+	if err := runFor(other.pool, clash); !errors.Is(err, ErrDurableClash) {
+		t.Fatalf("AllowFilterChange from another database: Run = %v, want ErrDurableClash", err)
+	}
+
+	f.publish(event{ID: uuidN(2), AggID: "r2", Version: 1}, event{ID: uuidN(3), AggType: "payment", AggID: "p1", Version: 1})
+	f.waitFor("the first service's own event", 15*time.Second, func() bool { return regs.callCount(uuidN(2)) == 1 })
+	if pays.callCount(uuidN(3)) != 0 || regs.callCount(uuidN(3)) != 0 {
+		t.Fatalf("payment event handled: %d by the clashing service, %d by the first", pays.callCount(uuidN(3)), regs.callCount(uuidN(3)))
+	}
+}

@@ -55,6 +55,10 @@ var (
 	// ErrSchemaOutdated means the consumer's tables need an upgrade the
 	// library could not apply by itself (see [Migrate]).
 	ErrSchemaOutdated = errors.New("consumer schema outdated")
+	// ErrDurableClash means the durable consumer named by Config.Name is
+	// recorded as another database's, or filters other subjects: another
+	// service seems to use the same Name.
+	ErrDurableClash = errors.New("durable consumer belongs to another consumer")
 	// ErrConflict is the error of a message classified ClassConflict.
 	ErrConflict = errors.New("event conflict")
 	// ErrGap is the error of a message classified ClassGap.
