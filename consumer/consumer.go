@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -233,6 +236,9 @@ func (c *Consumer) newItem(msg jetstream.Msg) *item {
 func (c *Consumer) parse(it *item, data []byte) {
 	ev, err := contract.Parse(it.m.Header, data)
 	it.m.Event = ev
+	if err == nil {
+		err = storableIdentity(&ev)
+	}
 	if err != nil && it.err == nil {
 		it.err = err
 	}
@@ -243,6 +249,21 @@ func (c *Consumer) parse(it *item, data []byte) {
 	}
 	it.key = ev.AggregateType + "\x00" + ev.AggregateID
 	it.hash = ContentHash(&it.m.Event)
+}
+
+// storableIdentity refuses event fields the dedup row cannot hold: text
+// that is not UTF-8 or holds NUL would fail every attempt (SQLSTATE 22021),
+// so the message is broken, not failing.
+func storableIdentity(ev *contract.Event) error {
+	for _, f := range []struct{ header, v string }{
+		{contract.EventID, ev.ID}, {contract.EventType, ev.Type},
+		{contract.AggregateType, ev.AggregateType}, {contract.AggregateID, ev.AggregateID},
+	} {
+		if !utf8.ValidString(f.v) || strings.ContainsRune(f.v, 0) {
+			return fmt.Errorf("header %s %s is not valid UTF-8 text", f.header, strconv.QuoteToASCII(f.v))
+		}
+	}
+	return nil
 }
 
 func (c *Consumer) workerIndex(key string) int {

@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -256,5 +257,63 @@ func TestDurableNameClashIsRefused(t *testing.T) {
 	f.waitFor("the first service's own event", 15*time.Second, func() bool { return regs.callCount(uuidN(2)) == 1 })
 	if pays.callCount(uuidN(3)) != 0 || regs.callCount(uuidN(3)) != 0 {
 		t.Fatalf("payment event handled: %d by the clashing service, %d by the first", pays.callCount(uuidN(3)), regs.callCount(uuidN(3)))
+	}
+}
+
+// Issue 15, case 5: a dead letter the database cannot store as is (invalid
+// UTF-8 or NUL in a reason or header, a class outside the table's CHECK) is
+// still recorded, sanitised or escaped, instead of being retried forever
+// while its aggregate stalls.
+func TestUnstorableDeadLettersAreRecorded(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	r := newRecorder("unstorable")
+	r.fail = func(m *Message, _ int) error {
+		switch m.AggregateID {
+		case "reason":
+			return Permanent(errors.New("bad byte \xff and a \x00 in the reason"))
+		case "header":
+			return Permanent(errors.New("header case"))
+		case "class":
+			return &ClassError{Class: "business-hold", Err: errors.New("custom class")}
+		case "caf\u00e9":
+			return Permanent(errors.New("refused subject case"))
+		}
+		return nil
+	}
+	// A constraint the library does not know stands for any refusal that
+	// sanitising cannot prevent: the record is then stored escaped.
+	mustExec(t, f.pool, `ALTER TABLE consumer_dead_letter ADD CONSTRAINT ascii_subject CHECK (subject ~ '^[ -~]*$')`)
+	f.start(f.baseConfig("unstorable"), r)
+	f.publish(event{ID: uuidN(6), AggID: "caf\u00e9", Version: 1})
+	f.publish(event{ID: uuidN(1), AggID: "reason", Version: 1})
+	m := event{ID: uuidN(2), AggID: "header", Version: 1}.msg(f.stream)
+	m.Header.Set("Outbox-Extra-Note", "caf\xe9 with \x00")
+	_, err := f.js.PublishMsg(context.Background(), m)
+	testenv.Must(t, err, "publish")
+	m = event{ID: uuidN(5), AggID: "type", Version: 1}.msg(f.stream)
+	m.Header.Set(contract.EventType, "Type\xff") // the dedup row could never hold it
+	_, err = f.js.PublishMsg(context.Background(), m)
+	testenv.Must(t, err, "publish")
+	f.publish(event{ID: uuidN(3), AggID: "class", Version: 1}, event{ID: uuidN(4), AggID: "class", Version: 2})
+	f.waitSettled("unstorable", 20*time.Second)
+
+	for _, tc := range []struct{ id, class, reason string }{
+		{uuidN(1), "permanent", "bad byte"},
+		{uuidN(2), "permanent", "header case"},
+		{uuidN(3), "unknown", `class "business-hold" is not a dead-letter class`},
+		{uuidN(5), "permanent", `header Outbox-Event-Type "Type\xff" is not valid UTF-8 text`},
+		{uuidN(6), "permanent", `dead letter stored escaped: the database refused it as is (SQLSTATE 23514`},
+	} {
+		var class, reason string
+		err := f.pool.QueryRow(context.Background(), `SELECT failure_class, reason FROM consumer_dead_letter
+			WHERE consumer = 'unstorable' AND event_id = $1`, tc.id).Scan(&class, &reason)
+		testenv.Must(t, err, "dead letter of %s", tc.id)
+		if class != tc.class || !strings.Contains(reason, tc.reason) {
+			t.Errorf("dead letter of %s: class %q reason %q, want %s containing %q", tc.id, class, reason, tc.class, tc.reason)
+		}
+	}
+	if n := r.callCount(uuidN(4)); n != 1 {
+		t.Errorf("the next version of the custom-class aggregate was handled %d times, want 1", n)
 	}
 }

@@ -318,9 +318,12 @@ func (w *worker) retry(it *item, class Class, err error, attempt int, log *zap.L
 
 // deadLetter stores the message in consumer_dead_letter and terminates it.
 // When the record cannot be written (the database is down) the message is
-// retried instead: nothing leaves the stream without a record.
+// retried instead: nothing leaves the stream without a record. A record the
+// database refuses as is gets stored escaped (see insertDeadLetter), so
+// that a message is never retried for good for want of a record.
 func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason error, f *failState) (time.Duration, bool) {
 	log := w.c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
+	class, reason = storableClass(class, reason)
 	id, err := w.c.insertDeadLetter(ctx, it, class, reason, f)
 	if err != nil {
 		return w.retry(it, ClassTransient, fmt.Errorf("write dead letter (%s: %v): %w", class, reason, err), f.attempts, log)
