@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -316,4 +317,37 @@ func TestUnstorableDeadLettersAreRecorded(t *testing.T) {
 	if n := r.callCount(uuidN(4)); n != 1 {
 		t.Errorf("the next version of the custom-class aggregate was handled %d times, want 1", n)
 	}
+}
+
+// An install made with an earlier sql/consumer.sql is upgraded in place,
+// by Migrate (which Run calls) and by running the file again.
+func TestMigrateUpgradesAnEarlierSchema(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	downgrade := func() {
+		mustExec(t, f.pool, `DELETE FROM consumed_message WHERE outcome = 'discarded'`)
+		mustExec(t, f.pool, `DROP INDEX consumer_dead_letter_event_key`)
+		mustExec(t, f.pool, `CREATE UNIQUE INDEX consumer_dead_letter_message_key ON consumer_dead_letter (consumer, stream, stream_seq)
+			WHERE status IN ('open', 'replaying')`)
+		mustExec(t, f.pool, `ALTER TABLE consumed_message DROP CONSTRAINT consumed_message_outcome_check,
+			ADD CONSTRAINT consumed_message_outcome_check CHECK (outcome IN ('applied', 'rejected'))`)
+	}
+	check := func(how string) {
+		t.Helper()
+		if n := queryInt(t, f.pool, `SELECT count(*) FROM pg_class WHERE relname = 'consumer_dead_letter_message_key'`); n != 0 {
+			t.Errorf("%s: the old dead-letter key is still there", how)
+		}
+		if n := queryInt(t, f.pool, `SELECT count(*) FROM pg_class WHERE relname = 'consumer_dead_letter_event_key'`); n != 1 {
+			t.Errorf("%s: the dead-letter key by event is missing", how)
+		}
+		mustExec(t, f.pool, `INSERT INTO consumed_message (consumer, event_id, outcome) VALUES ($1, 'e', 'discarded')`, how)
+	}
+	ctx := context.Background()
+	downgrade()
+	testenv.Must(t, Migrate(ctx, f.pool), "migrate")
+	testenv.Must(t, Migrate(ctx, f.pool), "migrate again")
+	check("Migrate")
+	downgrade()
+	f.db.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "consumer.sql"))
+	check("sql/consumer.sql")
 }

@@ -283,12 +283,38 @@ func (c *Consumer) gap(ctx context.Context, tx pgx.Tx, it *item, current int64) 
 		res.err = fmt.Errorf("%w: version %d of %s is dead-lettered (record %d), replay it first; %s %s, received version %d",
 			ErrGap, version, aggregateName(ev.AggregateType, ev.AggregateID), id, aggregateName(ev.AggregateType, ev.AggregateID), at, ev.AggregateVersion)
 	case errors.Is(err, pgx.ErrNoRows):
+		if current != math.MinInt64 {
+			skipped, err := c.discardedBetween(ctx, tx, it, current)
+			if err != nil {
+				return failed(err, "look for discarded versions")
+			}
+			if skipped == ev.AggregateVersion-current-1 {
+				// Every missing version was discarded by an operator (dlq
+				// discard): they will never be applied, so this one is next.
+				return result{kind: resApplied}
+			}
+		}
 		res.err = fmt.Errorf("%w: %s is at version %d, received version %d (missing %s)",
 			ErrGap, aggregateName(ev.AggregateType, ev.AggregateID), current, ev.AggregateVersion, missing(current, ev.AggregateVersion))
 	default:
 		return failed(err, "look for dead-lettered versions")
 	}
 	return res
+}
+
+// discardedBetween counts the versions between current and the event's that
+// an operator discarded. `dlq discard` moves the position past a discarded
+// version when it is the next one; this covers the other orders (an earlier
+// version still open at the discard, an aggregate the consumer had not seen).
+func (c *Consumer) discardedBetween(ctx context.Context, tx pgx.Tx, it *item, current int64) (int64, error) {
+	ev := &it.m.Event
+	var n int64
+	err := tx.QueryRow(ctx, `
+		SELECT count(DISTINCT aggregate_version) FROM consumer_dead_letter
+		WHERE consumer = $1 AND status = 'discarded' AND aggregate_type IS NOT DISTINCT FROM NULLIF($2, '')
+		  AND aggregate_id = $3 AND aggregate_version > $4 AND aggregate_version < $5`,
+		c.cfg.Name, ev.AggregateType, ev.AggregateID, current, ev.AggregateVersion).Scan(&n)
+	return n, err
 }
 
 func missing(current, received int64) string {

@@ -65,6 +65,18 @@ var migrations = []struct {
 			`DROP INDEX IF EXISTS consumer_dead_letter_message_key`,
 		},
 	},
+	{
+		what: "the 'discarded' dedup outcome (dlq discard)",
+		needed: `SELECT NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = 'consumed_message'::regclass
+			AND conname = 'consumed_message_outcome_check' AND pg_get_constraintdef(oid) LIKE '%discarded%')`,
+		ddl: []string{
+			`ALTER TABLE consumed_message DROP CONSTRAINT IF EXISTS consumed_message_outcome_check`,
+			// NOT VALID: existing rows passed the narrower check; a large
+			// table is not scanned under the exclusive lock.
+			`ALTER TABLE consumed_message ADD CONSTRAINT consumed_message_outcome_check
+				CHECK (outcome IN ('applied', 'rejected', 'discarded')) NOT VALID`,
+		},
+	},
 }
 
 // Migrate applies the upgrade steps an older schema lacks (see
