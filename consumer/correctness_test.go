@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap/zaptest"
@@ -350,4 +352,52 @@ func TestMigrateUpgradesAnEarlierSchema(t *testing.T) {
 	downgrade()
 	f.db.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "consumer.sql"))
 	check("sql/consumer.sql")
+}
+
+// commitLiar is a database whose commits go through but report an error,
+// as when the deadline expires or the connection breaks just after the
+// server committed.
+type commitLiar struct{ *pgxpool.Pool }
+
+func (d commitLiar) Begin(ctx context.Context) (pgx.Tx, error) {
+	tx, err := d.Pool.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return lyingTx{tx}, nil
+}
+
+type lyingTx struct{ pgx.Tx }
+
+func (t lyingTx) Commit(ctx context.Context) error {
+	if err := t.Tx.Commit(ctx); err != nil {
+		return err
+	}
+	return fmt.Errorf("commit: %w", context.DeadlineExceeded)
+}
+
+// Issue 15, case 7: a commit that went through but reported an error is
+// recognised by its dedup row and acknowledged as applied. On the last
+// allowed attempt it used to be dead-lettered as well as applied.
+func TestCommitErrorAfterCommitIsApplied(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	r := newRecorder("liar")
+	cfg := f.baseConfig("liar")
+	cfg.MaxAttempts = 1
+	c, err := New(commitLiar{f.pool}, f.js, cfg, r, WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
+	testenv.Must(t, err, "new consumer")
+	f.run(c)
+	e := event{ID: uuidN(1), AggID: "a", Version: 1}
+	f.publish(e)
+	f.waitSettled("liar", 15*time.Second)
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE event_id = $1`, e.ID); n != 1 {
+		t.Fatalf("applied %d times, want 1", n)
+	}
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'liar'`); n != 0 {
+		t.Fatalf("%d dead letters for an applied event, want 0", n)
+	}
+	if got := metricValue(t, mustVec(t, f).processed.WithLabelValues("liar", "applied")); got != 1 {
+		t.Fatalf("applied = %v, want 1", got)
+	}
 }

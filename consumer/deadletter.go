@@ -204,10 +204,11 @@ func (c *Consumer) commitReplay(ctx context.Context, tx pgx.Tx, it *item, outcom
 		// break the aggregate's order.
 		return result{kind: resStale}
 	}
-	if err := tx.Commit(ctx); err != nil {
+	err = tx.Commit(ctx)
+	*committed = true // after a failed commit nothing is left to roll back
+	if err != nil && !c.wasCommitted(ctx, it) {
 		return failed(err, "commit")
 	}
-	*committed = true
 	c.committed(it)
 	return res
 }

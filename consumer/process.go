@@ -140,13 +140,32 @@ func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) (re
 		return c.commitReplay(ctx, tx, it, outcome, res, &committed)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		// The commit may have happened before the connection broke; the
-		// redelivery then finds the dedup row, so retrying is safe.
+		committed = true // nothing is left to roll back
+		if c.wasCommitted(ctx, it) {
+			c.committed(it)
+			return res
+		}
+		// Not known to have committed: a retry finds the dedup row if it did.
 		return failed(err, "commit")
 	}
 	committed = true
 	c.committed(it)
 	return res
+}
+
+// wasCommitted reports whether a commit that returned an error went through
+// after all (a deadline or a broken connection after the server committed):
+// the dedup row is there with this message's hash. Looking, in a new
+// transaction, keeps an applied event from being retried and dead-lettered
+// on its last attempt. When the database cannot be asked, it reports false
+// and the retry finds out instead.
+func (c *Consumer) wasCommitted(ctx context.Context, it *item) bool {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
+	defer cancel()
+	var hash []byte
+	err := c.db.QueryRow(ctx, `SELECT content_hash FROM consumed_message WHERE consumer = $1 AND event_id = $2`,
+		c.cfg.Name, it.m.ID).Scan(&hash)
+	return err == nil && bytes.Equal(hash, it.hash)
 }
 
 // committed runs what follows a successful commit and precedes the ack.
