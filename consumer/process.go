@@ -43,6 +43,18 @@ func failed(err error, what string) result {
 	return result{kind: resFailed, class: ClassOf(err), err: fmt.Errorf("%s: %w", what, err)}
 }
 
+// failedBegin classifies a failed Begin. A deadline there was spent
+// waiting for a connection (the pool is exhausted, or the server does not
+// answer after a failover): nothing of the handler ran, so it is the
+// database's unavailability, transient, not the handler's budget.
+func failedBegin(err error) result {
+	res := failed(err, "begin transaction")
+	if res.class == ClassUnknown && errors.Is(err, context.DeadlineExceeded) {
+		res.class = ClassTransient
+	}
+	return res
+}
+
 // process runs one message through the dedup, version check, handler and
 // commit. It never acknowledges: the worker decides that from the result.
 func (c *Consumer) process(ctx context.Context, it *item) result {
@@ -76,7 +88,7 @@ const insertConsumed = `
 func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) (res result) {
 	tx, err := c.db.Begin(ctx)
 	if err != nil {
-		return failed(err, "begin transaction")
+		return failedBegin(err)
 	}
 	committed := false
 	defer func() {
