@@ -102,7 +102,10 @@ type Config struct {
 	RetryBase time.Duration
 	RetryMax  time.Duration
 	// GapWait is how long a message may wait for the versions before it to
-	// arrive before it is dead-lettered as a gap. Default DefaultGapWait.
+	// arrive before it is dead-lettered as a gap. With VersionCheck it must
+	// be at least RetryMax + AckWait, the longest an earlier version can take
+	// to come back after a crash. Default the larger of DefaultGapWait and
+	// RetryMax + AckWait.
 	GapWait time.Duration
 	// GapRecheck is the delay of each deferral while waiting for a gap to
 	// fill. Default DefaultGapRecheck, at most GapWait.
@@ -143,7 +146,9 @@ func (c *Config) setDefaults() {
 		c.RetryMax = DefaultRetryMax
 	}
 	if c.GapWait == 0 {
-		c.GapWait = DefaultGapWait
+		// Long enough for an earlier version to come back after a crash
+		// (see validate), whatever AckWait and RetryMax are.
+		c.GapWait = max(DefaultGapWait, c.RetryMax+c.AckWait)
 	}
 	if c.GapRecheck == 0 {
 		c.GapRecheck = min(DefaultGapRecheck, c.GapWait)
@@ -185,6 +190,13 @@ func (c *Config) validate() error {
 		return bad("RetryBase %s and RetryMax %s: want 0 < RetryBase <= RetryMax", c.RetryBase, c.RetryMax)
 	case c.GapWait <= 0 || c.GapRecheck <= 0 || c.GapRecheck > c.GapWait:
 		return bad("GapWait %s and GapRecheck %s: want 0 < GapRecheck <= GapWait", c.GapWait, c.GapRecheck)
+	case c.VersionCheck && c.GapWait < c.RetryMax+c.AckWait:
+		// After a crash the earlier version of an aggregate comes back only
+		// when its nak delay (up to RetryMax) or its ack wait expires, while
+		// a later one may arrive at once: a shorter GapWait dead-letters the
+		// later one as a gap that would have filled.
+		return bad("GapWait %s is below RetryMax %s + AckWait %s: after a crash a later version would be dead-lettered as a gap while the earlier one waits out its redelivery; raise GapWait or leave it 0",
+			c.GapWait, c.RetryMax, c.AckWait)
 	case c.VersionCheck && len(c.EventTypes) > 0:
 		return bad("VersionCheck needs every event of an aggregate but EventTypes filters them: versions of the filtered-out events would look like gaps; turn one of them off")
 	case c.InitialVersion < 0:

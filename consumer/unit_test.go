@@ -102,6 +102,13 @@ func TestConfigValidation(t *testing.T) {
 		{"gap recheck above wait", func(c *Config) { c.GapWait = time.Second; c.GapRecheck = 2 * time.Second }, false},
 		{"negative initial version", func(c *Config) { c.InitialVersion = -1 }, false},
 		{"negative transient attempts", func(c *Config) { c.TransientAttempts = -1 }, false},
+		{"gap wait below retry max + ack wait", func(c *Config) { c.VersionCheck = true; c.GapWait = 30 * time.Second }, false},
+		{"gap wait of RetryMax + AckWait", func(c *Config) {
+			c.VersionCheck = true
+			c.AckWait, c.RetryMax, c.GapWait = time.Second, time.Second, 2*time.Second
+		}, true},
+		{"short gap wait without version check", func(c *Config) { c.GapWait = time.Second }, true},
+		{"default gap wait follows a long ack wait", func(c *Config) { c.VersionCheck = true; c.AckWait = 2 * time.Minute }, true},
 	} {
 		c := ok
 		tc.mod(&c)
