@@ -241,7 +241,7 @@ func WithRegisterer(r prometheus.Registerer) Option {
 }
 
 // WithAfterCommit calls f after a message's transaction committed and before
-// the message is acknowledged, on the worker's goroutine. It exists for
+// the message is acknowledged, on the goroutine processing the message. It exists for
 // fault-injection tests (a crash exactly between commit and ack) and
 // tracing; f must not block for long, or the broker redelivers.
 func WithAfterCommit(f func(*Message)) Option {

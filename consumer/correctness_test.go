@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -399,5 +400,136 @@ func TestCommitErrorAfterCommitIsApplied(t *testing.T) {
 	}
 	if got := metricValue(t, mustVec(t, f).processed.WithLabelValues("liar", "applied")); got != 1 {
 		t.Fatalf("applied = %v, want 1", got)
+	}
+}
+
+// Issue 15, likely case: a handler that ignores its context and hangs
+// delays the aggregates of its own worker only. The dispatcher used to block
+// on that worker's full channel, stalling every worker, and the worker's
+// queued messages lost their progress acks.
+func TestHungHandlerDelaysOnlyItsWorker(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits two ack waits")
+	}
+	t.Parallel()
+	f := newFixture(t)
+	unhang := make(chan struct{})
+	r := newRecorder("hung")
+	r.fail = func(m *Message, call int) error {
+		if m.AggregateID == "hang" && call == 1 {
+			<-unhang // ignores ctx
+		}
+		return nil
+	}
+	cfg := f.baseConfig("hung")
+	cfg.Workers = 2
+	cfg.MaxAckPending = 1000
+	cfg.AckWait = 2 * time.Second
+	cfg.HandlerTimeout = time.Second
+	c := f.newConsumer(cfg, r)
+	released := false
+	release := func() {
+		if !released {
+			released = true
+			close(unhang)
+		}
+	}
+	hung := c.workerIndex("registration\x00hang")
+	evs := []event{{ID: "hang-1", AggID: "hang", Version: 1}}
+	others := 0
+	for i := range 300 {
+		e := event{ID: fmt.Sprintf("ev-%d", i), AggID: fmt.Sprintf("a%d", i), Version: 1}
+		evs = append(evs, e)
+		if c.workerIndex("registration\x00"+e.AggID) != hung {
+			others++
+		}
+	}
+	f.publish(evs...)
+	f.run(c)
+	t.Cleanup(release) // runs before the cleanup that waits for Run
+	applied := func() int64 { return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'hung'`) }
+	f.waitFor("the other worker's events applied", 30*time.Second, func() bool { return applied() >= int64(others) })
+	// The hung worker's queue is kept alive: nothing but the hung message
+	// itself is redelivered over two ack waits.
+	deadline := time.Now().Add(2*cfg.AckWait + cfg.AckWait/2)
+	for time.Now().Before(deadline) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		cons, err := f.js.Consumer(ctx, f.stream, "hung")
+		testenv.Must(t, err, "consumer")
+		info, err := cons.Info(ctx)
+		cancel()
+		testenv.Must(t, err, "consumer info")
+		if info.NumRedelivered > 1 {
+			t.Fatalf("%d messages redelivered while the handler hung, want at most the hung one", info.NumRedelivered)
+		}
+		time.Sleep(200 * time.Millisecond) // polling interval
+	}
+	release()
+	f.waitFor("every event applied", 30*time.Second, func() bool { return applied() == int64(len(evs)) })
+	f.waitSettled("hung", 20*time.Second)
+}
+
+// reopenFails is a database on which, while on, reopening a failed replay
+// fails, as when the database goes away between the replay and the reopen.
+type reopenFails struct {
+	*pgxpool.Pool
+	on *atomic.Bool
+}
+
+func (d reopenFails) Begin(ctx context.Context) (pgx.Tx, error) {
+	tx, err := d.Pool.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return failingReopenTx{tx, d.on}, nil
+}
+
+type failingReopenTx struct {
+	pgx.Tx
+	on *atomic.Bool
+}
+
+func (t failingReopenTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if t.on.Load() && strings.Contains(sql, "SET status = 'open', failure_class") {
+		return pgconn.CommandTag{}, Transient(errors.New("injected: connection lost"))
+	}
+	return t.Tx.Exec(ctx, sql, args...)
+}
+
+// Issue 15, likely case: when a replay fails and reopening its record fails
+// too, the aggregate's later records of the same batch wait for the next
+// poll. They used to be applied ahead of the earlier record.
+func TestFailedReplayHoldsLaterRecordsOfTheBatch(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	var fixed, reopenBroken atomic.Bool
+	r := newRecorder("replay-order")
+	r.fail = func(m *Message, _ int) error {
+		if m.AggregateVersion == 1 || !fixed.Load() {
+			return Permanent(errors.New("account missing"))
+		}
+		return nil
+	}
+	c, err := New(reopenFails{f.pool, &reopenBroken}, f.js, f.baseConfig("replay-order"), r,
+		WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
+	testenv.Must(t, err, "new consumer")
+	f.run(c)
+	f.publish(event{ID: uuidN(1), AggID: "a", Version: 1}, event{ID: uuidN(2), AggID: "a", Version: 2})
+	f.waitFor("two dead letters", 15*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'replay-order'`) == 2
+	})
+	fixed.Store(true) // version 2 would apply now, version 1 still fails
+	reopenBroken.Store(true)
+	mustExec(t, f.pool, `UPDATE consumer_dead_letter SET status = 'replaying', replay_requested_by = 'test' WHERE consumer = 'replay-order'`)
+	f.waitFor("version 1 replayed three times", 15*time.Second, func() bool { return r.callCount(uuidN(1)) >= 4 })
+	if got := appliedVersions(t, f, "replay-order", "a"); len(got) != 0 {
+		t.Fatalf("applied %v while version 1's replay keeps failing, want nothing", got)
+	}
+	reopenBroken.Store(false)
+	f.waitFor("both records open again", 15*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'replay-order' AND status = 'open'`) == 2
+	})
+	if got := appliedVersions(t, f, "replay-order", "a"); len(got) != 0 {
+		t.Fatalf("applied %v, want nothing (version 1 failed)", got)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -245,9 +246,31 @@ func (c *Consumer) reopenDeadLetter(ctx context.Context, it *item, class Class, 
 	return tx.Commit(ctx)
 }
 
-// replayRequest ties a replayed item to the poll that dispatched it.
+// replayRequest ties a replayed item to the poll that dispatched it. The
+// workers of the aggregates in the batch share it.
 type replayRequest struct {
-	done func()
+	done   func()
+	mu     sync.Mutex
+	failed map[string]bool // aggregate keys whose replay failed in this batch
+}
+
+// fail notes that a record of the aggregate key failed its replay, so that
+// its later records in the batch wait for the next poll. Reopening them
+// with the failed one is not enough: that write can fail too, and they
+// would be applied ahead of the earlier record.
+func (r *replayRequest) fail(key string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.failed == nil {
+		r.failed = map[string]bool{}
+	}
+	r.failed[key] = true
+}
+
+func (r *replayRequest) failedBefore(key string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.failed[key]
 }
 
 // replayLoop applies the dead letters an operator asked to replay. The

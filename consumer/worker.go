@@ -63,40 +63,77 @@ func newWorker(c *Consumer, id int) *worker {
 	}
 }
 
+// run applies the worker's messages until ctx is cancelled, then waits for
+// the message in flight and gives the rest back to the broker. The message
+// being processed runs on a goroutine of its own, started and waited for
+// here, while this goroutine keeps taking messages from the dispatcher and
+// keeping them alive: a slow handler, or one that ignores its context and
+// hangs, delays this worker's aggregates only, never the dispatcher and so
+// never the other workers. Only this goroutine touches the worker's state;
+// the processing goroutine gets the item and hands back a result.
 func (w *worker) run(ctx context.Context) error {
 	tick := time.NewTicker(w.c.cfg.AckWait / 3)
 	defer tick.Stop()
+	var (
+		cur  *item
+		busy chan result // cur's result; nil while idle
+		stop = ctx.Done()
+	)
 	for {
-		w.drain()
-		if len(w.queue) == 0 {
-			select {
-			case <-ctx.Done():
+		if busy == nil {
+			if ctx.Err() != nil {
 				w.release()
 				return nil
-			case it := <-w.in:
-				w.queue = append(w.queue, it)
-			case <-tick.C:
-				w.heartbeat(ctx)
 			}
-			continue
+			if cur = w.next(); cur != nil {
+				busy = make(chan result, 1)
+				go func(it *item, out chan<- result) { out <- w.c.process(ctx, it) }(cur, busy)
+			}
 		}
 		select {
-		case <-ctx.Done():
-			w.release()
-			return nil
+		case <-stop:
+			stop = nil // wake once; the message in flight finishes first
+		case it := <-w.in:
+			w.queue = append(w.queue, it)
 		case <-tick.C:
 			w.heartbeat(ctx)
-		default:
+		case res := <-busy:
+			busy = nil
+			if cur.replay != nil {
+				w.finishReplay(ctx, cur, res)
+			} else {
+				w.finish(ctx, cur, res)
+			}
+			cur = nil
 		}
+	}
+}
+
+// next takes the next message to process from the queue: not one of an
+// aggregate held back behind a failed message (it joins the held ones), nor
+// a replay of an aggregate whose earlier record failed in the same batch.
+// It returns nil when nothing is left to process.
+func (w *worker) next() *item {
+	for len(w.queue) > 0 {
 		it := w.queue[0]
 		w.queue[0] = nil
 		w.queue = w.queue[1:]
 		if it.replay != nil {
-			w.handleReplay(ctx, it)
-		} else {
-			w.handle(ctx, it)
+			if it.replay.failedBefore(it.key) {
+				// Left 'replaying': the next poll takes it again, after the
+				// earlier record, in order.
+				it.replay.done()
+				continue
+			}
+			return it
 		}
+		if b := w.blocked[it.key]; b != nil && it.m.StreamSeq > b.head {
+			b.held = append(b.held, it)
+			continue
+		}
+		return it
 	}
+	return nil
 }
 
 // drain moves whatever waits in the channel to the queue without blocking.
@@ -194,21 +231,18 @@ func (w *worker) unblock(key string, b *block) {
 	w.queue = append(append(q, b.held...), w.queue...)
 }
 
-// handle processes one delivery and settles it with the broker.
-func (w *worker) handle(ctx context.Context, it *item) {
+// finish settles a processed delivery with the broker and holds back or
+// releases its aggregate.
+func (w *worker) finish(ctx context.Context, it *item, res result) {
 	seq := it.m.StreamSeq
 	b := w.blocked[it.key]
-	if b != nil && seq > b.head {
-		b.held = append(b.held, it)
-		return
-	}
-	res := w.c.process(ctx, it)
 	retryDelay, retry := w.settle(ctx, it, res)
+	now := time.Now()
 	switch {
 	case retry && b == nil:
-		w.blocked[it.key] = &block{head: seq, until: time.Now().Add(retryDelay + 2*w.c.cfg.AckWait)}
+		w.blocked[it.key] = &block{head: seq, until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
 	case retry:
-		b.head, b.until = seq, time.Now().Add(retryDelay+2*w.c.cfg.AckWait)
+		b.head, b.until, b.waiting = seq, now.Add(retryDelay+2*w.c.cfg.AckWait), false
 	case b != nil && seq == b.head:
 		w.unblock(it.key, b)
 	}
@@ -339,12 +373,12 @@ func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason e
 	return 0, false
 }
 
-// handleReplay applies a dead letter an operator asked to replay and closes
-// or reopens its record.
-func (w *worker) handleReplay(ctx context.Context, it *item) {
+// finishReplay settles a processed replay: the record was closed in its
+// transaction, or it is reopened with the new failure. A failure holds back
+// the aggregate's later records of the same batch (see next).
+func (w *worker) finishReplay(ctx context.Context, it *item, res result) {
 	defer it.replay.done()
 	c := w.c
-	res := c.process(ctx, it)
 	switch res.kind {
 	case resApplied, resRejected, resDuplicate:
 		c.met.replayResult(map[resultKind]string{resApplied: outcomeApplied, resRejected: outcomeRejected, resDuplicate: outcomeDuplicate}[res.kind])
@@ -365,6 +399,7 @@ func (w *worker) handleReplay(ctx context.Context, it *item) {
 		reason = errors.New("replay failed")
 	}
 	c.met.replayResult("failed")
+	it.replay.fail(it.key)
 	if err := c.reopenDeadLetter(ctx, it, class, reason); err != nil {
 		// The record stays 'replaying' and is taken again by the next poll.
 		c.log.Warn("reopen dead letter after failed replay", zap.Int64(fieldDeadID, it.m.DeadLetterID), zap.Error(err))
