@@ -403,6 +403,48 @@ func TestCommitErrorAfterCommitIsApplied(t *testing.T) {
 	}
 }
 
+// Issue 15, likely case: on shutdown the messages held behind a failed one
+// come back only after it can have been applied. They used to be nak'ed at
+// once, so in a rolling deploy the next process applied the later event
+// while the failed one still waited out its retry delay.
+func TestShutdownKeepsHeldMessagesBehindTheFailedOne(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	var failed atomic.Bool
+	first := newRecorder("rolling")
+	first.fail = func(m *Message, call int) error {
+		if m.AggregateVersion == 1 {
+			failed.Store(true)
+			return Transient(errors.New("downstream busy"))
+		}
+		return nil
+	}
+	cfg := f.baseConfig("rolling")
+	cfg.AckWait = time.Second
+	cfg.HandlerTimeout = 500 * time.Millisecond
+	cfg.RetryBase, cfg.RetryMax = 2*time.Second, 2*time.Second
+	f.publish(event{ID: uuidN(1), AggID: "a", Version: 1}, event{ID: uuidN(2), AggID: "a", Version: 2})
+	stop := f.run(f.newConsumer(cfg, first))
+	f.waitFor("version 1 failed and version 2 delivered", 15*time.Second, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		c, err := f.js.Consumer(ctx, f.stream, "rolling")
+		if err != nil {
+			return false
+		}
+		info, err := c.Info(ctx)
+		return err == nil && failed.Load() && info.Delivered.Stream >= 2
+	})
+	testenv.Must(t, stop(), "first process")
+	f.run(f.newConsumer(cfg, newRecorder("rolling"))) // the next process of a rolling deploy
+	f.waitFor("both versions applied", 20*time.Second, func() bool {
+		return len(appliedVersions(t, f, "rolling", "a")) >= 2
+	})
+	if got := appliedVersions(t, f, "rolling", "a"); fmt.Sprint(got) != "[1 2]" {
+		t.Fatalf("applied %v, want [1 2]", got)
+	}
+}
+
 // Issue 15, likely case: a handler that ignores its context and hangs
 // delays the aggregates of its own worker only. The dispatcher used to block
 // on that worker's full channel, stalling every worker, and the worker's

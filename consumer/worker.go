@@ -32,6 +32,7 @@ type worker struct {
 // for its redelivery after a failure.
 type block struct {
 	head    uint64    // stream sequence of the failed message
+	retryAt time.Time // when the broker redelivers head (its nak delay ends)
 	until   time.Time // ask JetStream whether head is gone after this
 	held    []*item   // later messages of the aggregate, in arrival order
 	waiting bool      // the overdue head was reported once
@@ -206,17 +207,27 @@ func (w *worker) queued(seq uint64) bool {
 }
 
 // release gives the queued and held messages back to the broker on shutdown,
-// so that they are redelivered at once rather than after ack_wait.
+// so that they are redelivered at once rather than after ack_wait; except
+// that the messages held behind a failed one come back only after it can
+// have been applied: it is redelivered at its retryAt, to whichever process
+// pulls first (a rolling deploy), and applied within HandlerTimeout, which
+// is below AckWait. Were they released at once, another process could apply
+// a later event of the aggregate first.
 func (w *worker) release() {
 	w.drain()
+	delay := func(b *block) time.Duration { return max(time.Until(b.retryAt), 0) + w.c.cfg.AckWait }
 	for _, it := range w.queue {
-		if it.msg != nil {
+		switch b := w.blocked[it.key]; {
+		case it.msg == nil:
+		case b != nil && it.m.StreamSeq > b.head: // would have been held
+			_ = it.msg.NakWithDelay(delay(b))
+		default:
 			_ = it.msg.Nak()
 		}
 	}
 	for _, b := range w.blocked {
 		for _, it := range b.held {
-			_ = it.msg.Nak()
+			_ = it.msg.NakWithDelay(delay(b))
 		}
 	}
 	w.queue, w.blocked = nil, map[string]*block{}
@@ -240,9 +251,9 @@ func (w *worker) finish(ctx context.Context, it *item, res result) {
 	now := time.Now()
 	switch {
 	case retry && b == nil:
-		w.blocked[it.key] = &block{head: seq, until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
+		w.blocked[it.key] = &block{head: seq, retryAt: now.Add(retryDelay), until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
 	case retry:
-		b.head, b.until, b.waiting = seq, now.Add(retryDelay+2*w.c.cfg.AckWait), false
+		b.head, b.retryAt, b.until, b.waiting = seq, now.Add(retryDelay), now.Add(retryDelay+2*w.c.cfg.AckWait), false
 	case b != nil && seq == b.head:
 		w.unblock(it.key, b)
 	}
