@@ -187,6 +187,7 @@ func (w *worker) heartbeat(ctx context.Context) {
 		case gone[b.head]:
 			w.c.log.Warn("retried message was settled elsewhere or left the stream; releasing its aggregate",
 				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
+			w.forget(b.head)
 			w.unblock(key, b)
 		case !b.waiting:
 			b.waiting = true
