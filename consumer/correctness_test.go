@@ -347,7 +347,14 @@ func TestMigrateUpgradesAnEarlierSchema(t *testing.T) {
 	}
 	ctx := context.Background()
 	downgrade()
-	testenv.Must(t, Migrate(ctx, f.pool), "migrate")
+	// Processes starting together: one upgrades, the others wait and see it done.
+	errs := make(chan error, 4)
+	for range cap(errs) {
+		go func() { errs <- Migrate(ctx, f.pool) }()
+	}
+	for range cap(errs) {
+		testenv.Must(t, <-errs, "concurrent migrate")
+	}
 	testenv.Must(t, Migrate(ctx, f.pool), "migrate again")
 	check("Migrate")
 	downgrade()

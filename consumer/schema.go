@@ -92,7 +92,7 @@ func Migrate(ctx context.Context, db DB) error {
 		if !needed {
 			continue
 		}
-		if err := migrateStep(ctx, db, m.ddl); err != nil {
+		if err := migrateStep(ctx, db, m.needed, m.ddl); err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
 				return fmt.Errorf("%w: %s: %s; run sql/consumer.sql as the owner of the consumer tables", ErrSchemaOutdated, m.what, pgErr.Message)
@@ -103,12 +103,22 @@ func Migrate(ctx context.Context, db DB) error {
 	return nil
 }
 
-func migrateStep(ctx context.Context, db DB, ddl []string) error {
+// migrateStep runs one step's DDL in a transaction. Processes starting
+// together serialise on an advisory lock and check again under it, so only
+// the first one alters the tables.
+func migrateStep(ctx context.Context, db DB, needed string, ddl []string) error {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('outbox-relay consumer schema'))`); err != nil {
+		return err
+	}
+	var still bool
+	if err := tx.QueryRow(ctx, needed).Scan(&still); err != nil || !still {
+		return err
+	}
 	for _, stmt := range ddl {
 		if _, err := tx.Exec(ctx, stmt); err != nil {
 			return err
