@@ -320,6 +320,14 @@ func TestUnstorableDeadLettersAreRecorded(t *testing.T) {
 	if n := r.callCount(uuidN(4)); n != 1 {
 		t.Errorf("the next version of the custom-class aggregate was handled %d times, want 1", n)
 	}
+
+	// Replays failing the same way are reopened, not left 'replaying'.
+	mustExec(t, f.pool, `UPDATE consumer_dead_letter SET status = 'replaying', replay_requested_by = 'test'
+		WHERE consumer = 'unstorable' AND event_id = ANY($1)`, []string{uuidN(1), uuidN(3)})
+	f.waitFor("failed replays reopened", 15*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'unstorable'
+			AND event_id = ANY($1) AND status = 'open' AND reason LIKE 'replay failed: %'`, []string{uuidN(1), uuidN(3)}) == 2
+	})
 }
 
 // An install made with an earlier sql/consumer.sql is upgraded in place,

@@ -220,6 +220,8 @@ func (c *Consumer) commitReplay(ctx context.Context, tx pgx.Tx, it *item, outcom
 func (c *Consumer) reopenDeadLetter(ctx context.Context, it *item, class Class, reason error) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
+	class, reason = storableClass(class, reason) // a record the table refuses would stay 'replaying'
+
 	tx, err := c.db.Begin(ctx)
 	if err != nil {
 		return err
@@ -230,7 +232,7 @@ func (c *Consumer) reopenDeadLetter(ctx context.Context, it *item, class Class, 
 		SET status = 'open', failure_class = $3, reason = $4, attempts = attempts + 1,
 			last_failed_at = CURRENT_TIMESTAMP, replay_count = replay_count + 1
 		WHERE consumer = $1 AND id = $2 AND status = 'replaying'`,
-		c.cfg.Name, it.m.DeadLetterID, string(class), "replay failed: "+reasonText(reason))
+		c.cfg.Name, it.m.DeadLetterID, string(class), truncateReason(cleanText("replay failed: "+reasonText(reason))))
 	if err != nil {
 		return err
 	}
