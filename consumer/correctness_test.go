@@ -590,3 +590,38 @@ func TestFailedReplayHoldsLaterRecordsOfTheBatch(t *testing.T) {
 		t.Fatalf("applied %v, want nothing (version 1 failed)", got)
 	}
 }
+
+// An aggregate without a type (legal in the header contract; its dead
+// letters store NULL) is held behind its dead-lettered earlier version like
+// any other: the later version is dead-lettered at once, naming the record
+// to replay first, instead of waiting out GapWait as an ordinary gap.
+func TestUntypedAggregateWaitsForItsDeadLetteredVersion(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	r := newRecorder("untyped")
+	r.fail = func(m *Message, _ int) error {
+		if m.AggregateVersion == 2 {
+			return Permanent(errors.New("cannot apply version 2"))
+		}
+		return nil
+	}
+	cfg := f.baseConfig("untyped")
+	cfg.VersionCheck = true
+	cfg.AckWait = time.Second
+	cfg.GapWait = 30 * time.Second
+	f.start(cfg, r)
+	for v := int64(1); v <= 3; v++ {
+		m := event{ID: uuidN(int(v)), AggID: "u", Version: v}.msg(f.stream)
+		m.Header.Del(contract.AggregateType)
+		_, err := f.js.PublishMsg(context.Background(), m)
+		testenv.Must(t, err, "publish")
+	}
+	var reason string
+	f.waitFor("version 3 dead-lettered behind version 2", 10*time.Second, func() bool {
+		return f.pool.QueryRow(context.Background(), `SELECT reason FROM consumer_dead_letter WHERE consumer = 'untyped' AND event_id = $1`,
+			uuidN(3)).Scan(&reason) == nil
+	})
+	if !strings.Contains(reason, "replay it first") {
+		t.Fatalf("version 3's reason %q, want it to name the dead-lettered version 2", reason)
+	}
+}

@@ -300,7 +300,7 @@ func (c *Consumer) gap(ctx context.Context, tx pgx.Tx, it *item, current int64) 
 	var id, version int64
 	err := tx.QueryRow(ctx, `
 		SELECT id, aggregate_version FROM consumer_dead_letter
-		WHERE consumer = $1 AND status = 'open' AND aggregate_type = $2 AND aggregate_id = $3
+		WHERE consumer = $1 AND status = 'open' AND aggregate_type IS NOT DISTINCT FROM NULLIF($2, '') AND aggregate_id = $3
 		  AND aggregate_version > $4 AND aggregate_version < $5
 		ORDER BY aggregate_version LIMIT 1`,
 		c.cfg.Name, ev.AggregateType, ev.AggregateID, current, ev.AggregateVersion).Scan(&id, &version)
