@@ -28,13 +28,19 @@ const (
 type Config struct {
 	// Name is the JetStream durable consumer name and the consumer column of
 	// every table row the library writes. Required. Two services must not
-	// share a name unless they share the effects' database and handler.
+	// share a name: Run records the database and filter subjects in the
+	// durable consumer's metadata and refuses to start (ErrDurableClash)
+	// when they differ from its own.
 	Name string
 	// Stream is the JetStream stream to consume. Required.
 	Stream string
 	// FilterSubjects restricts the durable consumer to these subjects
 	// (e.g. "outbox.registration.>"). Empty: the whole stream.
 	FilterSubjects []string
+	// AllowFilterChange lets Run change the filter subjects of a durable
+	// consumer recorded for this database (a deliberate reconfiguration).
+	// A durable consumer recorded for another database is never taken over.
+	AllowFilterChange bool
 	// Owner names who must act on this consumer's dead letters (a team or
 	// an on-call rotation). It is stored on every dead-letter record, shown
 	// by `outbox-relay dlq list` and used as a metric label for alerts.
@@ -80,11 +86,13 @@ type Config struct {
 	// Incompatible with VersionCheck, for the reason given there.
 	EventTypes []string
 
-	// MaxAttempts is how often a message failing with ClassUnknown is
-	// handled before it is dead-lettered. Default DefaultMaxAttempts.
+	// MaxAttempts is how many ClassUnknown failures of a message are
+	// allowed before it is dead-lettered. Each class counts against its own
+	// limit: transient failures (an outage) do not use up these attempts.
+	// Default DefaultMaxAttempts.
 	MaxAttempts int
 	// TransientAttempts, when positive, dead-letters a message after that
-	// many transient failures. 0 retries transient failures without limit:
+	// many transient failures (other classes' failures not counted). 0 retries transient failures without limit:
 	// a database outage must not empty the stream into the dead-letter
 	// queue. Only the failing aggregate waits meanwhile.
 	TransientAttempts int
@@ -94,7 +102,10 @@ type Config struct {
 	RetryBase time.Duration
 	RetryMax  time.Duration
 	// GapWait is how long a message may wait for the versions before it to
-	// arrive before it is dead-lettered as a gap. Default DefaultGapWait.
+	// arrive before it is dead-lettered as a gap. With VersionCheck it must
+	// be at least RetryMax + AckWait, the longest an earlier version can take
+	// to come back after a crash. Default the larger of DefaultGapWait and
+	// RetryMax + AckWait.
 	GapWait time.Duration
 	// GapRecheck is the delay of each deferral while waiting for a gap to
 	// fill. Default DefaultGapRecheck, at most GapWait.
@@ -135,7 +146,9 @@ func (c *Config) setDefaults() {
 		c.RetryMax = DefaultRetryMax
 	}
 	if c.GapWait == 0 {
-		c.GapWait = DefaultGapWait
+		// Long enough for an earlier version to come back after a crash
+		// (see validate), whatever AckWait and RetryMax are.
+		c.GapWait = max(DefaultGapWait, c.RetryMax+c.AckWait)
 	}
 	if c.GapRecheck == 0 {
 		c.GapRecheck = min(DefaultGapRecheck, c.GapWait)
@@ -177,6 +190,13 @@ func (c *Config) validate() error {
 		return bad("RetryBase %s and RetryMax %s: want 0 < RetryBase <= RetryMax", c.RetryBase, c.RetryMax)
 	case c.GapWait <= 0 || c.GapRecheck <= 0 || c.GapRecheck > c.GapWait:
 		return bad("GapWait %s and GapRecheck %s: want 0 < GapRecheck <= GapWait", c.GapWait, c.GapRecheck)
+	case c.VersionCheck && c.GapWait < c.RetryMax+c.AckWait:
+		// After a crash the earlier version of an aggregate comes back only
+		// when its nak delay (up to RetryMax) or its ack wait expires, while
+		// a later one may arrive at once: a shorter GapWait dead-letters the
+		// later one as a gap that would have filled.
+		return bad("GapWait %s is below RetryMax %s + AckWait %s: after a crash a later version would be dead-lettered as a gap while the earlier one waits out its redelivery; raise GapWait or leave it 0",
+			c.GapWait, c.RetryMax, c.AckWait)
 	case c.VersionCheck && len(c.EventTypes) > 0:
 		return bad("VersionCheck needs every event of an aggregate but EventTypes filters them: versions of the filtered-out events would look like gaps; turn one of them off")
 	case c.InitialVersion < 0:
@@ -221,7 +241,7 @@ func WithRegisterer(r prometheus.Registerer) Option {
 }
 
 // WithAfterCommit calls f after a message's transaction committed and before
-// the message is acknowledged, on the worker's goroutine. It exists for
+// the message is acknowledged, on the goroutine processing the message. It exists for
 // fault-injection tests (a crash exactly between commit and ack) and
 // tracing; f must not block for long, or the broker redelivers.
 func WithAfterCommit(f func(*Message)) Option {

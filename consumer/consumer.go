@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -49,7 +52,9 @@ type Consumer struct {
 	met         *metrics
 	afterCommit func(*Message)
 	wanted      map[string]bool
-	workers     []*worker
+	workers     []*worker          // made by Run: per-run state
+	cons        jetstream.Consumer // set by Run
+	strm        jetstream.Stream   // set by Run
 	running     atomic.Bool
 }
 
@@ -91,9 +96,6 @@ func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (
 			c.wanted[t] = true
 		}
 	}
-	for i := 0; i < cfg.Workers; i++ {
-		c.workers = append(c.workers, newWorker(c, i))
-	}
 	return c, nil
 }
 
@@ -112,13 +114,28 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err := CheckSchema(ctx, c.db); err != nil {
 		return err
 	}
-	cons, err := c.js.CreateOrUpdateConsumer(ctx, c.cfg.Stream, c.consumerConfig())
+	if err := Migrate(ctx, c.db); err != nil {
+		return err
+	}
+	strm, err := c.js.Stream(ctx, c.cfg.Stream)
+	if err != nil {
+		return fmt.Errorf("look up stream %s: %w", c.cfg.Stream, err)
+	}
+	cons, err := c.durable(ctx)
 	if err != nil {
 		return fmt.Errorf("create durable consumer %s on stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
 	}
+	c.cons, c.strm = cons, strm
 	c.log.Info("consuming", zap.String("stream", c.cfg.Stream), zap.Strings("filter_subjects", c.cfg.FilterSubjects),
 		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
 		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
+	// Worker state (retry counters, held aggregates) describes deliveries of
+	// this run's durable consumer; a later run may read a recreated stream
+	// whose sequences mean other messages, so every run starts afresh.
+	c.workers = make([]*worker, c.cfg.Workers)
+	for i := range c.workers {
+		c.workers[i] = newWorker(c, i)
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	for _, w := range c.workers {
 		g.Go(func() error { return w.run(gctx) })
@@ -219,6 +236,9 @@ func (c *Consumer) newItem(msg jetstream.Msg) *item {
 func (c *Consumer) parse(it *item, data []byte) {
 	ev, err := contract.Parse(it.m.Header, data)
 	it.m.Event = ev
+	if err == nil {
+		err = storableIdentity(&ev)
+	}
 	if err != nil && it.err == nil {
 		it.err = err
 	}
@@ -231,10 +251,49 @@ func (c *Consumer) parse(it *item, data []byte) {
 	it.hash = ContentHash(&it.m.Event)
 }
 
+// storableIdentity refuses event fields the dedup row cannot hold: text
+// that is not UTF-8 or holds NUL would fail every attempt (SQLSTATE 22021),
+// so the message is broken, not failing.
+func storableIdentity(ev *contract.Event) error {
+	for _, f := range []struct{ header, v string }{
+		{contract.EventID, ev.ID}, {contract.EventType, ev.Type},
+		{contract.AggregateType, ev.AggregateType}, {contract.AggregateID, ev.AggregateID},
+	} {
+		if !utf8.ValidString(f.v) || strings.ContainsRune(f.v, 0) {
+			return fmt.Errorf("header %s %s is not valid UTF-8 text", f.header, strconv.QuoteToASCII(f.v))
+		}
+	}
+	return nil
+}
+
 func (c *Consumer) workerIndex(key string) int {
 	h := fnv.New64a()
 	h.Write([]byte(key))
-	return int(h.Sum64() % uint64(len(c.workers)))
+	return int(h.Sum64() % uint64(c.cfg.Workers))
+}
+
+// gone reports which of the stream sequences seqs are known to need no
+// further processing by this consumer: at or below the durable consumer's
+// ack floor, or no longer in the stream. A sequence whose state cannot be
+// learnt (JetStream unreachable) is not gone. The lookups are bounded so
+// that an unreachable server delays the calling worker by little.
+func (c *Consumer) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
+	ctx, cancel := context.WithTimeout(ctx, min(c.cfg.AckWait/3, 5*time.Second))
+	defer cancel()
+	info, err := c.cons.Info(ctx)
+	if err != nil {
+		return nil
+	}
+	gone := make(map[uint64]bool, len(seqs))
+	for _, seq := range seqs {
+		if seq <= info.AckFloor.Stream {
+			gone[seq] = true
+			continue
+		}
+		_, err := c.strm.GetMsg(ctx, seq)
+		gone[seq] = errors.Is(err, jetstream.ErrMsgNotFound)
+	}
+	return gone
 }
 
 // statsLoop refreshes the open dead-letter gauges.

@@ -77,6 +77,7 @@ func TestVersionsAppliedInOrderAndGapDeadLettered(t *testing.T) {
 	r := newRecorder("ver")
 	cfg := f.baseConfig("ver")
 	cfg.VersionCheck = true
+	cfg.AckWait = time.Second // GapWait ≥ RetryMax + AckWait
 	cfg.GapWait = 1500 * time.Millisecond
 	f.start(cfg, r)
 	f.publish(event{ID: uuidN(5), AggID: "agg", Version: 5})
@@ -387,7 +388,8 @@ func TestLimitsAndFilters(t *testing.T) {
 	cfg.TransientAttempts = 2
 	cfg.VersionCheck = true
 	cfg.InitialVersion = 1
-	cfg.GapWait = 300 * time.Millisecond
+	cfg.AckWait = time.Second
+	cfg.GapWait = 1200 * time.Millisecond // RetryMax + AckWait
 	cfg.GapRecheck = 50 * time.Millisecond
 	f.start(cfg, down)
 	f.publish(event{ID: uuidN(1), AggID: "down", Version: 1}, event{ID: uuidN(2), AggID: "late", Version: 2})

@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/outbox-relay/outbox-relay/contract"
 )
@@ -25,6 +27,11 @@ func reasonText(err error) string {
 	if errors.As(err, &pe) {
 		s += "\n" + string(pe.Stack)
 	}
+	return s
+}
+
+// truncateReason cuts s to maxReasonBytes on a character boundary.
+func truncateReason(s string) string {
 	if len(s) > maxReasonBytes {
 		s = strings.ToValidUTF8(s[:maxReasonBytes], "") + "…"
 	}
@@ -40,30 +47,115 @@ func unclassed(err error) error {
 	return err
 }
 
+// storedClasses are the classes consumer_dead_letter's CHECK accepts.
+var storedClasses = map[Class]bool{
+	ClassTransient: true, ClassPermanent: true, ClassUnknown: true, ClassConflict: true, ClassGap: true,
+}
+
+// storableClass maps a class the table cannot hold (a handler's own
+// ClassError.Class) to ClassUnknown, keeping the original in the reason.
+func storableClass(class Class, reason error) (Class, error) {
+	if storedClasses[class] {
+		return class, reason
+	}
+	return ClassUnknown, fmt.Errorf("class %q is not a dead-letter class, recorded as unknown: %w", cleanText(string(class)), reason)
+}
+
+// cleanText makes s storable in a text column: PostgreSQL refuses invalid
+// UTF-8 and NUL characters (SQLSTATE 22021), which headers, handler errors
+// and panic values may carry.
+func cleanText(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	return strings.ReplaceAll(s, "\x00", `\x00`)
+}
+
+// cleanHeaders is h made storable in jsonb, which refuses \u0000 as well.
+func cleanHeaders(h map[string][]string, clean func(string) string) map[string][]string {
+	out := make(map[string][]string, len(h))
+	for k, vs := range h {
+		cv := make([]string, len(vs))
+		for i, v := range vs {
+			cv[i] = clean(v)
+		}
+		out[clean(k)] = cv
+	}
+	return out
+}
+
+// escapeText renders s in printable ASCII: the last resort for a record the
+// database refused.
+func escapeText(s string) string {
+	q := strconv.QuoteToASCII(s)
+	return q[1 : len(q)-1]
+}
+
+// deadLetterRecord is one consumer_dead_letter row to write.
+type deadLetterRecord struct {
+	eventID, eventType, aggType, subject, stream, reason string
+	aggID                                                *string
+	version                                              *int64
+	headers                                              map[string][]string
+	class                                                Class
+}
+
+func (c *Consumer) newDeadLetterRecord(it *item, class Class, reason error, clean func(string) string) deadLetterRecord {
+	r := deadLetterRecord{
+		eventID: clean(it.m.ID), eventType: clean(it.m.Type), aggType: clean(it.m.AggregateType),
+		subject: clean(it.m.Subject), stream: clean(it.m.Stream), version: versionOrNil(it),
+		headers: cleanHeaders(it.m.Header, clean), class: class, reason: truncateReason(clean(reasonText(reason))),
+	}
+	if id := aggregateIDOrNil(it); id != nil {
+		s := clean(*id)
+		r.aggID = &s
+	}
+	return r
+}
+
 // insertDeadLetter writes the record of a message that failed for good. A
 // redelivery of a message whose record is still open (the process died
-// before terminating it) updates that record.
+// before terminating it) updates that record; a record is that message's
+// only if the event id and payload match too, since a recreated stream
+// reuses sequence numbers for other messages.
 func (c *Consumer) insertDeadLetter(ctx context.Context, it *item, class Class, reason error, f *failState) (int64, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
-	headers, err := json.Marshal(it.m.Header)
+	id, err := c.writeDeadLetter(ctx, it, c.newDeadLetterRecord(it, class, reason, cleanText), f)
+	var pgErr *pgconn.PgError
+	if err == nil || !errors.As(err, &pgErr) || IsTransientDB(err) {
+		return id, err
+	}
+	// The database refused the record itself (a value it cannot store, a
+	// constraint): retrying cannot help, and the aggregate would stall
+	// behind the message for good. Store every text field escaped to
+	// printable ASCII instead, with what the refusal was.
+	min := c.newDeadLetterRecord(it, class, reason, escapeText)
+	min.reason = truncateReason(fmt.Sprintf("dead letter stored escaped: the database refused it as is (SQLSTATE %s: %s); %s",
+		pgErr.Code, escapeText(pgErr.Message), min.reason))
+	id, err2 := c.writeDeadLetter(ctx, it, min, f)
+	if err2 != nil {
+		return 0, fmt.Errorf("%w; escaped record refused too: %w", err, err2)
+	}
+	return id, nil
+}
+
+func (c *Consumer) writeDeadLetter(ctx context.Context, it *item, r deadLetterRecord, f *failState) (int64, error) {
+	headers, err := json.Marshal(r.headers)
 	if err != nil {
 		return 0, fmt.Errorf("encode headers: %w", err)
 	}
-	ev := &it.m.Event
 	var id int64
 	err = c.db.QueryRow(ctx, `
 		INSERT INTO consumer_dead_letter (consumer, owner, event_id, event_type, aggregate_type, aggregate_id,
 			aggregate_version, subject, stream, stream_seq, deliveries, headers, payload, failure_class, reason,
 			attempts, first_failed_at, last_failed_at)
 		VALUES ($1, $2, $3, NULLIF($4, ''), NULLIF($5, ''), $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)
-		ON CONFLICT (consumer, stream, stream_seq) WHERE status IN ('open', 'replaying') DO UPDATE
+		ON CONFLICT (consumer, stream, stream_seq, event_id, sha256(payload)) WHERE status IN ('open', 'replaying') DO UPDATE
 		SET deliveries = EXCLUDED.deliveries, failure_class = EXCLUDED.failure_class, reason = EXCLUDED.reason,
 			attempts = consumer_dead_letter.attempts + EXCLUDED.attempts, last_failed_at = EXCLUDED.last_failed_at
 		RETURNING id`,
-		c.cfg.Name, c.cfg.Owner, ev.ID, ev.Type, ev.AggregateType, aggregateIDOrNil(it), versionOrNil(it),
-		it.m.Subject, it.m.Stream, int64(it.m.StreamSeq), int64(it.m.Deliveries), headers, payloadBytes(ev.Payload),
-		string(class), reasonText(reason), max(f.attempts, 1), f.first, f.last).Scan(&id)
+		c.cfg.Name, cleanText(c.cfg.Owner), r.eventID, r.eventType, r.aggType, r.aggID, r.version,
+		r.subject, r.stream, int64(it.m.StreamSeq), int64(it.m.Deliveries), headers, payloadBytes(it.m.Payload),
+		string(r.class), r.reason, max(f.attempts, 1), f.first, f.last).Scan(&id)
 	if err != nil {
 		return 0, err
 	}
@@ -113,10 +205,11 @@ func (c *Consumer) commitReplay(ctx context.Context, tx pgx.Tx, it *item, outcom
 		// break the aggregate's order.
 		return result{kind: resStale}
 	}
-	if err := tx.Commit(ctx); err != nil {
+	err = tx.Commit(ctx)
+	*committed = true // after a failed commit nothing is left to roll back
+	if err != nil && !c.wasCommitted(ctx, it) {
 		return failed(err, "commit")
 	}
-	*committed = true
 	c.committed(it)
 	return res
 }
@@ -127,6 +220,8 @@ func (c *Consumer) commitReplay(ctx context.Context, tx pgx.Tx, it *item, outcom
 func (c *Consumer) reopenDeadLetter(ctx context.Context, it *item, class Class, reason error) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
+	class, reason = storableClass(class, reason) // a record the table refuses would stay 'replaying'
+
 	tx, err := c.db.Begin(ctx)
 	if err != nil {
 		return err
@@ -137,7 +232,7 @@ func (c *Consumer) reopenDeadLetter(ctx context.Context, it *item, class Class, 
 		SET status = 'open', failure_class = $3, reason = $4, attempts = attempts + 1,
 			last_failed_at = CURRENT_TIMESTAMP, replay_count = replay_count + 1
 		WHERE consumer = $1 AND id = $2 AND status = 'replaying'`,
-		c.cfg.Name, it.m.DeadLetterID, string(class), "replay failed: "+reasonText(reason))
+		c.cfg.Name, it.m.DeadLetterID, string(class), truncateReason(cleanText("replay failed: "+reasonText(reason))))
 	if err != nil {
 		return err
 	}
@@ -153,9 +248,31 @@ func (c *Consumer) reopenDeadLetter(ctx context.Context, it *item, class Class, 
 	return tx.Commit(ctx)
 }
 
-// replayRequest ties a replayed item to the poll that dispatched it.
+// replayRequest ties a replayed item to the poll that dispatched it. The
+// workers of the aggregates in the batch share it.
 type replayRequest struct {
-	done func()
+	done   func()
+	mu     sync.Mutex
+	failed map[string]bool // aggregate keys whose replay failed in this batch
+}
+
+// fail notes that a record of the aggregate key failed its replay, so that
+// its later records in the batch wait for the next poll. Reopening them
+// with the failed one is not enough: that write can fail too, and they
+// would be applied ahead of the earlier record.
+func (r *replayRequest) fail(key string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.failed == nil {
+		r.failed = map[string]bool{}
+	}
+	r.failed[key] = true
+}
+
+func (r *replayRequest) failedBefore(key string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.failed[key]
 }
 
 // replayLoop applies the dead letters an operator asked to replay. The

@@ -25,17 +25,53 @@
 //
 // Handlers classify their errors with [Transient], [Permanent] and [Reject].
 // Transient failures (database unavailability is recognised by SQLSTATE and
-// error type, see [IsTransientDB]) are retried with capped exponential
-// backoff and jitter through NakWithDelay; permanent ones are dead-lettered
-// at once; a business rejection is recorded as 'rejected' with the dedup row
-// and acknowledged; anything else, including a recovered panic, is retried
-// up to Config.MaxAttempts and then dead-lettered. Dead letters go to the
-// consumer_dead_letter table of the same database with the original payload
-// and headers, event id, subject, stream sequence, failure class and reason,
-// attempts and first and last failure time; operators list, replay and
-// discard them with `outbox-relay dlq` (package dlq). A replay is applied by
-// this consumer only, through the same transaction as a live message, and
-// closes the record in that transaction.
+// error type, see [IsTransientDB]; a deadline while beginning the
+// transaction counts too) are retried with capped exponential backoff and
+// jitter through NakWithDelay, without limit unless
+// Config.TransientAttempts is set; permanent ones are dead-lettered at once;
+// a business rejection is recorded as 'rejected' with the dedup row and
+// acknowledged; anything else, including a recovered panic, is retried up to
+// Config.MaxAttempts and then dead-lettered. Each class counts against its
+// own limit: transient failures through an outage do not use up the
+// attempts of a later unclassified error. A commit that reports an error is
+// checked in a new transaction: when the dedup row with the message's hash
+// is there, the commit went through and the message is acknowledged as
+// applied, never retried or dead-lettered.
+//
+// Dead letters go to the consumer_dead_letter table of the same database
+// with the original payload and headers, event id, subject, stream
+// sequence, failure class and reason, attempts and first and last failure
+// time. A record belongs to one message: a redelivery of it updates the
+// open record, another message at the same stream sequence (a recreated
+// stream) gets its own. Text the database cannot store (invalid UTF-8, NUL)
+// is sanitised, a handler's own class outside the table's set is recorded
+// as unknown, and a record the database still refuses is stored with every
+// text field escaped: only a transient error writing the record (the
+// database unavailable) retries the message, so a message never stays
+// forever for want of a record. An event whose id, type or aggregate
+// headers are not UTF-8 text is permanent (its dedup row could never be
+// written).
+//
+// Operators list, replay and discard dead letters with `outbox-relay dlq`
+// (package dlq). A replay is applied by this consumer only, through the
+// same transaction as a live message, and closes the record in that
+// transaction; records are replayed in aggregate and version order, and a
+// failed replay holds back its aggregate's later records of the same batch.
+// A discard records the event in consumed_message as 'discarded' (a
+// redelivery is a duplicate) and moves a VersionCheck position that stands
+// just before it past it, in the audited transaction ([RecordDiscard]); a
+// consumer finding a gap of discarded versions only applies the event.
+//
+// # The durable consumer
+//
+// Run creates the durable consumer (explicit acks, no MaxDeliver) and
+// records in its metadata the database (system identifier when readable,
+// and name) and the filter subjects. It refuses to start with
+// [ErrDurableClash] when the durable is recorded for another database
+// (another service uses the same Name), or filters other subjects unless
+// Config.AllowFilterChange says the change is deliberate. Run also checks
+// the schema ([CheckSchema]) and upgrades tables made by an earlier
+// sql/consumer.sql in place ([Migrate]).
 //
 // # Ordering
 //
@@ -49,20 +85,33 @@
 //     them.
 //   - When a message fails and waits for its retry, the later messages of
 //     the same aggregate are held in memory (kept alive with progress acks)
-//     until it is applied or dead-lettered; other aggregates carry on. The
-//     wait is bounded by the retry policy, and the number of held messages
-//     by the durable consumer's MaxAckPending: an aggregate with more than
-//     MaxAckPending messages behind a failing one stalls the consumer until
-//     that message is resolved. Transient failures retry without limit by
-//     default, so a long database outage stalls everything (as it must).
-//   - A slow handler delays the other aggregates of its worker (1/Workers
-//     of them), not those of other workers.
-//   - Without VersionCheck, this order holds while the process lives. After
-//     a crash, JetStream redelivers the unacknowledged messages as their
-//     ack_wait or nak delays expire, which can put a retried message behind
-//     a later one of the same aggregate. With VersionCheck, the database
-//     position enforces the order across crashes, restarts and replays: an
-//     early arrival is deferred until the missing versions are applied.
+//     until it is applied or dead-lettered, or JetStream shows that it is
+//     gone: settled by another process sharing the durable consumer (at or
+//     below its ack floor) or removed from the stream. A message that is
+//     only late, because NATS is unreachable, keeps its aggregate held
+//     however long the outage lasts. Other aggregates carry on. The number
+//     of held messages is bounded by the durable consumer's MaxAckPending:
+//     an aggregate with more than MaxAckPending messages behind a failing
+//     one stalls the consumer until that message is resolved. Transient
+//     failures retry without limit by default, so a long database outage
+//     stalls everything (as it must).
+//   - A slow handler, or one that ignores its context and hangs, delays the
+//     other aggregates of its worker (1/Workers of them), not the dispatcher
+//     or other workers; the worker keeps its queued messages alive. Run
+//     waits for a handler in flight to return before it returns.
+//   - Without VersionCheck, this order holds while the process lives,
+//     through NATS and database outages. On shutdown, queued messages are
+//     given back for immediate redelivery, except those held behind a
+//     failed message: they come back AckWait after its redelivery, so the
+//     next process (a rolling deploy) gets the failed message first; if it
+//     fails again there, only VersionCheck keeps the order. After a crash,
+//     JetStream redelivers the unacknowledged messages as their ack_wait or
+//     nak delays expire, which can put a retried message behind a later
+//     one of the same aggregate. With VersionCheck, the database position
+//     enforces the order across crashes, restarts and replays: an early
+//     arrival is deferred until the missing versions are applied, for up to
+//     GapWait, which must be at least RetryMax + AckWait (the longest an
+//     earlier version takes to come back after a crash).
 //   - Several processes sharing one durable consumer split an aggregate's
 //     messages between them; only VersionCheck keeps its order then. To
 //     scale out with order per aggregate, partition the subjects (one

@@ -52,6 +52,13 @@ var (
 	ErrInvalidConfig = errors.New("invalid consumer config")
 	// ErrSchemaMissing means the consumer's tables are not in the database.
 	ErrSchemaMissing = errors.New("consumer schema missing")
+	// ErrSchemaOutdated means the consumer's tables need an upgrade the
+	// library could not apply by itself (see [Migrate]).
+	ErrSchemaOutdated = errors.New("consumer schema outdated")
+	// ErrDurableClash means the durable consumer named by Config.Name is
+	// recorded as another database's, or filters other subjects: another
+	// service seems to use the same Name.
+	ErrDurableClash = errors.New("durable consumer belongs to another consumer")
 	// ErrConflict is the error of a message classified ClassConflict.
 	ErrConflict = errors.New("event conflict")
 	// ErrGap is the error of a message classified ClassGap.
@@ -144,9 +151,12 @@ func ClassOf(err error) Class {
 // asked for a retry, so that running the same transaction later can succeed:
 // a failed connection, a dropped connection, a timeout, and the SQLSTATEs of
 // class 08 (connection exception), 53 (insufficient resources), 57P01-57P03
-// (shutdown, crash, not yet accepting connections), 40001 and 40P01
+// (shutdown, crash, not yet accepting connections), 25006 (read-only
+// transaction, typical just after a failover), 40001 and 40P01
 // (serialization failure, deadlock) and 55P03 (lock not available). An
-// exceeded context deadline is not transient. It looks at error types and
+// exceeded context deadline is not transient by itself; the consumer classes
+// one while beginning a message's transaction as transient, because nothing
+// of the handler ran: it was spent waiting for a connection. It looks at error types and
 // SQLSTATEs, never at message text.
 func IsTransientDB(err error) bool {
 	if err == nil {
@@ -161,6 +171,9 @@ func IsTransientDB(err error) bool {
 			code == pgerrcode.AdminShutdown,
 			code == pgerrcode.CrashShutdown,
 			code == pgerrcode.CannotConnectNow,
+			// A read-only transaction right after a failover: the old
+			// primary (or a standby) still answers until clients move.
+			code == pgerrcode.ReadOnlySQLTransaction,
 			code == pgerrcode.SerializationFailure,
 			code == pgerrcode.DeadlockDetected,
 			code == pgerrcode.LockNotAvailable:

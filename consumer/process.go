@@ -43,6 +43,18 @@ func failed(err error, what string) result {
 	return result{kind: resFailed, class: ClassOf(err), err: fmt.Errorf("%s: %w", what, err)}
 }
 
+// failedBegin classifies a failed Begin. A deadline there was spent
+// waiting for a connection (the pool is exhausted, or the server does not
+// answer after a failover): nothing of the handler ran, so it is the
+// database's unavailability, transient, not the handler's budget.
+func failedBegin(err error) result {
+	res := failed(err, "begin transaction")
+	if res.class == ClassUnknown && errors.Is(err, context.DeadlineExceeded) {
+		res.class = ClassTransient
+	}
+	return res
+}
+
 // process runs one message through the dedup, version check, handler and
 // commit. It never acknowledges: the worker decides that from the result.
 func (c *Consumer) process(ctx context.Context, it *item) result {
@@ -76,7 +88,7 @@ const insertConsumed = `
 func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) (res result) {
 	tx, err := c.db.Begin(ctx)
 	if err != nil {
-		return failed(err, "begin transaction")
+		return failedBegin(err)
 	}
 	committed := false
 	defer func() {
@@ -140,13 +152,32 @@ func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) (re
 		return c.commitReplay(ctx, tx, it, outcome, res, &committed)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		// The commit may have happened before the connection broke; the
-		// redelivery then finds the dedup row, so retrying is safe.
+		committed = true // nothing is left to roll back
+		if c.wasCommitted(ctx, it) {
+			c.committed(it)
+			return res
+		}
+		// Not known to have committed: a retry finds the dedup row if it did.
 		return failed(err, "commit")
 	}
 	committed = true
 	c.committed(it)
 	return res
+}
+
+// wasCommitted reports whether a commit that returned an error went through
+// after all (a deadline or a broken connection after the server committed):
+// the dedup row is there with this message's hash. Looking, in a new
+// transaction, keeps an applied event from being retried and dead-lettered
+// on its last attempt. When the database cannot be asked, it reports false
+// and the retry finds out instead.
+func (c *Consumer) wasCommitted(ctx context.Context, it *item) bool {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
+	defer cancel()
+	var hash []byte
+	err := c.db.QueryRow(ctx, `SELECT content_hash FROM consumed_message WHERE consumer = $1 AND event_id = $2`,
+		c.cfg.Name, it.m.ID).Scan(&hash)
+	return err == nil && bytes.Equal(hash, it.hash)
 }
 
 // committed runs what follows a successful commit and precedes the ack.
@@ -269,7 +300,7 @@ func (c *Consumer) gap(ctx context.Context, tx pgx.Tx, it *item, current int64) 
 	var id, version int64
 	err := tx.QueryRow(ctx, `
 		SELECT id, aggregate_version FROM consumer_dead_letter
-		WHERE consumer = $1 AND status = 'open' AND aggregate_type = $2 AND aggregate_id = $3
+		WHERE consumer = $1 AND status = 'open' AND aggregate_type IS NOT DISTINCT FROM NULLIF($2, '') AND aggregate_id = $3
 		  AND aggregate_version > $4 AND aggregate_version < $5
 		ORDER BY aggregate_version LIMIT 1`,
 		c.cfg.Name, ev.AggregateType, ev.AggregateID, current, ev.AggregateVersion).Scan(&id, &version)
@@ -283,12 +314,38 @@ func (c *Consumer) gap(ctx context.Context, tx pgx.Tx, it *item, current int64) 
 		res.err = fmt.Errorf("%w: version %d of %s is dead-lettered (record %d), replay it first; %s %s, received version %d",
 			ErrGap, version, aggregateName(ev.AggregateType, ev.AggregateID), id, aggregateName(ev.AggregateType, ev.AggregateID), at, ev.AggregateVersion)
 	case errors.Is(err, pgx.ErrNoRows):
+		if current != math.MinInt64 {
+			skipped, err := c.discardedBetween(ctx, tx, it, current)
+			if err != nil {
+				return failed(err, "look for discarded versions")
+			}
+			if skipped == ev.AggregateVersion-current-1 {
+				// Every missing version was discarded by an operator (dlq
+				// discard): they will never be applied, so this one is next.
+				return result{kind: resApplied}
+			}
+		}
 		res.err = fmt.Errorf("%w: %s is at version %d, received version %d (missing %s)",
 			ErrGap, aggregateName(ev.AggregateType, ev.AggregateID), current, ev.AggregateVersion, missing(current, ev.AggregateVersion))
 	default:
 		return failed(err, "look for dead-lettered versions")
 	}
 	return res
+}
+
+// discardedBetween counts the versions between current and the event's that
+// an operator discarded. `dlq discard` moves the position past a discarded
+// version when it is the next one; this covers the other orders (an earlier
+// version still open at the discard, an aggregate the consumer had not seen).
+func (c *Consumer) discardedBetween(ctx context.Context, tx pgx.Tx, it *item, current int64) (int64, error) {
+	ev := &it.m.Event
+	var n int64
+	err := tx.QueryRow(ctx, `
+		SELECT count(DISTINCT aggregate_version) FROM consumer_dead_letter
+		WHERE consumer = $1 AND status = 'discarded' AND aggregate_type IS NOT DISTINCT FROM NULLIF($2, '')
+		  AND aggregate_id = $3 AND aggregate_version > $4 AND aggregate_version < $5`,
+		c.cfg.Name, ev.AggregateType, ev.AggregateID, current, ev.AggregateVersion).Scan(&n)
+	return n, err
 }
 
 func missing(current, received int64) string {

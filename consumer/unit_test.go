@@ -60,6 +60,7 @@ func TestClassOf(t *testing.T) {
 		{"too many connections", &pgconn.PgError{Code: "53300"}, ClassTransient},
 		{"serialization", &pgconn.PgError{Code: "40001"}, ClassTransient},
 		{"deadlock", &pgconn.PgError{Code: "40P01"}, ClassTransient},
+		{"read-only transaction after a failover", &pgconn.PgError{Code: "25006"}, ClassTransient},
 		{"unique violation", &pgconn.PgError{Code: "23505"}, ClassUnknown},
 		{"raise exception", &pgconn.PgError{Code: "P0001"}, ClassUnknown},
 		{"overflow", &pgconn.PgError{Code: "22003"}, ClassUnknown},
@@ -101,6 +102,13 @@ func TestConfigValidation(t *testing.T) {
 		{"gap recheck above wait", func(c *Config) { c.GapWait = time.Second; c.GapRecheck = 2 * time.Second }, false},
 		{"negative initial version", func(c *Config) { c.InitialVersion = -1 }, false},
 		{"negative transient attempts", func(c *Config) { c.TransientAttempts = -1 }, false},
+		{"gap wait below retry max + ack wait", func(c *Config) { c.VersionCheck = true; c.GapWait = 30 * time.Second }, false},
+		{"gap wait of RetryMax + AckWait", func(c *Config) {
+			c.VersionCheck = true
+			c.AckWait, c.RetryMax, c.GapWait = time.Second, time.Second, 2*time.Second
+		}, true},
+		{"short gap wait without version check", func(c *Config) { c.GapWait = time.Second }, true},
+		{"default gap wait follows a long ack wait", func(c *Config) { c.VersionCheck = true; c.AckWait = 2 * time.Minute }, true},
 	} {
 		c := ok
 		tc.mod(&c)
@@ -135,6 +143,27 @@ func TestContentHashCoversIdentityAndPayload(t *testing.T) {
 		mod(&e)
 		if bytes.Equal(h, ContentHash(&e)) {
 			t.Errorf("%s change keeps the hash", name)
+		}
+	}
+}
+
+// A deadline while beginning the transaction was spent waiting for a
+// connection: transient, unlike the handler's own deadline.
+func TestFailedBeginClass(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+		want Class
+	}{
+		{"deadline", context.DeadlineExceeded, ClassTransient},
+		{"pool wait deadline", fmt.Errorf("acquire connection: %w", context.DeadlineExceeded), ClassTransient},
+		{"cannot connect now", &pgconn.PgError{Code: "57P03"}, ClassTransient},
+		{"read only", &pgconn.PgError{Code: "25006"}, ClassTransient},
+		{"other", errors.New("odd"), ClassUnknown},
+		{"cancelled", context.Canceled, ClassUnknown},
+	} {
+		if got := failedBegin(tc.err); got.kind != resFailed || got.class != tc.want {
+			t.Errorf("%s: failedBegin = %v %s, want %s", tc.name, got.kind, got.class, tc.want)
 		}
 	}
 }

@@ -31,14 +31,19 @@ type worker struct {
 // block holds back an aggregate's messages while one of them (head) waits
 // for its redelivery after a failure.
 type block struct {
-	head  uint64    // stream sequence of the failed message
-	until time.Time // stop waiting for the redelivery after this
-	held  []*item   // later messages of the aggregate, in arrival order
+	head    uint64    // stream sequence of the failed message
+	retryAt time.Time // when the broker redelivers head (its nak delay ends)
+	until   time.Time // ask JetStream whether head is gone after this
+	held    []*item   // later messages of the aggregate, in arrival order
+	waiting bool      // the overdue head was reported once
 }
 
-// failState counts failed attempts of one message.
+// failState counts failed attempts of one message. Each class counts
+// against its own limit: transient failures through an outage must not use
+// up the attempts an unclassified error is allowed afterwards.
 type failState struct {
-	attempts    int
+	attempts    int           // all failed attempts: the backoff step, the record's attempts
+	byClass     map[Class]int // failed attempts per class, against the class's limit
 	first, last time.Time
 }
 
@@ -59,40 +64,77 @@ func newWorker(c *Consumer, id int) *worker {
 	}
 }
 
+// run applies the worker's messages until ctx is cancelled, then waits for
+// the message in flight and gives the rest back to the broker. The message
+// being processed runs on a goroutine of its own, started and waited for
+// here, while this goroutine keeps taking messages from the dispatcher and
+// keeping them alive: a slow handler, or one that ignores its context and
+// hangs, delays this worker's aggregates only, never the dispatcher and so
+// never the other workers. Only this goroutine touches the worker's state;
+// the processing goroutine gets the item and hands back a result.
 func (w *worker) run(ctx context.Context) error {
 	tick := time.NewTicker(w.c.cfg.AckWait / 3)
 	defer tick.Stop()
+	var (
+		cur  *item
+		busy chan result // cur's result; nil while idle
+		stop = ctx.Done()
+	)
 	for {
-		w.drain()
-		if len(w.queue) == 0 {
-			select {
-			case <-ctx.Done():
+		if busy == nil {
+			if ctx.Err() != nil {
 				w.release()
 				return nil
-			case it := <-w.in:
-				w.queue = append(w.queue, it)
-			case <-tick.C:
-				w.heartbeat()
 			}
-			continue
+			if cur = w.next(); cur != nil {
+				busy = make(chan result, 1)
+				go func(it *item, out chan<- result) { out <- w.c.process(ctx, it) }(cur, busy)
+			}
 		}
 		select {
-		case <-ctx.Done():
-			w.release()
-			return nil
+		case <-stop:
+			stop = nil // wake once; the message in flight finishes first
+		case it := <-w.in:
+			w.queue = append(w.queue, it)
 		case <-tick.C:
-			w.heartbeat()
-		default:
+			w.heartbeat(ctx)
+		case res := <-busy:
+			busy = nil
+			if cur.replay != nil {
+				w.finishReplay(ctx, cur, res)
+			} else {
+				w.finish(ctx, cur, res)
+			}
+			cur = nil
 		}
+	}
+}
+
+// next takes the next message to process from the queue: not one of an
+// aggregate held back behind a failed message (it joins the held ones), nor
+// a replay of an aggregate whose earlier record failed in the same batch.
+// It returns nil when nothing is left to process.
+func (w *worker) next() *item {
+	for len(w.queue) > 0 {
 		it := w.queue[0]
 		w.queue[0] = nil
 		w.queue = w.queue[1:]
 		if it.replay != nil {
-			w.handleReplay(ctx, it)
-		} else {
-			w.handle(ctx, it)
+			if it.replay.failedBefore(it.key) {
+				// Left 'replaying': the next poll takes it again, after the
+				// earlier record, in order.
+				it.replay.done()
+				continue
+			}
+			return it
 		}
+		if b := w.blocked[it.key]; b != nil && it.m.StreamSeq > b.head {
+			b.held = append(b.held, it)
+			continue
+		}
+		return it
 	}
+	return nil
 }
 
 // drain moves whatever waits in the channel to the queue without blocking.
@@ -109,29 +151,48 @@ func (w *worker) drain() {
 
 // heartbeat tells the broker that queued and held messages are still being
 // worked on, so that ack_wait only has to cover one message's handling, and
-// releases blocks whose retried message never came back.
-func (w *worker) heartbeat() {
+// releases blocks whose retried message is known to be gone.
+func (w *worker) heartbeat(ctx context.Context) {
 	now := time.Now()
 	for _, it := range w.queue {
 		if it.msg != nil {
 			_ = it.msg.InProgress() // a lost progress ack only costs a harmless redelivery
 		}
 	}
-	for key, b := range w.blocked {
+	var overdue []uint64
+	for _, b := range w.blocked {
 		for _, it := range b.held {
 			_ = it.msg.InProgress()
 		}
-		if now.After(b.until) && w.queued(b.head) {
+		switch {
+		case !now.After(b.until):
+		case w.queued(b.head):
 			b.until = now.Add(w.c.cfg.AckWait) // redelivered, not yet reached
-			continue
+		default:
+			overdue = append(overdue, b.head)
 		}
-		if now.After(b.until) {
-			// The retried message was not redelivered to this process (taken
-			// by another process sharing the durable consumer, or deleted
-			// from the stream); holding its successors longer helps nobody.
-			w.c.log.Warn("retried message was not redelivered in time; releasing its aggregate",
+	}
+	if len(overdue) == 0 {
+		return
+	}
+	// The retried message did not come back in time. Its successors may go
+	// only when it cannot come back: settled (by another process sharing
+	// the durable consumer) or removed from the stream. A message that is
+	// merely late, because JetStream is unreachable or slow, keeps its
+	// aggregate held: releasing it then would apply a later event first.
+	gone := w.c.gone(ctx, overdue)
+	for key, b := range w.blocked {
+		switch {
+		case !now.After(b.until) || w.queued(b.head):
+		case gone[b.head]:
+			w.c.log.Warn("retried message was settled elsewhere or left the stream; releasing its aggregate",
 				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
+			w.forget(b.head)
 			w.unblock(key, b)
+		case !b.waiting:
+			b.waiting = true
+			w.c.log.Warn("retried message not redelivered yet; holding its aggregate until it is back or known to be gone",
+				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
 		}
 	}
 }
@@ -147,17 +208,27 @@ func (w *worker) queued(seq uint64) bool {
 }
 
 // release gives the queued and held messages back to the broker on shutdown,
-// so that they are redelivered at once rather than after ack_wait.
+// so that they are redelivered at once rather than after ack_wait; except
+// that the messages held behind a failed one come back only after it can
+// have been applied: it is redelivered at its retryAt, to whichever process
+// pulls first (a rolling deploy), and applied within HandlerTimeout, which
+// is below AckWait. Were they released at once, another process could apply
+// a later event of the aggregate first.
 func (w *worker) release() {
 	w.drain()
+	delay := func(b *block) time.Duration { return max(time.Until(b.retryAt), 0) + w.c.cfg.AckWait }
 	for _, it := range w.queue {
-		if it.msg != nil {
+		switch b := w.blocked[it.key]; {
+		case it.msg == nil:
+		case b != nil && it.m.StreamSeq > b.head: // would have been held
+			_ = it.msg.NakWithDelay(delay(b))
+		default:
 			_ = it.msg.Nak()
 		}
 	}
 	for _, b := range w.blocked {
 		for _, it := range b.held {
-			_ = it.msg.Nak()
+			_ = it.msg.NakWithDelay(delay(b))
 		}
 	}
 	w.queue, w.blocked = nil, map[string]*block{}
@@ -172,21 +243,18 @@ func (w *worker) unblock(key string, b *block) {
 	w.queue = append(append(q, b.held...), w.queue...)
 }
 
-// handle processes one delivery and settles it with the broker.
-func (w *worker) handle(ctx context.Context, it *item) {
+// finish settles a processed delivery with the broker and holds back or
+// releases its aggregate.
+func (w *worker) finish(ctx context.Context, it *item, res result) {
 	seq := it.m.StreamSeq
 	b := w.blocked[it.key]
-	if b != nil && seq > b.head {
-		b.held = append(b.held, it)
-		return
-	}
-	res := w.c.process(ctx, it)
 	retryDelay, retry := w.settle(ctx, it, res)
+	now := time.Now()
 	switch {
 	case retry && b == nil:
-		w.blocked[it.key] = &block{head: seq, until: time.Now().Add(retryDelay + 2*w.c.cfg.AckWait)}
+		w.blocked[it.key] = &block{head: seq, retryAt: now.Add(retryDelay), until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
 	case retry:
-		b.head, b.until = seq, time.Now().Add(retryDelay+2*w.c.cfg.AckWait)
+		b.head, b.retryAt, b.until, b.waiting = seq, now.Add(retryDelay), now.Add(retryDelay+2*w.c.cfg.AckWait), false
 	case b != nil && seq == b.head:
 		w.unblock(it.key, b)
 	}
@@ -242,12 +310,12 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 		return w.deadLetter(ctx, it, ClassGap, reason, &failState{attempts: g.deferrals, first: g.since, last: time.Now()})
 	case resConflict:
 		c.met.conflict.Inc()
-		return w.deadLetter(ctx, it, ClassConflict, res.err, w.fail(seq))
+		return w.deadLetter(ctx, it, ClassConflict, res.err, w.fail(seq, ClassConflict))
 	case resStale:
 		return 0, false
 	}
 	// resFailed
-	f := w.fail(seq)
+	f := w.fail(seq, res.class)
 	limit := 0
 	switch res.class {
 	case ClassTransient:
@@ -257,21 +325,22 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 	default: // permanent, and conflict or gap returned by a handler
 		return w.deadLetter(ctx, it, res.class, res.err, f)
 	}
-	if limit > 0 && f.attempts >= limit {
-		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d attempts)", unclassed(res.err), f.attempts), f)
+	if n := f.byClass[res.class]; limit > 0 && n >= limit {
+		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d %s attempts, %d in all)", unclassed(res.err), n, res.class, f.attempts), f)
 	}
 	return w.retry(it, res.class, res.err, f.attempts, log)
 }
 
-// fail records a failed attempt of the message at seq.
-func (w *worker) fail(seq uint64) *failState {
+// fail records a failed attempt of class of the message at seq.
+func (w *worker) fail(seq uint64, class Class) *failState {
 	now := time.Now()
 	f := w.fails[seq]
 	if f == nil {
-		f = &failState{first: now}
+		f = &failState{first: now, byClass: map[Class]int{}}
 		w.fails[seq] = f
 	}
 	f.attempts++
+	f.byClass[class]++
 	f.last = now
 	return f
 }
@@ -295,9 +364,12 @@ func (w *worker) retry(it *item, class Class, err error, attempt int, log *zap.L
 
 // deadLetter stores the message in consumer_dead_letter and terminates it.
 // When the record cannot be written (the database is down) the message is
-// retried instead: nothing leaves the stream without a record.
+// retried instead: nothing leaves the stream without a record. A record the
+// database refuses as is gets stored escaped (see insertDeadLetter), so
+// that a message is never retried for good for want of a record.
 func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason error, f *failState) (time.Duration, bool) {
 	log := w.c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
+	class, reason = storableClass(class, reason)
 	id, err := w.c.insertDeadLetter(ctx, it, class, reason, f)
 	if err != nil {
 		return w.retry(it, ClassTransient, fmt.Errorf("write dead letter (%s: %v): %w", class, reason, err), f.attempts, log)
@@ -313,12 +385,12 @@ func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason e
 	return 0, false
 }
 
-// handleReplay applies a dead letter an operator asked to replay and closes
-// or reopens its record.
-func (w *worker) handleReplay(ctx context.Context, it *item) {
+// finishReplay settles a processed replay: the record was closed in its
+// transaction, or it is reopened with the new failure. A failure holds back
+// the aggregate's later records of the same batch (see next).
+func (w *worker) finishReplay(ctx context.Context, it *item, res result) {
 	defer it.replay.done()
 	c := w.c
-	res := c.process(ctx, it)
 	switch res.kind {
 	case resApplied, resRejected, resDuplicate:
 		c.met.replayResult(map[resultKind]string{resApplied: outcomeApplied, resRejected: outcomeRejected, resDuplicate: outcomeDuplicate}[res.kind])
@@ -339,6 +411,7 @@ func (w *worker) handleReplay(ctx context.Context, it *item) {
 		reason = errors.New("replay failed")
 	}
 	c.met.replayResult("failed")
+	it.replay.fail(it.key)
 	if err := c.reopenDeadLetter(ctx, it, class, reason); err != nil {
 		// The record stays 'replaying' and is taken again by the next poll.
 		c.log.Warn("reopen dead letter after failed replay", zap.Int64(fieldDeadID, it.m.DeadLetterID), zap.Error(err))

@@ -338,8 +338,12 @@ func (st *cmdState) discardCmd() *cobra.Command {
 		Short: "Close dead letters without applying them (audited; --reason required)",
 		Long: `Closes the selected open dead letters without applying them. --reason is required and
 recorded with the actor in the audit trail. Consumer records stay in their table with status
-"discarded"; relay records (--relay, by stream sequence) are deleted from the stream after the
-audit entry is stored.`,
+"discarded"; in the same transaction the event is recorded in consumed_message with outcome
+"discarded" (a redelivery is then a duplicate, never applied), and an aggregate whose
+version-check position stands just before the discarded version is moved past it (VersionCheck
+consumers then apply the later versions; they also skip discarded versions they find missing).
+Relay records (--relay, by stream sequence) are deleted from the stream after the audit entry
+is stored.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if strings.TrimSpace(reason) == "" {
 				return fmt.Errorf("%w: say why the dead letters may be dropped (--reason)", ErrReasonRequired)

@@ -12,6 +12,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/consumer"
+	"github.com/outbox-relay/outbox-relay/contract"
 )
 
 // DB is what the store needs of the consumer's database: *pgxpool.Pool
@@ -193,7 +196,7 @@ func (s *Store) RequestReplay(ctx context.Context, act Action, f Filter) (Ticket
 		return Ticket{}, ErrActorRequired
 	}
 	token := uuid.New()
-	ids, err := s.transition(ctx, act, ActionReplay, f, `
+	ids, err := s.transition(ctx, act, ActionReplay, f, nil, `
 		UPDATE consumer_dead_letter
 		SET status = 'replaying', replay_token = $2, replay_requested_at = CURRENT_TIMESTAMP, replay_requested_by = $3
 		WHERE id = ANY($1)`, token, act.Actor)
@@ -205,7 +208,12 @@ func (s *Store) RequestReplay(ctx context.Context, act Action, f Filter) (Ticket
 
 // Discard closes the open records selected by f without applying them and
 // audits it, in one transaction. The reason is required. Records stay in the
-// table as history with status 'discarded'.
+// table as history with status 'discarded'. In the same transaction each
+// discarded event is recorded in consumed_message with outcome 'discarded'
+// (so a redelivery is a duplicate, not applied), and an aggregate whose
+// version-check position stands just before the discarded version is moved
+// past it (so the consumer's later versions are not gaps for good); the
+// consumer also skips discarded versions when it finds a gap.
 func (s *Store) Discard(ctx context.Context, act Action, f Filter) ([]int64, error) {
 	if act.Actor == "" {
 		return nil, ErrActorRequired
@@ -213,15 +221,47 @@ func (s *Store) Discard(ctx context.Context, act Action, f Filter) ([]int64, err
 	if strings.TrimSpace(act.Reason) == "" {
 		return nil, fmt.Errorf("%w: say why the dead letters may be dropped (--reason)", ErrReasonRequired)
 	}
-	return s.transition(ctx, act, ActionDiscard, f, `
+	return s.transition(ctx, act, ActionDiscard, f, settleDiscarded, `
 		UPDATE consumer_dead_letter
 		SET status = 'discarded', resolved_at = CURRENT_TIMESTAMP, resolved_by = $2, resolution_reason = $3
 		WHERE id = ANY($1)`, act.Actor, act.Reason)
 }
 
+// selected is a dead letter chosen for an action, locked by transition.
+type selected struct {
+	id                                    int64
+	consumer, eventID, status, class, why string
+	eventType, aggType                    string
+	aggID                                 *string
+	version                               *int64
+	payload                               []byte
+}
+
+// settleDiscarded records a discarded event in the dedup table and moves
+// its aggregate's position past it (consumer.RecordDiscard); it returns what
+// it did for the audit. A record without a usable identity (a message
+// breaking the header contract) has nothing to record.
+func settleDiscarded(ctx context.Context, tx pgx.Tx, x selected, reason string) (map[string]any, error) {
+	if x.eventID == "" || x.aggID == nil || x.version == nil {
+		return nil, nil
+	}
+	d, err := consumer.RecordDiscard(ctx, tx, x.consumer, &contract.Event{ID: x.eventID, Type: x.eventType,
+		AggregateType: x.aggType, AggregateID: *x.aggID, AggregateVersion: *x.version, Payload: x.payload}, reason)
+	if err != nil {
+		return nil, err
+	}
+	detail := map[string]any{"dedup_recorded": d.DedupRecorded}
+	if d.PositionMoved {
+		detail["position_moved_to"] = *x.version
+	}
+	return detail, nil
+}
+
 // transition locks the selected records, checks they are open, runs update
-// on them and writes one audit row per record.
-func (s *Store) transition(ctx context.Context, act Action, action string, f Filter, update string, args ...any) ([]int64, error) {
+// on them, then each (when not nil) on every record in aggregate and version
+// order, and writes one audit row per record, all in one transaction.
+func (s *Store) transition(ctx context.Context, act Action, action string, f Filter,
+	each func(context.Context, pgx.Tx, selected, string) (map[string]any, error), update string, args ...any) ([]int64, error) {
 	if len(f.IDs) == 0 && f.Consumer == "" {
 		return nil, fmt.Errorf("%w: name record ids, or a consumer (with --all or filters)", ErrUsage)
 	}
@@ -238,19 +278,18 @@ func (s *Store) transition(ctx context.Context, act Action, action string, f Fil
 		wargs = append(wargs, StatusOpen)
 		where += fmt.Sprintf(" AND status = $%d", len(wargs))
 	}
-	rows, err := tx.Query(ctx, `SELECT id, consumer, event_id, status, failure_class, reason FROM consumer_dead_letter
+	rows, err := tx.Query(ctx, `SELECT id, consumer, event_id, status, failure_class, reason, COALESCE(event_type, ''),
+			COALESCE(aggregate_type, ''), aggregate_id, aggregate_version, payload
+		FROM consumer_dead_letter
 		WHERE `+where+` ORDER BY aggregate_type NULLS FIRST, aggregate_id NULLS FIRST, aggregate_version NULLS FIRST, stream_seq, id
 		FOR UPDATE`, wargs...)
 	if err != nil {
 		return nil, fmt.Errorf("select dead letters: %w", err)
 	}
-	type sel struct {
-		id                                    int64
-		consumer, eventID, status, class, why string
-	}
-	selected, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (sel, error) {
-		var x sel
-		err := r.Scan(&x.id, &x.consumer, &x.eventID, &x.status, &x.class, &x.why)
+	selected, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (selected, error) {
+		var x selected
+		err := r.Scan(&x.id, &x.consumer, &x.eventID, &x.status, &x.class, &x.why, &x.eventType, &x.aggType,
+			&x.aggID, &x.version, &x.payload)
 		return x, err
 	})
 	if err != nil {
@@ -281,7 +320,17 @@ func (s *Store) transition(ctx context.Context, act Action, action string, f Fil
 		return nil, fmt.Errorf("update dead letters: %w", err)
 	}
 	for _, x := range selected {
-		detail, _ := json.Marshal(map[string]string{"failure_class": x.class, "reason": x.why})
+		d := map[string]any{"failure_class": x.class, "reason": x.why}
+		if each != nil {
+			extra, err := each(ctx, tx, x, act.Reason)
+			if err != nil {
+				return nil, err
+			}
+			for k, v := range extra {
+				d[k] = v
+			}
+		}
+		detail, _ := json.Marshal(d)
 		if _, err := tx.Exec(ctx, `INSERT INTO consumer_dlq_audit (actor, action, consumer, dead_letter_id, event_id, reason, detail)
 			VALUES ($1, $2, $3, $4, $5, $6, $7)`, act.Actor, action, x.consumer, x.id, x.eventID, act.Reason, detail); err != nil {
 			return nil, fmt.Errorf("audit %s of dead letter %d: %w", action, x.id, err)

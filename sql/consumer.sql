@@ -33,12 +33,28 @@ CREATE TABLE IF NOT EXISTS consumed_message (
     aggregate_version bigint,
     -- applied: the handler's effect committed with this row; rejected: the
     -- handler refused the event for a business reason (consumer.Reject) and
-    -- only this row committed.
+    -- only this row committed; discarded: an operator discarded its dead
+    -- letter (`outbox-relay dlq discard`), so a redelivery is a duplicate.
     outcome           text        NOT NULL DEFAULT 'applied'
-        CHECK (outcome IN ('applied', 'rejected')),
+        CHECK (outcome IN ('applied', 'rejected', 'discarded')),
     reason            text,
     PRIMARY KEY (consumer, event_id)
 );
+
+-- Upgrade: earlier versions did not allow the 'discarded' outcome.
+-- consumer.Run applies this step too (consumer.Migrate). NOT VALID: the
+-- existing rows passed the narrower check, and a large table is not scanned.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = 'consumed_message'::regclass
+                   AND conname = 'consumed_message_outcome_check'
+                   AND pg_get_constraintdef(oid) LIKE '%discarded%') THEN
+        ALTER TABLE consumed_message DROP CONSTRAINT IF EXISTS consumed_message_outcome_check;
+        ALTER TABLE consumed_message ADD CONSTRAINT consumed_message_outcome_check
+            CHECK (outcome IN ('applied', 'rejected', 'discarded')) NOT VALID;
+    END IF;
+END
+$$;
 
 -- The retention pruner deletes by age, per consumer.
 CREATE INDEX IF NOT EXISTS consumed_message_consumer_consumed_at_idx
@@ -116,10 +132,17 @@ CREATE TABLE IF NOT EXISTS consumer_dead_letter (
 
 -- A message redelivered after its record was written (a crash between the
 -- insert and the broker's termination) updates the open record instead of
--- adding a second one.
-CREATE UNIQUE INDEX IF NOT EXISTS consumer_dead_letter_message_key
-    ON consumer_dead_letter (consumer, stream, stream_seq)
+-- adding a second one. A record belongs to one message: the stream position
+-- alone is not its identity, because a stream that is deleted and recreated
+-- numbers its messages from 1 again, so the event id and the payload's hash
+-- are part of the key.
+CREATE UNIQUE INDEX IF NOT EXISTS consumer_dead_letter_event_key
+    ON consumer_dead_letter (consumer, stream, stream_seq, event_id, sha256(payload))
     WHERE status IN ('open', 'replaying');
+-- Upgrade: the key of earlier versions (consumer, stream, stream_seq) merged
+-- a new message into the open record of an old one at the same sequence.
+-- consumer.Run applies this step too (consumer.Migrate).
+DROP INDEX IF EXISTS consumer_dead_letter_message_key;
 
 -- Replays run in aggregate order; gap checks look for a dead-lettered
 -- earlier version of the same aggregate.

@@ -1,0 +1,111 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Metadata keys recording which database and filter a durable consumer
+// serves. Two services configured with the same Name would otherwise share
+// one durable consumer: each start rewrote its filter, and each service
+// received, and applied with its handler, the other's events.
+const (
+	metaDatabase = "outbox-relay.database" // "<system identifier>/<database name>"
+	metaFilter   = "outbox-relay.filter"   // sorted filter subjects, space-separated
+)
+
+// identity is what the durable consumer's metadata records of its owner.
+type identity struct {
+	sysID, dbName, filter string
+}
+
+func (id identity) database() string { return id.sysID + "/" + id.dbName }
+
+// sameDatabase compares a recorded database with ours. The system
+// identifier needs a role that may call pg_control_system(); when either
+// side could not read it, the database names alone decide.
+func (id identity) sameDatabase(recorded string) bool {
+	sys, name, ok := strings.Cut(recorded, "/")
+	if !ok {
+		return false
+	}
+	if sys != "" && id.sysID != "" && sys != id.sysID {
+		return false
+	}
+	return name == id.dbName
+}
+
+func (c *Consumer) identity(ctx context.Context) (identity, error) {
+	var id identity
+	if err := c.db.QueryRow(ctx, `SELECT current_database()`).Scan(&id.dbName); err != nil {
+		return id, fmt.Errorf("read the database name: %w", err)
+	}
+	// Not every role may read the control data: then the name stands alone.
+	_ = c.db.QueryRow(ctx, `SELECT system_identifier::text FROM pg_control_system()`).Scan(&id.sysID)
+	filter := slices.Clone(c.cfg.FilterSubjects)
+	slices.Sort(filter)
+	id.filter = strings.Join(filter, " ")
+	return id, nil
+}
+
+// durable creates the durable consumer, or updates it after checking that
+// it is this consumer's: recorded for the same database, and with the same
+// filter unless Config.AllowFilterChange. A durable without recorded
+// identity (made by an earlier version) is adopted when its filter matches.
+func (c *Consumer) durable(ctx context.Context) (jetstream.Consumer, error) {
+	id, err := c.identity(ctx)
+	if err != nil {
+		return nil, err
+	}
+	cfg := c.consumerConfig()
+	cfg.Metadata = map[string]string{metaDatabase: id.database(), metaFilter: id.filter}
+	for attempt := 0; ; attempt++ {
+		existing, err := c.js.Consumer(ctx, c.cfg.Stream, c.cfg.Name)
+		if errors.Is(err, jetstream.ErrConsumerNotFound) {
+			cons, err := c.js.CreateConsumer(ctx, c.cfg.Stream, cfg)
+			if errors.Is(err, jetstream.ErrConsumerExists) && attempt == 0 {
+				continue // created concurrently: check whose it is
+			}
+			return cons, err
+		}
+		if err != nil {
+			return nil, err
+		}
+		if err := c.checkIdentity(id, existing.CachedInfo().Config); err != nil {
+			return nil, err
+		}
+		return c.js.UpdateConsumer(ctx, c.cfg.Stream, cfg)
+	}
+}
+
+func (c *Consumer) checkIdentity(id identity, have jetstream.ConsumerConfig) error {
+	haveFilter := have.Metadata[metaFilter]
+	if _, ok := have.Metadata[metaFilter]; !ok {
+		f := slices.Clone(have.FilterSubjects)
+		if have.FilterSubject != "" {
+			f = append(f, have.FilterSubject)
+		}
+		slices.Sort(f)
+		haveFilter = strings.Join(f, " ")
+	}
+	show := func(f string) string {
+		if f == "" {
+			return "(the whole stream)"
+		}
+		return f
+	}
+	if db, ok := have.Metadata[metaDatabase]; ok && !id.sameDatabase(db) {
+		return fmt.Errorf("%w: durable consumer %s on stream %s belongs to database %s (filter %s); this consumer writes to database %s (filter %s). Two services must not share a Name: give this one its own Config.Name",
+			ErrDurableClash, c.cfg.Name, c.cfg.Stream, db, show(haveFilter), id.database(), show(id.filter))
+	}
+	if haveFilter != id.filter && !c.cfg.AllowFilterChange {
+		return fmt.Errorf("%w: durable consumer %s on stream %s filters %s, this consumer %s. If another service uses the same Name, give this one its own Config.Name; if this service's filter changed on purpose, start it once with Config.AllowFilterChange",
+			ErrDurableClash, c.cfg.Name, c.cfg.Stream, show(haveFilter), show(id.filter))
+	}
+	return nil
+}
