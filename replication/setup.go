@@ -54,6 +54,11 @@ func Setup(ctx context.Context, cfg Config) (*SetupReport, error) {
 	if err := checkServer(ctx, conn); err != nil {
 		return nil, err
 	}
+	if info, err := checkFeatures(ctx, conn, cfg); err != nil {
+		return nil, err
+	} else if info.InRecovery {
+		return rep, setupOnStandby(ctx, conn, cfg, rep)
+	}
 	if err := ensurePublication(ctx, conn, cfg, rep, true); err != nil {
 		return nil, err
 	}
@@ -75,6 +80,9 @@ func Check(ctx context.Context, cfg Config) error {
 	}
 	defer conn.Close(ctx)
 	if err := checkServer(ctx, conn); err != nil {
+		return err
+	}
+	if _, err := checkFeatures(ctx, conn, cfg); err != nil {
 		return err
 	}
 	if err := ensurePublication(ctx, conn, cfg, &SetupReport{}, false); err != nil {

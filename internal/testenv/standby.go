@@ -195,6 +195,12 @@ func (s *Standby) Promote() error {
 	}
 }
 
+// Exec runs one statement on the server's "postgres" database as the
+// superuser.
+func (p *Postgres) Exec(ctx context.Context, sql string, args ...any) error {
+	return p.exec(ctx, sql, args...)
+}
+
 func (p *Postgres) exec(ctx context.Context, sql string, args ...any) error {
 	conn, err := pgx.Connect(ctx, p.AdminURL)
 	if err != nil {

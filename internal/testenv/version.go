@@ -266,3 +266,14 @@ func (p *Postgres) importFile(dir, value string) (string, error) {
 	}
 	return "'" + p.server.inside(dst) + "'", nil
 }
+
+// PGMajor returns the major version private clusters will run
+// (OUTBOX_TEST_PG_VERSION, else the host's newest), without starting one:
+// tests that need a version skip before they start servers.
+func PGMajor() (int, error) {
+	s, err := selectServer()
+	if err != nil {
+		return 0, err
+	}
+	return s.major, nil
+}

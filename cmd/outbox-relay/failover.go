@@ -1,0 +1,49 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+
+	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/replication"
+)
+
+// failoverStatus checks whether a failover now would keep the slot and adds
+// each reason it would not to problems, so that `status` exits 1.
+func failoverStatus(ctx context.Context, cfg config.Config, problems []string) (*replication.FailoverReport, []string) {
+	rep, err := replication.CheckFailover(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
+	if err != nil {
+		return nil, append(problems, "failover check: "+err.Error())
+	}
+	for _, p := range rep.Problems {
+		problems = append(problems, "a failover now would lose the slot: "+p)
+	}
+	return &rep, problems
+}
+
+// printFailover prints the failover section of `status`.
+func printFailover(w io.Writer, r *replication.FailoverReport) {
+	if r == nil {
+		return
+	}
+	fmt.Fprintf(w, "failover\t\n")
+	switch {
+	case r.Standbys == 0 && len(r.Checked) == 0:
+		fmt.Fprintf(w, "  standbys\tnone: no failover possible\n")
+		return
+	case r.AtRisk():
+		fmt.Fprintf(w, "  safe now\tno (%d standbys): see the problems below\n", r.Standbys)
+	case r.Unverified != "":
+		fmt.Fprintf(w, "  safe now\tunverified (%d standbys): %s\n", r.Standbys, r.Unverified)
+	default:
+		fmt.Fprintf(w, "  safe now\tyes (%d standbys)\n", r.Standbys)
+	}
+	for _, s := range r.Checked {
+		if s.Ready {
+			fmt.Fprintf(w, "  %s\tslot synchronised, failover-ready\n", s.Host)
+		} else {
+			fmt.Fprintf(w, "  %s\t%s\n", s.Host, s.Problem)
+		}
+	}
+}
