@@ -314,8 +314,8 @@ func slotStatus(ctx context.Context, conn *pgx.Conn, slot string) (SlotStatus, e
 	err := conn.QueryRow(ctx, `
 SELECT plugin, database, active, active_pid, wal_status,
        confirmed_flush_lsn::text, restart_lsn::text,
-       (pg_current_wal_lsn() - restart_lsn)::bigint,
-       (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
+       (`+CurrentLSN+` - restart_lsn)::bigint,
+       (`+CurrentLSN+` - confirmed_flush_lsn)::bigint
 FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&plugin, &database, &st.Active, &pid, &walStatus, &confirmed, &restart, &retained, &lag)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return st, nil

@@ -7,6 +7,11 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
+// CurrentLSN is the SQL expression of the server's current WAL position:
+// pg_current_wal_lsn() on a primary; on a standby, where that fails, the
+// position replayed so far, which is all a slot there can reach.
+const CurrentLSN = "(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END)"
+
 // setupOnStandby is Setup on a hot standby (PostgreSQL 16+, checked by
 // checkFeatures): the publication comes from the primary, which alone can
 // create it, and the slot is the standby's own. Creating it waits for the
