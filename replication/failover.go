@@ -10,18 +10,31 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // IsConnectFailure reports whether err is a failure to open a session with
-// any host of the URL: refused, unreachable, or only standbys answering
-// where a primary is needed. Asking again costs one connection attempt,
-// which is why the relay does not back off far from these (after a
-// promotion it must find the new primary within seconds).
+// any host of the URL that a failover explains: refused, unreachable, a
+// server starting up or shutting down, or only standbys answering where a
+// primary is needed. Asking again costs one connection attempt, which is
+// why the relay does not back off far from these (after a promotion it
+// must find the new primary within seconds). A rejected password or a
+// missing database is not one: those wait for an operator.
 func IsConnectFailure(err error) bool {
+	if errors.Is(err, ErrNoPrimary) {
+		return true
+	}
 	var ce *pgconn.ConnectError
-	return errors.As(err, &ce) || errors.Is(err, ErrNoPrimary)
+	if !errors.As(err, &ce) {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgerrcode.IsInvalidAuthorizationSpecification(pgErr.Code) || pgErr.Code == pgerrcode.InvalidCatalogName) {
+		return false
+	}
+	return true
 }
 
 // connectFailure adds ErrNoPrimary, with the fix, to a connection error

@@ -1,10 +1,15 @@
 package replication_test
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -55,6 +60,36 @@ func TestCheckFeatures(t *testing.T) {
 				if !strings.Contains(err.Error(), m) {
 					t.Errorf("error %q does not mention %q", err, m)
 				}
+			}
+		})
+	}
+}
+
+// TestIsConnectFailure: the relay retries these within a second (a server
+// down or not yet promoted); a wrong database or role waits for an operator.
+func TestIsConnectFailure(t *testing.T) {
+	env := testenv.Get(t)
+	port, err := testenv.FreePort()
+	testenv.Must(t, err, "free port")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, c := range []struct {
+		name string
+		url  string
+		want bool
+	}{
+		{"nothing listens", fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable&connect_timeout=2", port), true},
+		{"no such database", env.PG.URL(testenv.UniqueName("missing")), false},
+		{"no such role", strings.Replace(env.PG.URL("postgres"), "postgres@", "nobody_"+testenv.UniqueName("r")+"@", 1), false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			cfg := replication.Config{URL: c.url, Slot: "s", Publication: "p"}
+			_, err := replication.Open(ctx, cfg, publisher.NewTracker(0))
+			if err == nil {
+				t.Fatal("Open succeeded")
+			}
+			if got := replication.IsConnectFailure(err); got != c.want {
+				t.Fatalf("IsConnectFailure(%v) = %v, want %v", err, got, c.want)
 			}
 		})
 	}
