@@ -48,6 +48,37 @@ func connectFailure(err error) error {
 	return err
 }
 
+// CheckSlotNotLost fails with the failover recovery (ErrSlotMissing) when
+// the slot does not exist on a server that was promoted from a standby
+// while streamHasEvents says the relay has published before: the slot was
+// lost in a failover, and creating a new one at the current position, as
+// auto_setup would, skips what was committed in between. It returns nil
+// when the slot exists, on a server never promoted, and for a first start.
+func CheckSlotNotLost(ctx context.Context, url, slot string, streamHasEvents func(context.Context) (bool, error)) error {
+	conn, err := connectSQL(ctx, url)
+	if err != nil {
+		return connectFailure(err)
+	}
+	defer conn.Close(ctx)
+	st, err := slotStatus(ctx, conn, slot)
+	if err != nil || st.Exists {
+		return err
+	}
+	err = missingSlotError(ctx, conn, slot)
+	var ae *ActionableError
+	if !errors.As(err, &ae) || !strings.Contains(ae.Detail, "promoted from a standby") {
+		return nil // never promoted: a first start
+	}
+	published, serr := streamHasEvents(ctx)
+	if serr != nil {
+		return fmt.Errorf("look up the event stream before creating slot %q on a promoted server: %w", slot, serr)
+	}
+	if !published {
+		return nil
+	}
+	return err
+}
+
 // missingSlotError explains a missing slot. On a server that was promoted
 // from a standby (its timeline is above 1) the likeliest cause is a
 // failover that the slot did not survive, and the fix is not only setup.

@@ -168,6 +168,9 @@ func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *rela
 // slot comes from an exported snapshot and the rows already waiting are
 // published first.
 func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.Logger) error {
+	if err := refuseSlotLostInFailover(ctx, cfg, nc); err != nil {
+		return err
+	}
 	if cfg.Postgres.Backfill {
 		rep, err := backfill(ctx, cfg, nc, log, os.Stderr)
 		if err != nil {

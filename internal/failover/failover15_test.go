@@ -19,7 +19,9 @@ import (
 // whose message names the recovery; the test follows that recovery with the
 // binary, as docs/operations.md gives it (setup, reconcile --repair
 // --include-pending from the last event in the stream, then the relay),
-// and ends with nothing missing, no duplicate and order per aggregate.
+// and ends with nothing missing, no duplicate and order per aggregate. A
+// relay restarted before that recovery (auto_setup on) stops with the same
+// error instead of creating a slot after the gap.
 // Phantom events (relayed from the old primary, lost with it) are counted:
 // without synchronized_standby_slots (17 only) nothing prevents them.
 func TestFailoverWithoutFailoverSlot(t *testing.T) {
@@ -66,19 +68,29 @@ func TestFailoverWithoutFailoverSlot(t *testing.T) {
 	wait()
 	relayed := relaytest.ReadStream(ctx, t, c.js, c.stream)
 
+	// A relay restarted by its supervisor must not paper over the gap with
+	// auto_setup: it stops with the same recovery and creates no slot.
+	cfg := c.writeConfig(nil)
+	out, code := c.run(time.Minute, nil, "run", "--config", cfg)
+	if code == 0 || !strings.Contains(out, "promoted from a standby") || !strings.Contains(out, "reconcile") {
+		t.Fatalf("outbox-relay run after the failover exited %d, want the failover recovery:\n%s", code, out)
+	}
+	if s, err := replication.Status(ctx, c.standbyURL(), c.cfg.Replication.Slot); err != nil || s.Exists {
+		t.Fatalf("auto_setup created slot %q on the promoted server (%v)", c.cfg.Replication.Slot, err)
+	}
+
 	// The recovery, as docs/operations.md gives it.
 	since := time.Now().Add(-time.Hour)
 	if len(relayed) > 0 {
 		since = relayed[len(relayed)-1].Event.CommitTime.Add(-time.Minute)
 	}
-	cfg := c.writeConfig(nil)
 	recovery := time.Now()
 	// Without backfill: setup would otherwise republish every PENDING row
 	// of the table, not only the window.
 	if out, code := c.run(time.Minute, []string{"OUTBOX_RELAY_POSTGRES_BACKFILL=false"}, "setup", "--config", cfg); code != 0 {
 		t.Fatalf("setup on the new primary exited %d:\n%s", code, out)
 	}
-	out, code := c.run(2*time.Minute, nil, "reconcile", "--since", since.UTC().Format(time.RFC3339Nano), "--repair", "--include-pending", "--confirm-wait", "0", "--config", cfg)
+	out, code = c.run(2*time.Minute, nil, "reconcile", "--since", since.UTC().Format(time.RFC3339Nano), "--repair", "--include-pending", "--confirm-wait", "0", "--config", cfg)
 	if code > 1 {
 		t.Fatalf("reconcile --repair exited %d:\n%s", code, out)
 	}
