@@ -36,7 +36,7 @@ test: postgres vet
 # once, at OUTBOX_PG17_ROOT or /var/cache/outbox-relay/pg17-trixie, and
 # mounts /proc and /dev in it for the run). Needs root.
 PG17_PKGS   ?= ./internal/testenv/ ./replication/ ./relay/ ./consumer/ ./dlq/ ./outbox/ ./sql/ \
-	./internal/reconcile/ ./internal/cleanup/ ./internal/failover/ ./cmd/outbox-relay/ ./cmd/reward-consumer/
+	./internal/reconcile/ ./internal/cleanup/ ./internal/failover/ ./cmd/outbox-relay/ ./cmd/reward-consumer/ ./cmd/outbox-demo/
 PG17_FAULTS ?= TestPostgresRestart|TestPostgresTLSVerifyFull|TestSlotInvalidatedStatus|TestNetworkFaultsPostgres|TestFailoverSlotNeedsPostgres17|TestLeastPrivilege|TestHATakeover
 test-pg17: vet pg17-root
 	scripts/pg17-root.sh run $(GO) test -race -count=1 -timeout 20m $(PG17_PKGS)
