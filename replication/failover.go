@@ -147,12 +147,7 @@ func CheckFailover(ctx context.Context, url, slot string) (FailoverReport, error
 	if err != nil {
 		return rep, err
 	}
-	var primary *pgx.Conn
-	type standby struct {
-		host string
-		conn *pgx.Conn
-	}
-	var standbys []standby
+	primary, standbys, firstErr := connectHosts(ctx, hosts)
 	defer func() {
 		if primary != nil {
 			primary.Close(context.Background())
@@ -161,28 +156,6 @@ func CheckFailover(ctx context.Context, url, slot string) (FailoverReport, error
 			s.conn.Close(context.Background())
 		}
 	}()
-	var firstErr error
-	for _, h := range hosts {
-		conn, err := pgx.ConnectConfig(ctx, h.cfg)
-		if err != nil {
-			firstErr = cmpOr(firstErr, fmt.Errorf("connect to %s: %w", h.name, err))
-			continue
-		}
-		var recovery bool
-		if err := conn.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&recovery); err != nil {
-			conn.Close(ctx)
-			firstErr = cmpOr(firstErr, fmt.Errorf("read pg_is_in_recovery() on %s: %w", h.name, err))
-			continue
-		}
-		switch {
-		case recovery:
-			standbys = append(standbys, standby{h.name, conn})
-		case primary == nil:
-			primary = conn
-		default:
-			conn.Close(ctx)
-		}
-	}
 	if primary == nil {
 		return rep, cmpOr(firstErr, fmt.Errorf("%w: no host of postgres.url is a primary", ErrNoPrimary))
 	}
@@ -231,22 +204,59 @@ FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&exists, &rep.Failov
 		rep.Unverified = "postgres.url lists no standby, so their copies of the slot were not checked: add the standbys as further hosts (postgres://primary,standby/db?target_session_attrs=read-write)"
 		return rep, nil
 	}
-	ready := 0
-	for _, s := range standbys {
-		ss := standbySlot(ctx, s.conn, s.host, slot)
-		if ss.Ready {
-			ready++
+	rep.Checked = checkCopies(ctx, standbys, slot)
+	var why []string
+	for _, s := range rep.Checked {
+		if s.Ready {
+			return rep, nil
 		}
-		rep.Checked = append(rep.Checked, ss)
+		why = append(why, s.Host+": "+s.Problem)
 	}
-	if ready == 0 {
-		var why []string
-		for _, s := range rep.Checked {
-			why = append(why, s.Host+": "+s.Problem)
-		}
-		rep.Problems = append(rep.Problems, "no standby has a failover-ready copy of slot "+strconv.Quote(slot)+", so promoting one now would lose it ("+strings.Join(why, "; ")+")")
-	}
+	rep.Problems = append(rep.Problems, "no standby has a failover-ready copy of slot "+strconv.Quote(slot)+", so promoting one now would lose it ("+strings.Join(why, "; ")+")")
 	return rep, nil
+}
+
+// hostConn is a connection to one host of the URL.
+type hostConn struct {
+	host string
+	conn *pgx.Conn
+}
+
+// connectHosts connects to every host and sorts them: the first that is not
+// in recovery is the primary (others are closed), the rest are standbys.
+// err is the first failure, for when no primary answers.
+func connectHosts(ctx context.Context, hosts []urlHost) (primary *pgx.Conn, standbys []hostConn, err error) {
+	for _, h := range hosts {
+		conn, cerr := pgx.ConnectConfig(ctx, h.cfg)
+		if cerr != nil {
+			err = cmpOr(err, fmt.Errorf("connect to %s: %w", h.name, cerr))
+			continue
+		}
+		var recovery bool
+		if qerr := conn.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&recovery); qerr != nil {
+			conn.Close(ctx)
+			err = cmpOr(err, fmt.Errorf("read pg_is_in_recovery() on %s: %w", h.name, qerr))
+			continue
+		}
+		switch {
+		case recovery:
+			standbys = append(standbys, hostConn{h.name, conn})
+		case primary == nil:
+			primary = conn
+		default:
+			conn.Close(ctx)
+		}
+	}
+	return primary, standbys, err
+}
+
+// checkCopies inspects each standby's copy of slot.
+func checkCopies(ctx context.Context, standbys []hostConn, slot string) []StandbySlot {
+	out := make([]StandbySlot, 0, len(standbys))
+	for _, s := range standbys {
+		out = append(out, standbySlot(ctx, s.conn, s.host, slot))
+	}
+	return out
 }
 
 // checkSynchronizedSlots adds a problem unless synchronized_standby_slots
