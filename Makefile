@@ -5,7 +5,7 @@ PKGS     ?= ./...
 PG_BIN   := $(firstword $(dir $(shell command -v initdb 2>/dev/null)) $(wildcard /usr/lib/postgresql/*/bin/))
 STATICCHECK := $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build test test-short vet lint demo bench fuzz postgres clean
+.PHONY: all build test test-pg17 pg17-root test-short vet lint demo bench fuzz postgres clean
 
 all: build
 
@@ -29,6 +29,21 @@ lint: vet
 # PostgreSQL cluster and an embedded NATS server (see internal/testenv).
 test: postgres vet
 	$(GO) test -race -count=1 -timeout 25m $(PKGS)
+
+# test-pg17 is CI's PostgreSQL 17 lane: every package whose tests talk to
+# PostgreSQL, then the PostgreSQL fault tests, against private clusters run
+# from a Debian trixie root filesystem (scripts/pg17-root.sh prepares it
+# once, at OUTBOX_PG17_ROOT or /var/cache/outbox-relay/pg17-trixie, and
+# mounts /proc and /dev in it for the run). Needs root.
+PG17_PKGS   ?= ./internal/testenv/ ./replication/ ./relay/ ./consumer/ ./dlq/ ./outbox/ ./sql/ \
+	./internal/reconcile/ ./internal/cleanup/ ./internal/failover/ ./cmd/outbox-relay/ ./cmd/reward-consumer/ ./cmd/outbox-demo/
+PG17_FAULTS ?= TestPostgresRestart|TestPostgresTLSVerifyFull|TestSlotInvalidatedStatus|TestNetworkFaultsPostgres|TestFailoverSlotNeedsPostgres17|TestLeastPrivilege|TestHATakeover
+test-pg17: vet pg17-root
+	scripts/pg17-root.sh run $(GO) test -race -count=1 -timeout 20m $(PG17_PKGS)
+	scripts/pg17-root.sh run $(GO) test -race -count=1 -timeout 10m -run '^($(PG17_FAULTS))$$' ./internal/faults/
+
+pg17-root:
+	scripts/pg17-root.sh prepare
 
 test-short: vet
 	$(GO) test -short -count=1 $(PKGS)

@@ -293,6 +293,13 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 		attempt++
 		wait := backoff(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt)
+		if replication.IsConnectFailure(err) {
+			// No host took the session (a primary down, a standby not yet
+			// promoted): asking again costs one connection attempt, and a
+			// backoff grown during the outage would delay streaming long
+			// after a promotion.
+			wait = min(wait, max(r.cfg.ReconnectMin, connectRetryMax))
+		}
 		if errors.Is(err, replication.ErrSlotInUse) {
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
@@ -308,6 +315,9 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 	}
 }
+
+// connectRetryMax caps the wait after a failed connection attempt.
+const connectRetryMax = time.Second
 
 func backoff(minD, maxD time.Duration, attempt int) time.Duration {
 	d := minD

@@ -40,6 +40,20 @@ var (
 	ErrProtocol = errors.New("replication protocol error")
 )
 
+// Errors about the server's version, role and failover readiness.
+var (
+	// ErrVersionUnsupported means a configured feature needs a newer
+	// PostgreSQL than the server's.
+	ErrVersionUnsupported = errors.New("feature needs a newer PostgreSQL")
+	// ErrStandbyDecoding means the relay was pointed at a standby that
+	// cannot decode for it: PostgreSQL before 16, or hot_standby_feedback off.
+	ErrStandbyDecoding = errors.New("logical decoding on this standby is not possible")
+	// ErrNoPrimary means no host of postgres.url accepted a read-write
+	// session (target_session_attrs): all that answered are standbys. It is
+	// retried, since a promotion may be under way.
+	ErrNoPrimary = errors.New("no PostgreSQL primary reachable")
+)
+
 // ActionableError adds an operator hint to one of the sentinel errors above.
 type ActionableError struct {
 	Err    error  // one of the sentinels
@@ -68,7 +82,8 @@ func actionable(err error, hint string, detailFormat string, args ...any) error 
 // IsPermanent reports whether err needs an operator rather than a
 // reconnect: bad settings, a lost or foreign slot, an undecodable stream.
 func IsPermanent(err error) bool {
-	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrTableMissing, ErrProtocol, ErrFailoverUnsupported} {
+	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrTableMissing, ErrProtocol, ErrFailoverUnsupported,
+		ErrVersionUnsupported, ErrStandbyDecoding} {
 		if errors.Is(err, p) {
 			return true
 		}

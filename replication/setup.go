@@ -54,6 +54,11 @@ func Setup(ctx context.Context, cfg Config) (*SetupReport, error) {
 	if err := checkServer(ctx, conn); err != nil {
 		return nil, err
 	}
+	if info, err := checkFeatures(ctx, conn, cfg); err != nil {
+		return nil, err
+	} else if info.InRecovery {
+		return rep, setupOnStandby(ctx, conn, cfg, rep)
+	}
 	if err := ensurePublication(ctx, conn, cfg, rep, true); err != nil {
 		return nil, err
 	}
@@ -75,6 +80,9 @@ func Check(ctx context.Context, cfg Config) error {
 	}
 	defer conn.Close(ctx)
 	if err := checkServer(ctx, conn); err != nil {
+		return err
+	}
+	if _, err := checkFeatures(ctx, conn, cfg); err != nil {
 		return err
 	}
 	if err := ensurePublication(ctx, conn, cfg, &SetupReport{}, false); err != nil {
@@ -306,8 +314,8 @@ func slotStatus(ctx context.Context, conn *pgx.Conn, slot string) (SlotStatus, e
 	err := conn.QueryRow(ctx, `
 SELECT plugin, database, active, active_pid, wal_status,
        confirmed_flush_lsn::text, restart_lsn::text,
-       (pg_current_wal_lsn() - restart_lsn)::bigint,
-       (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
+       (`+CurrentLSN+` - restart_lsn)::bigint,
+       (`+CurrentLSN+` - confirmed_flush_lsn)::bigint
 FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&plugin, &database, &st.Active, &pid, &walStatus, &confirmed, &restart, &retained, &lag)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return st, nil

@@ -89,9 +89,9 @@ func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Strea
 	// in use, missing) that START_REPLICATION reports only vaguely.
 	sql, err := connectSQL(ctx, cfg.URL)
 	if err != nil {
-		return nil, err
+		return nil, connectFailure(err)
 	}
-	st, err := slotStatus(ctx, sql, cfg.Slot)
+	st, err := openChecks(ctx, sql, cfg)
 	sql.Close(ctx)
 	if err != nil {
 		return nil, err
@@ -115,7 +115,7 @@ func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Strea
 	pcfg.RuntimeParams["TimeZone"] = "UTC"
 	conn, err := pgconn.ConnectConfig(ctx, pcfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect for replication to %s: %w", describe(*pcfg), err)
+		return nil, connectFailure(fmt.Errorf("connect for replication to %s: %w", describe(*pcfg), err))
 	}
 	s.conn = conn
 	args := []string{"proto_version '1'", "publication_names '" + cfg.Publication + "'"}

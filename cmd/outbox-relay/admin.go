@@ -107,7 +107,9 @@ type statusReport struct {
 	// http.listen; RelayUnreachable says why they are missing.
 	Relay            *relayFigures `json:"relay,omitempty"`
 	RelayUnreachable string        `json:"relay_unreachable,omitempty"`
-	Problems         []string      `json:"problems,omitempty"`
+	// Failover says whether promoting a standby now would keep the slot.
+	Failover *replication.FailoverReport `json:"failover,omitempty"`
+	Problems []string                    `json:"problems,omitempty"`
 }
 
 // relayFigures are a running relay's figures from its /metrics.
@@ -218,6 +220,7 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 			rep.Problems = append(rep.Problems, "slot is lost (wal_status = 'lost'): events were lost; see the README's recovery runbook")
 		}
 	}
+	rep.Failover, rep.Problems = failoverStatus(ctx, cfg, rep.Problems)
 	nc, err := connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay status")
 	if err != nil {
 		rep.Problems = append(rep.Problems, "nats: "+err.Error())
@@ -289,6 +292,7 @@ func printStatus(w io.Writer, r statusReport) {
 	} else {
 		fmt.Fprintf(tw, "relay\tnot reachable: %s\n", r.RelayUnreachable)
 	}
+	printFailover(tw, r.Failover)
 	_ = tw.Flush()
 	for _, p := range r.Problems {
 		fmt.Fprintln(w, "problem:", p)

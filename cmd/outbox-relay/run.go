@@ -168,6 +168,9 @@ func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *rela
 // slot comes from an exported snapshot and the rows already waiting are
 // published first.
 func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.Logger) error {
+	if err := refuseSlotLostInFailover(ctx, cfg, nc); err != nil {
+		return err
+	}
 	if cfg.Postgres.Backfill {
 		rep, err := backfill(ctx, cfg, nc, log, os.Stderr)
 		if err != nil {
@@ -213,6 +216,7 @@ func httpHandler(reg *prometheus.Registry, withPprof bool, ready func() bool) ht
 // the streams polled on an interval, and the optional reconcile loop.
 type monitors struct {
 	slots     *metrics.SlotPoller
+	failover  *metrics.FailoverPoller
 	streams   *metrics.StreamPoller
 	reconcile *metrics.Reconcile
 	loop      *reconcile.Loop // nil when reconcile.interval is 0
@@ -223,6 +227,7 @@ func newMonitors(reg prometheus.Registerer, pool *pgxpool.Pool, js jetstream.Jet
 	mlog := log.Named("metrics")
 	m := &monitors{
 		slots:     metrics.NewSlotPoller(reg, pool, cfg.Postgres.Slot, cfg.Metrics.PollInterval, mlog),
+		failover:  metrics.NewFailoverPoller(reg, cfg.Postgres.URL, cfg.Postgres.Slot, cfg.Metrics.PollInterval, mlog),
 		streams:   metrics.NewStreamPoller(reg, js, cfg.NATS.Stream, cfg.NATS.DeadLetterStream, cfg.Metrics.PollInterval, mlog),
 		reconcile: metrics.NewReconcile(reg),
 	}
@@ -245,6 +250,7 @@ func newMonitors(reg prometheus.Registerer, pool *pgxpool.Pool, js jetstream.Jet
 // poll is counted and logged, and must not stop the relay.
 func (m *monitors) start(ctx context.Context, g *errgroup.Group) {
 	g.Go(func() error { return m.slots.Run(ctx) })
+	g.Go(func() error { return m.failover.Run(ctx) })
 	g.Go(func() error { return m.streams.Run(ctx) })
 	if m.loop != nil {
 		g.Go(func() error { return m.loop.Run(ctx) })

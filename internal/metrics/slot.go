@@ -47,8 +47,8 @@ func PollSlot(ctx context.Context, db Querier, slot string) (SlotSnapshot, error
 	var retained, lag *int64
 	err := db.QueryRow(ctx, `
 SELECT active, wal_status, confirmed_flush_lsn::text,
-       (pg_current_wal_lsn() - restart_lsn)::bigint,
-       (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
+       (`+replication.CurrentLSN+` - restart_lsn)::bigint,
+       (`+replication.CurrentLSN+` - confirmed_flush_lsn)::bigint,
        safe_wal_size
 FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&s.Active, &walStatus, &confirmed, &retained, &lag, &s.SafeWALSize)
 	s.At = time.Now()

@@ -14,6 +14,17 @@
 // docker-compose.yml); the PostgreSQL role must then be allowed to create
 // databases and replication slots.
 //
+// OUTBOX_TEST_PG_VERSION selects the major version of private clusters
+// (default: the newest on the host). A version the host lacks runs from a
+// root filesystem (OUTBOX_TEST_PG_ROOT, default DefaultPGRoot) that
+// scripts/pg17-root.sh prepares and mounts; the harness runs initdb,
+// pg_ctl and pg_basebackup there with chroot. The version in use is written
+// to the test log when the shared servers start.
+//
+// [Postgres.StartStandby] adds a physical standby to a private primary
+// (pg_basebackup, a physical slot, hot_standby_feedback, and on 17 slot
+// synchronisation), which the failover tests promote.
+//
 // PostgreSQL refuses to run as root. When the tests run as root (as in CI),
 // initdb and postgres are run as the "postgres" OS user through runuser, and
 // the data directory is created with that owner.

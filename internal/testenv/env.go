@@ -76,6 +76,11 @@ func Get(t testing.TB) *Env {
 			}
 		}
 		shared = &Env{PG: pg, NATS: nc}
+		// go test shows this line with -v and for failing packages: say
+		// which server the results are about.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		fmt.Fprintf(os.Stderr, "testenv: %s\n", pg.describeServer(ctx))
 	})
 	if sharedErr != nil {
 		t.Fatalf("start test services: %v", sharedErr)

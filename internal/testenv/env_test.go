@@ -3,6 +3,7 @@ package testenv
 import (
 	"context"
 	"os"
+	"strconv"
 	"testing"
 	"time"
 
@@ -35,6 +36,30 @@ func TestServersStart(t *testing.T) {
 	}
 	if _, err := js.AccountInfo(ctx); err != nil {
 		t.Fatalf("jetstream not enabled: %v", err)
+	}
+}
+
+// TestServerVersion checks that the server in use is the one
+// OUTBOX_TEST_PG_VERSION asks for, so a lane never reports results for
+// another version than it names.
+func TestServerVersion(t *testing.T) {
+	env := Get(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	num, err := env.PG.ServerVersionNum(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s", env.PG.describeServer(ctx))
+	want := os.Getenv(EnvPGVersion)
+	if want == "" || os.Getenv("OUTBOX_TEST_POSTGRES_URL") != "" {
+		return
+	}
+	if got := strconv.Itoa(num / 10000); got != want {
+		t.Fatalf("server_version_num %d is PostgreSQL %s, but %s=%s", num, got, EnvPGVersion, want)
+	}
+	if env.PG.Major() != num/10000 {
+		t.Fatalf("Major() = %d, server_version_num %d", env.PG.Major(), num)
 	}
 }
 

@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -24,11 +23,14 @@ type Postgres struct {
 	AdminURL string
 
 	external bool
-	binDir   string
+	server   pgServer
 	dataDir  string
 	sockDir  string
 	port     int
-	runAs    string // OS user that owns the cluster; "" when the current user does
+	// chownTo says that files must be given to uid:gid, the server's
+	// owner, because the tests run as root.
+	chownTo  bool
+	uid, gid int
 	logFile  string
 }
 
@@ -76,26 +78,24 @@ func StartPostgres(opts ...PostgresOption) (*Postgres, error) {
 	for _, opt := range opts {
 		opt(&o)
 	}
-	bin, err := FindPGBin()
+	server, err := selectServer()
 	if err != nil {
 		return nil, err
 	}
-	base, err := os.MkdirTemp("", "outbox-relay-pg-")
+	uid, gid, chownTo, err := server.owner()
+	if err != nil {
+		return nil, err
+	}
+	base, err := os.MkdirTemp(server.tempBase(), "outbox-relay-pg-")
 	if err != nil {
 		return nil, err
 	}
 	p := &Postgres{
-		binDir:  bin,
+		server:  server,
 		dataDir: filepath.Join(base, "data"),
 		sockDir: filepath.Join(base, "sock"),
 		logFile: filepath.Join(base, "postgres.log"),
-	}
-	if os.Geteuid() == 0 {
-		p.runAs = "postgres"
-		if _, err := user.Lookup(p.runAs); err != nil {
-			_ = os.RemoveAll(base)
-			return nil, fmt.Errorf("running as root needs the %q OS user to run PostgreSQL: %w", p.runAs, err)
-		}
+		chownTo: chownTo, uid: uid, gid: gid,
 	}
 	for _, d := range []string{p.dataDir, p.sockDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
@@ -122,7 +122,7 @@ func StartPostgres(opts ...PostgresOption) (*Postgres, error) {
 		"max_connections":         "200",
 		"listen_addresses":        "'127.0.0.1'",
 		"port":                    strconv.Itoa(port),
-		"unix_socket_directories": "'" + p.sockDir + "'",
+		"unix_socket_directories": "'" + p.server.inside(p.sockDir) + "'",
 		"fsync":                   "off", // the OS does not crash in tests; restarts still go through WAL replay
 		"synchronous_commit":      "off",
 		"full_page_writes":        "off",
@@ -132,18 +132,13 @@ func StartPostgres(opts ...PostgresOption) (*Postgres, error) {
 		"log_min_messages":        "warning",
 	}
 	for k, v := range o.settings {
+		v, err := p.importFile(filepath.Join(base, "files"), v)
+		if err != nil {
+			return nil, err
+		}
 		settings[k] = v
 	}
-	var conf bytes.Buffer
-	keys := make([]string, 0, len(settings))
-	for k := range settings {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		fmt.Fprintf(&conf, "%s = %s\n", k, settings[k])
-	}
-	if err := appendFile(filepath.Join(p.dataDir, "postgresql.conf"), conf.Bytes()); err != nil {
+	if err := appendFile(filepath.Join(p.dataDir, "postgresql.conf"), confLines(settings)); err != nil {
 		return nil, err
 	}
 	hba := "local all all trust\nlocal replication all trust\nhost all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n"
@@ -258,13 +253,7 @@ func (p *Postgres) DropDatabase(ctx context.Context, name string) error {
 }
 
 func (p *Postgres) run(tool string, args ...string) ([]byte, error) {
-	path := filepath.Join(p.binDir, tool)
-	var cmd *exec.Cmd
-	if p.runAs != "" {
-		cmd = exec.Command("runuser", append([]string{"-u", p.runAs, "--", path}, args...)...)
-	} else {
-		cmd = exec.Command(path, args...)
-	}
+	cmd := p.server.command(p.uid, p.gid, p.chownTo, tool, args...)
 	// pg_ctl start leaves postgres running: give it no pipes of ours, or
 	// CombinedOutput would wait for the server to exit.
 	out, err := os.CreateTemp("", "pgctl-out-")
@@ -281,21 +270,29 @@ func (p *Postgres) run(tool string, args ...string) ([]byte, error) {
 }
 
 func (p *Postgres) chown(dir string) error {
-	if p.runAs == "" {
+	if !p.chownTo {
 		return nil
 	}
-	u, err := user.Lookup(p.runAs)
-	if err != nil {
-		return err
-	}
-	uid, _ := strconv.Atoi(u.Uid)
-	gid, _ := strconv.Atoi(u.Gid)
 	return filepath.Walk(dir, func(path string, _ os.FileInfo, err error) error {
 		if err != nil {
 			return err
 		}
-		return os.Chown(path, uid, gid)
+		return os.Chown(path, p.uid, p.gid)
 	})
+}
+
+// confLines renders settings as postgresql.conf lines, sorted by name.
+func confLines(settings map[string]string) []byte {
+	var conf bytes.Buffer
+	keys := make([]string, 0, len(settings))
+	for k := range settings {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		fmt.Fprintf(&conf, "%s = %s\n", k, settings[k])
+	}
+	return conf.Bytes()
 }
 
 func appendFile(name string, b []byte) error {

@@ -1,0 +1,33 @@
+package replication
+
+import (
+	"context"
+	"errors"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// CurrentLSN is the SQL expression of the server's current WAL position:
+// pg_current_wal_lsn() on a primary; on a standby, where that fails, the
+// position replayed so far, which is all a slot there can reach.
+const CurrentLSN = "(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END)"
+
+// setupOnStandby is Setup on a hot standby (PostgreSQL 16+, checked by
+// checkFeatures): the publication comes from the primary, which alone can
+// create it, and the slot is the standby's own. Creating it waits for the
+// primary's next running-transactions record (up to 15 s on an idle
+// primary; pg_log_standby_snapshot() on the primary sends one at once).
+func setupOnStandby(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport) error {
+	err := ensurePublication(ctx, conn, cfg, rep, false)
+	var ae *ActionableError
+	if errors.As(err, &ae) && errors.Is(err, ErrPublicationMissing) {
+		ae.Hint = "run `outbox-relay setup` against the primary once: a standby cannot create a publication, and the primary's replicates to it"
+		return ae
+	}
+	if err != nil {
+		return err
+	}
+	rep.Actions = nil
+	rep.add("publication %s exists (created on the primary)", cfg.Publication)
+	return ensureSlot(ctx, conn, cfg, rep, true)
+}
