@@ -297,10 +297,11 @@ func (r *Relay) stream(ctx context.Context) error {
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
 			r.log.Info("slot in use by another instance; standing by", zap.Duration("retry_in", wait), zap.Error(err))
+			r.obs.StandingBy()
 		} else {
 			r.log.Warn("replication interrupted; reconnecting", zap.Duration("retry_in", wait), zap.Int("attempt", attempt), zap.Error(err))
+			r.obs.Reconnected()
 		}
-		r.obs.Reconnected()
 		select {
 		case <-ctx.Done():
 			return nil
