@@ -9,29 +9,12 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/logging"
 )
 
-func newLogger(c config.Log) (*zap.Logger, error) {
-	var zc zap.Config
-	if c.Format == "console" {
-		zc = zap.NewDevelopmentConfig()
-		zc.EncoderConfig.EncodeLevel = zapcore.CapitalColorLevelEncoder
-	} else {
-		zc = zap.NewProductionConfig()
-		zc.EncoderConfig.TimeKey = "ts"
-		zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	}
-	lvl, err := zapcore.ParseLevel(c.Level)
-	if err != nil {
-		return nil, err
-	}
-	zc.Level = zap.NewAtomicLevelAt(lvl)
-	zc.DisableStacktrace = true
-	return zc.Build()
-}
+func newLogger(c config.Log) (*zap.Logger, error) { return logging.New(c.Level, c.Format) }
 
 // connectNATS connects with reconnects that never give up: the relay keeps
 // its position in PostgreSQL, so waiting for the broker is always right.
