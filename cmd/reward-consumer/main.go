@@ -11,7 +11,7 @@
 //	--nats-url      REWARD_CONSUMER_NATS_URL      default nats://127.0.0.1:4222
 //	--stream        REWARD_CONSUMER_STREAM        default OUTBOX
 //	--consumer      REWARD_CONSUMER_NAME          durable consumer name, default reward-consumer
-//	--filter-subject REWARD_CONSUMER_FILTER_SUBJECT  e.g. outbox.outbox.>; default the whole stream
+//	--filter-subject REWARD_CONSUMER_FILTER_SUBJECT  e.g. outbox.registration.>; default the whole stream
 //	--points        REWARD_CONSUMER_POINTS        points per confirmed registration, default 10
 //	--owner         REWARD_CONSUMER_OWNER         owner of the dead letters, default rewards-team
 //	--metrics-listen REWARD_CONSUMER_METRICS_LISTEN  address for /metrics; empty disables
