@@ -56,36 +56,137 @@ func newRunCmd(g *globals) *cobra.Command {
 
 func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 	log.Info("starting", zap.String("version", version), zap.String("slot", cfg.Postgres.Slot), zap.String("stream", cfg.NATS.Stream), zap.Strings("tables", cfg.Tables()))
-	nc, err := connectNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
-	if err != nil {
-		return err
+	// The relay and the NATS connection come after the HTTP server: while
+	// a server is still unreachable at start, /healthz answers 200 and
+	// /readyz 503, and the gauges read as idle.
+	var (
+		ready atomic.Bool
+		rlp   atomic.Pointer[relay.Relay]
+		ncp   atomic.Pointer[nats.Conn]
+	)
+	streaming := func() bool {
+		nc := ncp.Load()
+		return ready.Load() && nc != nil && nc.IsConnected()
 	}
-	defer nc.Close()
-	var ready atomic.Bool
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	var rl *relay.Relay
-	obs := metrics.NewRelay(reg, metrics.Gauges{
-		InFlight:     func() float64 { return float64(rl.InFlight()) },
-		ConfirmedLSN: func() float64 { return float64(rl.Tracker().Confirmed()) },
+	obs := metrics.NewRelay(reg, relayGauges(&rlp, streaming))
+
+	g, gctx := errgroup.WithContext(ctx)
+	if cfg.HTTP.Listen != "" {
+		if err := serveHTTP(gctx, g, cfg.HTTP, httpHandler(reg, cfg.HTTP.Pprof, streaming), log); err != nil {
+			return err
+		}
+	}
+	g.Go(func() error {
+		err := startAndRun(gctx, cfg, log, obs, reg, &rlp, &ncp, &ready)
+		if err == nil {
+			// Stop the HTTP server too when the relay returns on shutdown.
+			return context.Canceled
+		}
+		log.Error("relay stopped", zap.Error(err))
+		if cfg.HTTP.Listen != "" && cfg.HTTP.LingerOnError > 0 && lingerHelps(err) {
+			// Stay observable before exiting: /metrics shows why (a lost
+			// slot in outbox_relay_slot_wal_status) and /readyz is 503, so
+			// alerts fire even while an orchestrator restarts the process.
+			log.Info("serving metrics before exiting", zap.Duration("linger", cfg.HTTP.LingerOnError))
+			select {
+			case <-time.After(cfg.HTTP.LingerOnError):
+			case <-gctx.Done():
+			}
+		}
+		return err
+	})
+	err := g.Wait()
+	if nc := ncp.Load(); nc != nil {
+		nc.Close()
+	}
+	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+// relayGauges reads the relay's in-memory figures, as idle values before
+// the relay exists.
+func relayGauges(rlp *atomic.Pointer[relay.Relay], streaming func() bool) metrics.Gauges {
+	return metrics.Gauges{
+		InFlight: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				return float64(rl.InFlight())
+			}
+			return 0
+		},
+		ConfirmedLSN: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				return float64(rl.Tracker().Confirmed())
+			}
+			return 0
+		},
 		OldestAge: func() float64 {
-			if t := rl.Tracker().Oldest(); !t.IsZero() {
-				return time.Since(t).Seconds()
+			if rl := rlp.Load(); rl != nil {
+				if t := rl.Tracker().Oldest(); !t.IsZero() {
+					return time.Since(t).Seconds()
+				}
 			}
 			return 0
 		},
 		Ready: func() float64 {
-			if ready.Load() && nc.IsConnected() {
+			if streaming() {
 				return 1
 			}
 			return 0
 		},
-		StreamDurable: func() float64 { return float64(rl.StreamDurable()) },
+		StreamDurable: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				return float64(rl.StreamDurable())
+			}
+			return -1
+		},
+	}
+}
+
+// serveHTTP listens on c.Listen and serves h in g until ctx ends.
+func serveHTTP(ctx context.Context, g *errgroup.Group, c config.HTTP, h http.Handler, log *zap.Logger) error {
+	ln, err := net.Listen("tcp", c.Listen)
+	if err != nil {
+		return fmt.Errorf("http.listen %s: %w (another process, or a second relay on this host, uses the address: give each instance its own, e.g. --http-listen 127.0.0.1:9188)", c.Listen, err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	log.Info("http listening", zap.String("addr", ln.Addr().String()))
+	g.Go(func() error {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+		return nil
 	})
-	rl, err = relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(ready.Store))
+	g.Go(func() error {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		return srv.Shutdown(sctx)
+	})
+	return nil
+}
+
+// startAndRun waits for NATS and PostgreSQL (servers that are down at start
+// are waited for, with backoff; refusals that need an operator end it at
+// once), builds the relay and streams until ctx ends.
+func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs *metrics.Relay, reg prometheus.Registerer,
+	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool) error {
+	nc, err := dialNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
 	if err != nil {
 		return err
 	}
+	ncp.Store(nc)
+	if err := waitNATS(ctx, nc, cfg.NATS.URL, 0, log); err != nil {
+		return err
+	}
+	rl, err := relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(ready.Store))
+	if err != nil {
+		return err
+	}
+	rlp.Store(rl)
 	// The pollers and the reconcile loop share a small pool, apart from
 	// the replication connection; it connects on first use.
 	pool, err := sqlPool(ctx, cfg.Postgres.URL, 2)
@@ -101,65 +202,39 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
-
 	g, gctx := errgroup.WithContext(ctx)
 	mon.start(gctx, g)
-	if cfg.HTTP.Listen != "" {
-		srv := &http.Server{Handler: httpHandler(reg, cfg.HTTP.Pprof, func() bool { return ready.Load() && nc.IsConnected() }), ReadHeaderTimeout: 5 * time.Second}
-		ln, err := net.Listen("tcp", cfg.HTTP.Listen)
-		if err != nil {
-			return err
-		}
-		log.Info("http listening", zap.String("addr", ln.Addr().String()))
-		g.Go(func() error {
-			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-				return err
-			}
-			return nil
-		})
-		g.Go(func() error {
-			<-gctx.Done()
-			sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			defer cancel()
-			return srv.Shutdown(sctx)
-		})
-	}
 	g.Go(func() error {
 		err := setupAndRun(gctx, cfg, nc, rl, log)
 		if err == nil {
-			// Stop the HTTP server too when the relay returns on shutdown.
-			return context.Canceled
-		}
-		log.Error("relay stopped", zap.Error(err))
-		if cfg.HTTP.Listen != "" && cfg.HTTP.LingerOnError > 0 {
-			// Stay observable before exiting: /metrics shows why (a lost
-			// slot in outbox_relay_slot_wal_status) and /readyz is 503, so
-			// alerts fire even while an orchestrator restarts the process.
-			log.Info("serving metrics before exiting", zap.Duration("linger", cfg.HTTP.LingerOnError))
-			select {
-			case <-time.After(cfg.HTTP.LingerOnError):
-			case <-gctx.Done():
-			}
+			return context.Canceled // stop the monitors
 		}
 		return err
 	})
 	err = g.Wait()
-	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+	if errors.Is(err, context.Canceled) {
 		return nil
 	}
 	return err
 }
 
-// setupAndRun creates what is missing (auto_setup) and streams until ctx
-// ends; it returns an error only for conditions that need an operator.
+// setupAndRun creates what is missing (auto_setup), or checks that it
+// exists, and streams until ctx ends; it returns an error only for
+// conditions that need an operator. A PostgreSQL server that cannot be
+// reached yet is waited for.
 func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *relay.Relay, log *zap.Logger) error {
+	prepare := func() error { return replication.Check(ctx, cfg.Replication()) }
 	if cfg.Postgres.AutoSetup {
-		if err := autoSetup(ctx, cfg, nc, log); err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
+		prepare = func() error { return autoSetup(ctx, cfg, nc, log) }
+	}
+	if err := retryStartup(ctx, log, prepare); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		if cfg.Postgres.AutoSetup {
 			return fmt.Errorf("setup: %w", err)
 		}
+		return err
 	}
 	return rl.Run(ctx)
 }
