@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -153,5 +154,27 @@ func TestRunRefusalExitsAtOnce(t *testing.T) {
 	}
 	if took := time.Since(start); took > 20*time.Second {
 		t.Errorf("run took %s to give up on a missing database (linger 1m must not apply)", took)
+	}
+}
+
+// nats.max_age reaches the event stream the relay creates, not the
+// dead-letter stream.
+func TestCreatedStreamsMaxAge(t *testing.T) {
+	t.Parallel()
+	f := newOpsFixture(t)
+	f.cfg.NATS.MaxAge = 3 * time.Hour
+	ctx := context.Background()
+	events, dlq := f.cfg.Streams()
+	for _, c := range []struct {
+		spec publisher.StreamSpec
+		want time.Duration
+	}{{events, 3 * time.Hour}, {dlq, 0}} {
+		rep, err := publisher.EnsureStream(ctx, f.js, c.spec, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := rep.Info.Config.MaxAge; got != c.want {
+			t.Errorf("stream %s: max_age %s, want %s", c.spec.Name, got, c.want)
+		}
 	}
 }

@@ -148,6 +148,8 @@ func TestLoadRejectsInvalidConfig(t *testing.T) {
 			path: "nats.replicas", hint: "1 to 5"},
 		{name: "duplicate window too short", doc: pg + tbl + "nats: {duplicate_window: 500ms}\n",
 			path: "nats.duplicate_window", hint: "longest relay outage"},
+		{name: "max age under the duplicate window", doc: pg + tbl + "nats: {max_age: 1m}\n",
+			path: "nats.max_age", hint: "shorter than nats.duplicate_window"},
 		{name: "max in flight zero", doc: pg + tbl + "nats: {max_in_flight: 0}\n",
 			path: "nats.max_in_flight", hint: "1 to 1048576"},
 		{name: "stream subjects do not cover the template", doc: pg + tbl + "nats: {stream_subjects: [events.>]}\n",
