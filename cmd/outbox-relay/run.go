@@ -232,9 +232,9 @@ func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *rela
 			return nil
 		}
 		if cfg.Postgres.AutoSetup {
-			return fmt.Errorf("setup: %w", err)
+			return fmt.Errorf("setup: %w", causeFirst{err})
 		}
-		return err
+		return causeFirst{err}
 	}
 	return rl.Run(ctx)
 }

@@ -113,3 +113,33 @@ func natsAuthError(err error) bool {
 	return errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) ||
 		errors.Is(err, nats.ErrAuthRevoked) || errors.Is(err, nats.ErrAccountAuthExpired)
 }
+
+// causeFirst is an error whose message leads with PostgreSQL's refusal
+// (leadWithCause); errors.Is and errors.As see the original.
+type causeFirst struct{ err error }
+
+func (e causeFirst) Error() string { return leadWithCause(e.err) }
+func (e causeFirst) Unwrap() error { return e.err }
+
+// leadWithCause puts PostgreSQL's own refusal, and what to do about it,
+// before the connection attempts that led to it: pgconn reports a refused
+// TLS attempt first ("tls error: server refused TLS connection") and the
+// real cause, such as a wrong password, after it.
+func leadWithCause(err error) string {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return err.Error()
+	}
+	hint := ""
+	switch {
+	case pgErr.Code == "28P01":
+		hint = ": check the user and password in postgres.url"
+	case pgErr.Code == "28000":
+		hint = ": add a pg_hba.conf line for this role, database and address (and reload PostgreSQL)"
+	case pgErr.Code == "3D000":
+		hint = ": create the database or fix its name in postgres.url"
+	case pgErr.Code == "42501":
+		hint = ": grant the role what it lacks (README, step 2)"
+	}
+	return fmt.Sprintf("%s (SQLSTATE %s)%s [%v]", pgErr.Message, pgErr.Code, hint, err)
+}
