@@ -349,7 +349,7 @@ func newTeardownCmd(g *globals) *cobra.Command {
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if !yes {
-				return fmt.Errorf("%w: teardown drops the replication slot; unrelayed events are then lost. Re-run with --yes to confirm", config.ErrInvalid)
+				return usageError("teardown drops the replication slot, and events not yet relayed are then lost: re-run with --yes to confirm")
 			}
 			cfg, err := g.load()
 			if err != nil {
