@@ -309,7 +309,14 @@ func printStatus(w io.Writer, r statusReport) {
 		fmt.Fprintf(tw, "relay\t%s\n", f.URL)
 		fmt.Fprintf(tw, "  ready\t%v\n", f.Ready)
 		fmt.Fprintf(tw, "  in flight\t%.0f (oldest unacknowledged %s old)\n", f.InFlight, time.Duration(f.OldestUnackedAge*float64(time.Second)).Round(time.Millisecond))
-		fmt.Fprintf(tw, "  confirmable LSN\t%s\n", f.ConfirmedLSN)
+		if f.ConfirmedLSN == replication.LSN(0).String() {
+			// The watermark counts relayed transactions; an idle relay
+			// confirms the server's WAL end instead (the slot's
+			// confirmed_flush_lsn above).
+			fmt.Fprintf(tw, "  confirmable LSN\tnone yet: no transaction relayed by this session\n")
+		} else {
+			fmt.Fprintf(tw, "  confirmable LSN\t%s\n", f.ConfirmedLSN)
+		}
 		fmt.Fprintf(tw, "  since start\t%.0f published, %.0f duplicates, %.0f dead-lettered, %.0f retries, %.0f replication restarts\n",
 			f.EventsPublished, f.Duplicates, f.DeadLettered, f.Retries, f.ReplicationRestarts)
 		if f.ReconcileLastSuccess > 0 {

@@ -182,7 +182,14 @@ func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs *m
 	if err := waitNATS(ctx, nc, cfg.NATS.URL, 0, log); err != nil {
 		return err
 	}
-	rl, err := relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(ready.Store))
+	var mon *monitors // set before the relay runs, which is when readiness changes
+	readiness := func(streaming bool) {
+		ready.Store(streaming)
+		if streaming {
+			mon.refresh()
+		}
+	}
+	rl, err := relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(readiness))
 	if err != nil {
 		return err
 	}
@@ -198,7 +205,7 @@ func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs *m
 	if err != nil {
 		return err
 	}
-	mon, err := newMonitors(reg, pool, js, cfg, ready.Load, log)
+	mon, err = newMonitors(reg, pool, js, cfg, ready.Load, log)
 	if err != nil {
 		return err
 	}
@@ -314,6 +321,13 @@ func newMonitors(reg prometheus.Registerer, pool *pgxpool.Pool, js jetstream.Jet
 		m.loop = loop
 	}
 	return m, nil
+}
+
+// refresh polls the slot and the streams now: streaming just began, and
+// the gauges still show the state from before.
+func (m *monitors) refresh() {
+	m.slots.Refresh()
+	m.streams.Refresh()
 }
 
 // start runs the monitors in g until ctx ends. They never fail: a failed

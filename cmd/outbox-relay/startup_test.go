@@ -8,12 +8,15 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
@@ -177,4 +180,76 @@ func TestCreatedStreamsMaxAge(t *testing.T) {
 			t.Errorf("stream %s: max_age %s, want %s", c.spec.Name, got, c.want)
 		}
 	}
+}
+
+// Stopping `run` logs no failure (a poll cut off by the shutdown said
+// "poll replication slot failed ... operation was canceled"), and a start
+// warns once per stream about non-durable acks (it warned four times, twice
+// under the backfill logger when nothing was backfilled).
+func TestCleanExitLogsNoFailure(t *testing.T) {
+	t.Parallel()
+	f := newOpsFixture(t)
+	core, logs := observer.New(zap.InfoLevel)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, f.cfg, zap.New(core)) }()
+	if !testenv.WaitFor(30*time.Second, func() bool { return f.get("/readyz") == http.StatusOK }) {
+		t.Fatal("the relay is not ready within 30s")
+	}
+	f.insert(ctx, 3, "Happened")
+	f.waitMetrics(30*time.Second, cc("outbox_relay_events_published_total", atLeast, 3))
+	durability := map[string]int{}
+	for _, e := range logs.All() {
+		if e.Level >= zap.WarnLevel && strings.Contains(e.Message, "acks are not durable") {
+			durability[fmt.Sprint(e.ContextMap()["stream"])]++
+		} else if e.Level >= zap.WarnLevel {
+			t.Errorf("warning at start: %s %v", e.Message, e.ContextMap())
+		}
+	}
+	if len(durability) != 2 || durability[f.stream] != 1 || durability[f.stream+"_DLQ"] != 1 {
+		t.Errorf("durability warnings per stream: %v, want one for each of the two streams", durability)
+	}
+	before := logs.Len()
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	for _, e := range logs.All()[before:] {
+		if e.Level >= zap.WarnLevel {
+			t.Errorf("%s at exit: %s %v", e.Level, e.Message, e.ContextMap())
+		}
+	}
+}
+
+// The slot gauges are polled again when streaming begins: with an hour's
+// poll interval, and PostgreSQL unreachable for the first poll, they still
+// show the active slot within seconds of /readyz (they kept the state from
+// before the start for a whole interval).
+func TestGaugesPolledWhenStreamingBegins(t *testing.T) {
+	t.Parallel()
+	f := newOpsFixture(t)
+	f.cfg.Metrics.PollInterval = time.Hour
+	u, err := url.Parse(f.cfg.Postgres.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	port, err := testenv.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fw := &forwarder{port: port, target: u.Host}
+	u.Host = fmt.Sprintf("127.0.0.1:%d", port)
+	f.cfg.Postgres.URL = u.String()
+	testenv.Background(context.Background(), t, func(ctx context.Context) error {
+		return run(ctx, f.cfg, zaptest.NewLogger(t))
+	})
+	if !testenv.WaitFor(10*time.Second, func() bool { return f.get("/healthz") == http.StatusOK }) {
+		t.Fatal("/healthz not served")
+	}
+	f.waitMetrics(30*time.Second, cc("outbox_relay_slot_poll_errors_total", atLeast, 1))
+	fw.start(t)
+	if !testenv.WaitFor(60*time.Second, func() bool { return f.get("/readyz") == http.StatusOK }) {
+		t.Fatal("the relay is not ready within 60s")
+	}
+	f.waitMetrics(10*time.Second, cc("outbox_relay_slot_active", eq, 1), cc("outbox_relay_slot_exists", eq, 1))
 }
