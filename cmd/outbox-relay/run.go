@@ -64,17 +64,19 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 		rlp   atomic.Pointer[relay.Relay]
 		ncp   atomic.Pointer[nats.Conn]
 	)
-	streaming := func() bool {
+	connected := func() bool {
 		nc := ncp.Load()
-		return ready.Load() && nc != nil && nc.IsConnected()
+		return nc != nil && nc.IsConnected()
 	}
+	streaming := func() bool { return ready.Load() && connected() }
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	obs := metrics.NewRelay(reg, relayGauges(&rlp, streaming))
+	obs := &standbyObserver{Relay: metrics.NewRelay(reg, relayGauges(&rlp, streaming))}
+	standingBy := func() bool { return connected() && obs.recent(standbyFresh) }
 
 	g, gctx := errgroup.WithContext(ctx)
 	if cfg.HTTP.Listen != "" {
-		if err := serveHTTP(gctx, g, cfg.HTTP, httpHandler(reg, cfg.HTTP.Pprof, streaming), log); err != nil {
+		if err := serveHTTP(gctx, g, cfg.HTTP, httpHandler(reg, cfg.HTTP.Pprof, streaming, standingBy), log); err != nil {
 			return err
 		}
 	}
@@ -172,7 +174,7 @@ func serveHTTP(ctx context.Context, g *errgroup.Group, c config.HTTP, h http.Han
 // startAndRun waits for NATS and PostgreSQL (servers that are down at start
 // are waited for, with backoff; refusals that need an operator end it at
 // once), builds the relay and streams until ctx ends.
-func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs *metrics.Relay, reg prometheus.Registerer,
+func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs relay.Observer, reg prometheus.Registerer,
 	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool) error {
 	nc, err := dialNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
 	if err != nil {
@@ -269,18 +271,48 @@ func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.L
 	return nil
 }
 
-func httpHandler(reg *prometheus.Registry, withPprof bool, ready func() bool) http.Handler {
+// standbyFresh is how recent a standby's last try for the slot must be for
+// it to count as a healthy standby: it tries every 2 s at most.
+const standbyFresh = 10 * time.Second
+
+// standbyObserver remembers when this instance last found the slot held by
+// another one.
+type standbyObserver struct {
+	*metrics.Relay
+	last atomic.Int64 // unix nanoseconds
+}
+
+// StandingBy implements relay.Observer.
+func (o *standbyObserver) StandingBy() {
+	o.last.Store(time.Now().UnixNano())
+	o.Relay.StandingBy()
+}
+
+func (o *standbyObserver) recent(d time.Duration) bool {
+	t := o.last.Load()
+	return t != 0 && time.Since(time.Unix(0, t)) < d
+}
+
+// httpHandler serves /metrics, /healthz and /readyz. /readyz answers 200
+// while this instance streams; /readyz?standby=ok also while it is a
+// healthy standby (NATS connected, PostgreSQL answering that another
+// instance holds the slot), the rule for orchestrators that roll one
+// instance at a time (deploy/helm).
+func httpHandler(reg *prometheus.Registry, withPprof bool, ready, standingBy func() bool) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if !ready() {
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case ready():
+			_, _ = w.Write([]byte("ready\n"))
+		case r.URL.Query().Get("standby") == "ok" && standingBy():
+			_, _ = w.Write([]byte("standing by\n"))
+		default:
 			http.Error(w, "not streaming", http.StatusServiceUnavailable)
-			return
 		}
-		_, _ = w.Write([]byte("ready\n"))
 	})
 	if withPprof {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)

@@ -253,3 +253,37 @@ func TestGaugesPolledWhenStreamingBegins(t *testing.T) {
 	}
 	f.waitMetrics(10*time.Second, cc("outbox_relay_slot_active", eq, 1), cc("outbox_relay_slot_exists", eq, 1))
 }
+
+// A standby answers /readyz with 503 and /readyz?standby=ok with 200; the
+// streaming instance answers 200 to both; when it stops, the standby takes
+// over and answers /readyz with 200.
+func TestReadyzStandby(t *testing.T) {
+	t.Parallel()
+	f := newOpsFixture(t)
+	stopActive := f.start()
+	port, err := testenv.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	standbyCfg := f.cfg
+	standbyCfg.HTTP.Listen = fmt.Sprintf("127.0.0.1:%d", port)
+	standby := &opsFixture{t: t, url: fmt.Sprintf("http://127.0.0.1:%d", port)}
+	testenv.Background(context.Background(), t, func(ctx context.Context) error {
+		return run(ctx, standbyCfg, zaptest.NewLogger(t))
+	})
+	if !testenv.WaitFor(30*time.Second, func() bool { return standby.get("/readyz?standby=ok") == http.StatusOK }) {
+		t.Fatal("the standby is not ready as a standby within 30s")
+	}
+	if got := standby.get("/readyz"); got != http.StatusServiceUnavailable {
+		t.Errorf("standby /readyz = %d, want 503", got)
+	}
+	if got := f.get("/readyz?standby=ok"); got != http.StatusOK {
+		t.Errorf("active /readyz?standby=ok = %d, want 200", got)
+	}
+	if err := stopActive(); err != nil {
+		t.Fatal(err)
+	}
+	if !testenv.WaitFor(30*time.Second, func() bool { return standby.get("/readyz") == http.StatusOK }) {
+		t.Fatal("the standby did not take over within 30s")
+	}
+}
