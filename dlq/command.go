@@ -349,7 +349,7 @@ is stored.`,
 				return fmt.Errorf("%w: say why the dead letters may be dropped (--reason)", ErrReasonRequired)
 			}
 			if st.actor == "" {
-				return fmt.Errorf("%w: set --actor", ErrActorRequired)
+				return ErrActorRequired
 			}
 			ctx := cmd.Context()
 			act := Action{Actor: st.actor, Reason: reason}

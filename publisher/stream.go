@@ -85,9 +85,13 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 			AllowBatchPublish: spec.AllowBatch,
 		}
 		s, err = js.CreateStream(ctx, cfg)
-		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		var apiErr *jetstream.APIError
+		switch {
+		case errors.Is(err, jetstream.ErrStreamNameAlreadyInUse):
 			s, err = js.Stream(ctx, spec.Name)
-		} else if err == nil {
+		case errors.As(err, &apiErr) && apiErr.ErrorCode == errCodeSubjectsOverlap:
+			return nil, overlapError(ctx, js, spec, err)
+		case err == nil:
 			rep.Created = true
 		}
 	}
@@ -116,6 +120,59 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 		rep.Warnings = append(rep.Warnings, fmt.Sprintf("stream %s duplicate window %s is shorter than %s (nats.max_expected_outage/duplicate_window): a relay outage longer than %s can store events twice", spec.Name, info.Config.Duplicates, minDup, info.Config.Duplicates))
 	}
 	return rep, nil
+}
+
+// errCodeSubjectsOverlap is JetStream's "subjects overlap with an existing
+// stream" (nats.go exports no constant for it).
+const errCodeSubjectsOverlap jetstream.ErrorCode = 10065
+
+// overlapError names the streams whose subjects overlap spec's: JetStream
+// says only that some stream does.
+func overlapError(ctx context.Context, js jetstream.JetStream, spec StreamSpec, err error) error {
+	var others []string
+	names := js.StreamNames(ctx)
+	for name := range names.Name() {
+		s, serr := js.Stream(ctx, name)
+		if serr != nil {
+			continue
+		}
+		for _, theirs := range s.CachedInfo().Config.Subjects {
+			if overlapsAny(spec.Subjects, theirs) {
+				others = append(others, fmt.Sprintf("%s (%s)", name, theirs))
+				break
+			}
+		}
+	}
+	if len(others) == 0 {
+		return fmt.Errorf("create stream %s with subjects %v: %w", spec.Name, spec.Subjects, err)
+	}
+	return fmt.Errorf("create stream %s with subjects %v: they overlap stream %s, and a subject can belong to one stream only: use that stream (nats.stream), or change the subject template and nats.stream_subjects: %w",
+		spec.Name, spec.Subjects, strings.Join(others, ", "), err)
+}
+
+func overlapsAny(subjects []string, other string) bool {
+	for _, s := range subjects {
+		if subjectsOverlap(s, other) {
+			return true
+		}
+	}
+	return false
+}
+
+// subjectsOverlap reports whether some subject matches both a and b (each
+// may hold * and > wildcards).
+func subjectsOverlap(a, b string) bool {
+	at, bt := strings.Split(a, "."), strings.Split(b, ".")
+	for i := 0; i < len(at) && i < len(bt); i++ {
+		x, y := at[i], bt[i]
+		if x == ">" || y == ">" {
+			return true
+		}
+		if x != y && x != "*" && y != "*" {
+			return false
+		}
+	}
+	return len(at) == len(bt)
 }
 
 func coveredByAny(streamSubjects []string, filter string) bool {

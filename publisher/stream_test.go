@@ -27,3 +27,27 @@ func TestSubjectCovers(t *testing.T) {
 		}
 	}
 }
+
+func TestSubjectsOverlap(t *testing.T) {
+	for _, c := range []struct {
+		a, b string
+		want bool
+	}{
+		{"outbox.>", "outbox.*.*", true},
+		{"outbox.*.*", "outbox.registration.*", true},
+		{"outbox.*.*", "outbox.*", false},
+		{"outbox.>", "outbox", false},
+		{"outbox_dlq.>", "outbox.>", false},
+		{">", "a.b", true},
+		{"a.b", "a.b", true},
+		{"a.b", "a.c", false},
+		{"a.*", "*.b", true},
+	} {
+		if got := subjectsOverlap(c.a, c.b); got != c.want {
+			t.Errorf("subjectsOverlap(%q, %q) = %v, want %v", c.a, c.b, got, c.want)
+		}
+		if got := subjectsOverlap(c.b, c.a); got != c.want {
+			t.Errorf("subjectsOverlap(%q, %q) = %v, want %v", c.b, c.a, got, c.want)
+		}
+	}
+}

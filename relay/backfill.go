@@ -55,7 +55,9 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 		return rep, err
 	}
 	// Streams first: with no stream the publishes would only be retried.
-	if _, _, err := ensureStreams(ctx, js, cfg, log); err != nil {
+	// Their warnings are the relay's to log, once, when it starts streaming
+	// (setup prints its own).
+	if _, err := ensureStreams(ctx, js, cfg, log); err != nil {
 		return rep, err
 	}
 	snap, err := replication.CreateSlotWithSnapshot(ctx, cfg.Replication)

@@ -15,8 +15,13 @@ type Observer interface {
 	// Settled reports a message acknowledged (or dead-lettered) by the
 	// broker, with the commit time of its transaction.
 	Settled(res publisher.Result, commitTime time.Time)
-	// Reconnected counts a restart of the replication session.
+	// Reconnected counts a restart of the replication session after it
+	// failed or was interrupted.
 	Reconnected()
+	// StandingBy counts a standby's attempt to take the slot while another
+	// instance holds it. It is apart from Reconnected: in a healthy HA pair
+	// the standby retries all day long, and that is no instability.
+	StandingBy()
 }
 
 // NopObserver ignores every event.
@@ -39,3 +44,6 @@ func (NopObserver) Settled(publisher.Result, time.Time) {}
 
 // Reconnected implements Observer.
 func (NopObserver) Reconnected() {}
+
+// StandingBy implements Observer.
+func (NopObserver) StandingBy() {}

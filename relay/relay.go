@@ -205,10 +205,16 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 func (r *Relay) checkStreams(ctx context.Context) error {
-	durable, batched, err := ensureStreams(ctx, r.js, r.cfg, r.log)
+	reps, err := ensureStreams(ctx, r.js, r.cfg, r.log)
 	if err != nil {
 		return err
 	}
+	for _, rep := range reps {
+		for _, w := range rep.Warnings {
+			r.log.Warn(w, zap.String("stream", rep.Info.Config.Name))
+		}
+	}
+	durable, batched := reps[0].Durable, reps[0].Info.Config.AllowBatchPublish
 	switch {
 	case r.batch == nil:
 	case batched:
@@ -230,26 +236,21 @@ func (r *Relay) checkStreams(ctx context.Context) error {
 }
 
 // ensureStreams checks (and with CreateStreams creates) the event and
-// dead-letter streams, logs their warnings and reports whether the event
-// stream's acks are durable and whether it allows batched publishing.
-func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) (durable, batched bool, err error) {
+// dead-letter streams and returns their reports, events first; a created
+// stream is logged, the warnings are the caller's.
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) ([2]*publisher.StreamReport, error) {
+	var reps [2]*publisher.StreamReport
 	for i, spec := range []publisher.StreamSpec{cfg.Stream, cfg.DeadLetterStream} {
 		rep, err := publisher.EnsureStream(ctx, js, spec, cfg.CreateStreams)
 		if err != nil {
-			return false, false, err
-		}
-		if i == 0 {
-			durable = rep.Durable
-			batched = rep.Info.Config.AllowBatchPublish
+			return reps, err
 		}
 		if rep.Created {
 			log.Info("created stream", zap.String("stream", spec.Name), zap.Strings("subjects", spec.Subjects))
 		}
-		for _, w := range rep.Warnings {
-			log.Warn(w, zap.String("stream", spec.Name))
-		}
+		reps[i] = rep
 	}
-	return durable, batched, nil
+	return reps, nil
 }
 
 // stream (re)starts the replication stream until ctx ends or a permanent
@@ -304,10 +305,11 @@ func (r *Relay) stream(ctx context.Context) error {
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
 			r.log.Info("slot in use by another instance; standing by", zap.Duration("retry_in", wait), zap.Error(err))
+			r.obs.StandingBy()
 		} else {
 			r.log.Warn("replication interrupted; reconnecting", zap.Duration("retry_in", wait), zap.Int("attempt", attempt), zap.Error(err))
+			r.obs.Reconnected()
 		}
-		r.obs.Reconnected()
 		select {
 		case <-ctx.Done():
 			return nil

@@ -300,8 +300,10 @@ func checkFailoverSupport(ctx context.Context, conn *pgx.Conn) error {
 func slotLostError(slot string) error {
 	return actionable(ErrSlotLost,
 		"the WAL of events committed after the slot's confirmed position was removed, so they were never relayed; "+
-			"run `outbox-relay teardown --yes` and `outbox-relay setup` to start a new slot, then `outbox-relay reconcile --repair` "+
-			"to republish the missing events, and raise max_slot_wal_keep_size",
+			"stop the relays, run `outbox-relay teardown --yes` and `outbox-relay setup` to start a new slot, then "+
+			"`outbox-relay reconcile --since <when the relay last published, minus a margin> --repair --include-pending --confirm-wait 0` "+
+			"to republish the missing events, start the relay, and raise max_slot_wal_keep_size "+
+			"(docs/operations.md, \"Recovering after a lost slot\")",
 		"slot %q has wal_status = 'lost'", slot)
 }
 

@@ -10,6 +10,13 @@ CREATE TABLE IF NOT EXISTS registration (
     version bigint NOT NULL
 );
 
+-- This database's outbox belongs to the registration service, and the
+-- seed's CTE below does not name an aggregate type: the column default
+-- gives its events the type `registration`, so they land on
+-- outbox.registration.<id>, the subjects the README's and docs/consumer.md's
+-- filter (outbox.registration.>) receives. Apply after sql/outbox.sql.
+ALTER TABLE outbox ALTER COLUMN aggregate_type SET DEFAULT 'registration';
+
 -- Confirming a registration and recording its event in one statement (the
 -- seed's data-modifying CTE, unchanged; :name marks a bound parameter). Only
 -- a row the conditional UPDATE changed reaches `confirmed`, so the inserted
@@ -17,10 +24,10 @@ CREATE TABLE IF NOT EXISTS registration (
 -- happened, and the caller must look at the registration's state instead.
 -- If the outbox INSERT fails, the whole transaction rolls back.
 --
--- The relay publishes the row as subject outbox.outbox.<id>: aggregate_type
--- is left to its default '' in sql/outbox.sql, so the aggregate type falls
--- back to the table name. The uuid id goes into the text aggregate_id
--- column through PostgreSQL's assignment cast from uuid to text.
+-- The relay publishes the row as subject outbox.registration.<id>: the
+-- CTE leaves aggregate_type to the column default set above. The uuid id
+-- goes into the text aggregate_id column through PostgreSQL's assignment
+-- cast from uuid to text.
 --
 -- BEGIN EXAMPLE confirm_registration
 -- WITH confirmed AS (

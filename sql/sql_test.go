@@ -124,7 +124,7 @@ func TestConfirmRegistration(t *testing.T) {
 		FROM outbox`).Scan(&n, &aggType, &aggID, &aggVersion, &evType, &pstate, &payloadID, &payloadVersion, &occurred)
 	testenv.Must(t, err, "read outbox")
 	if n != 1 || aggID != id.String() || aggVersion != 4 || evType != "RegistrationConfirmed" || pstate != "PENDING" ||
-		payloadID != id.String() || payloadVersion != 4 || aggType != "" || time.Since(occurred) > time.Minute {
+		payloadID != id.String() || payloadVersion != 4 || aggType != "registration" || time.Since(occurred) > time.Minute {
 		t.Fatalf("outbox row: n=%d type=%q id=%q version=%d event=%q state=%q payload id=%q version=%d occurred=%v",
 			n, aggType, aggID, aggVersion, evType, pstate, payloadID, payloadVersion, occurred)
 	}

@@ -109,7 +109,11 @@ type statusReport struct {
 	RelayUnreachable string        `json:"relay_unreachable,omitempty"`
 	// Failover says whether promoting a standby now would keep the slot.
 	Failover *replication.FailoverReport `json:"failover,omitempty"`
-	Problems []string                    `json:"problems,omitempty"`
+	// PostgresError and NATSError say why the slot's or the streams' fields
+	// are unknown (then they hold zero values, not findings).
+	PostgresError string   `json:"postgres_error,omitempty"`
+	NATSError     string   `json:"nats_error,omitempty"`
+	Problems      []string `json:"problems,omitempty"`
 }
 
 // relayFigures are a running relay's figures from its /metrics.
@@ -207,7 +211,8 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 	rep.Relay, rep.RelayUnreachable = scrapeRelay(ctx, cfg.HTTP.Listen)
 	st, err := replication.Status(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
 	if err != nil {
-		rep.Problems = append(rep.Problems, "postgres: "+err.Error())
+		rep.PostgresError = leadWithCause(err)
+		rep.Problems = append(rep.Problems, "postgres: could not tell the slot's state: "+rep.PostgresError)
 	} else {
 		rep.SlotExists, rep.SlotActive, rep.SlotActivePID = st.Exists, st.Active, st.ActivePID
 		rep.WALStatus, rep.RetainedWALBytes, rep.LagBytes = st.WALStatus, st.RetainedBytes, st.LagBytes
@@ -217,31 +222,39 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 			rep.Problems = append(rep.Problems, "slot does not exist: run `outbox-relay setup`")
 		}
 		if st.WALStatus == "lost" {
-			rep.Problems = append(rep.Problems, "slot is lost (wal_status = 'lost'): events were lost; see the README's recovery runbook")
+			rep.Problems = append(rep.Problems, "slot is lost (wal_status = 'lost'): events were lost; follow docs/operations.md, \"Recovering after a lost slot\"")
 		}
+		rep.Failover, rep.Problems = failoverStatus(ctx, cfg, rep.Problems)
 	}
-	rep.Failover, rep.Problems = failoverStatus(ctx, cfg, rep.Problems)
+	natsUnknown := func(err error) statusReport {
+		rep.NATSError = err.Error()
+		rep.Problems = append(rep.Problems, "nats: could not tell the streams' state: "+rep.NATSError)
+		return rep
+	}
 	nc, err := connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay status")
 	if err != nil {
-		rep.Problems = append(rep.Problems, "nats: "+err.Error())
-		return rep
+		return natsUnknown(err)
 	}
 	defer nc.Close()
 	js, err := jetstream.New(nc)
 	if err != nil {
-		rep.Problems = append(rep.Problems, "nats: "+err.Error())
-		return rep
+		return natsUnknown(err)
 	}
-	if s, err := js.Stream(ctx, cfg.NATS.Stream); err == nil {
+	s, err := js.Stream(ctx, cfg.NATS.Stream)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		rep.Problems = append(rep.Problems, fmt.Sprintf("stream %s does not exist: run `outbox-relay setup` (or let `run` create it, nats.create_streams)", cfg.NATS.Stream))
+	case err != nil:
+		return natsUnknown(fmt.Errorf("stream %s: %w", cfg.NATS.Stream, err))
+	default:
 		info, err := s.Info(ctx)
-		if err == nil {
-			rep.StreamMessages, rep.StreamLastSeq = info.State.Msgs, info.State.LastSeq
-			rep.StreamStorage, rep.StreamReplicas = info.Config.Storage.String(), info.Config.Replicas
-			durable, reason := publisher.Durability(info.Config)
-			rep.DurableAcks, rep.DurableReason = &durable, reason
+		if err != nil {
+			return natsUnknown(fmt.Errorf("stream %s: %w", cfg.NATS.Stream, err))
 		}
-	} else {
-		rep.Problems = append(rep.Problems, fmt.Sprintf("stream %s: %v", cfg.NATS.Stream, err))
+		rep.StreamMessages, rep.StreamLastSeq = info.State.Msgs, info.State.LastSeq
+		rep.StreamStorage, rep.StreamReplicas = info.Config.Storage.String(), info.Config.Replicas
+		durable, reason := publisher.Durability(info.Config)
+		rep.DurableAcks, rep.DurableReason = &durable, reason
 	}
 	if s, err := js.Stream(ctx, cfg.NATS.DeadLetterStream); err == nil {
 		if info, err := s.Info(ctx); err == nil {
@@ -259,31 +272,54 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 func printStatus(w io.Writer, r statusReport) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "slot\t%s\n", r.Slot)
-	fmt.Fprintf(tw, "  exists\t%v\n", r.SlotExists)
-	if r.SlotActive {
-		fmt.Fprintf(tw, "  active\ttrue (pid %d)\n", r.SlotActivePID)
-	} else {
-		fmt.Fprintf(tw, "  active\tfalse\n")
+	switch {
+	case r.PostgresError != "":
+		fmt.Fprintf(tw, "  state\tunknown: could not query PostgreSQL (see the problem below)\n")
+	default:
+		fmt.Fprintf(tw, "  exists\t%v\n", r.SlotExists)
+		if r.SlotActive {
+			fmt.Fprintf(tw, "  active\ttrue (pid %d)\n", r.SlotActivePID)
+		} else {
+			fmt.Fprintf(tw, "  active\tfalse\n")
+		}
+		fmt.Fprintf(tw, "  wal_status\t%s\n", r.WALStatus)
+		fmt.Fprintf(tw, "  confirmed_flush_lsn\t%s\n", r.ConfirmedFlushLSN)
+		fmt.Fprintf(tw, "  retained WAL\t%s\n", humanBytes(r.RetainedWALBytes))
+		fmt.Fprintf(tw, "  behind current WAL\t%s\n", humanBytes(r.LagBytes))
 	}
-	fmt.Fprintf(tw, "  wal_status\t%s\n", r.WALStatus)
-	fmt.Fprintf(tw, "  confirmed_flush_lsn\t%s\n", r.ConfirmedFlushLSN)
-	fmt.Fprintf(tw, "  retained WAL\t%s\n", humanBytes(r.RetainedWALBytes))
-	fmt.Fprintf(tw, "  behind current WAL\t%s\n", humanBytes(r.LagBytes))
 	fmt.Fprintf(tw, "stream\t%s\n", r.Stream)
-	fmt.Fprintf(tw, "  messages\t%d (last seq %d, %s, R%d)\n", r.StreamMessages, r.StreamLastSeq, r.StreamStorage, r.StreamReplicas)
-	if r.DurableAcks != nil && !*r.DurableAcks {
-		fmt.Fprintf(tw, "  durable acks\tno: %s\n", r.DurableReason)
+	switch {
+	case r.NATSError != "":
+		fmt.Fprintf(tw, "  state\tunknown: could not reach NATS (see the problem below)\n")
+	case r.StreamStorage == "":
+		fmt.Fprintf(tw, "  state\tdoes not exist\n")
+	default:
+		fmt.Fprintf(tw, "  messages\t%d (last seq %d, %s, R%d)\n", r.StreamMessages, r.StreamLastSeq, r.StreamStorage, r.StreamReplicas)
+		if r.DurableAcks != nil && !*r.DurableAcks {
+			fmt.Fprintf(tw, "  durable acks\tno: %s\n", r.DurableReason)
+		}
 	}
 	fmt.Fprintf(tw, "dead-letter stream\t%s\n", r.DeadLetterStream)
-	fmt.Fprintf(tw, "  records\t%d\n", r.DeadLetters)
-	if r.DeadLetters > 0 {
-		fmt.Fprintf(tw, "  oldest\t%s old\n", time.Duration(r.DeadLetterOldestAge*float64(time.Second)).Round(time.Second))
+	if r.NATSError == "" {
+		fmt.Fprintf(tw, "  records\t%d\n", r.DeadLetters)
+		if r.DeadLetters > 0 {
+			fmt.Fprintf(tw, "  oldest\t%s old\n", time.Duration(r.DeadLetterOldestAge*float64(time.Second)).Round(time.Second))
+		}
+	} else {
+		fmt.Fprintf(tw, "  state\tunknown: could not reach NATS\n")
 	}
 	if f := r.Relay; f != nil {
 		fmt.Fprintf(tw, "relay\t%s\n", f.URL)
 		fmt.Fprintf(tw, "  ready\t%v\n", f.Ready)
 		fmt.Fprintf(tw, "  in flight\t%.0f (oldest unacknowledged %s old)\n", f.InFlight, time.Duration(f.OldestUnackedAge*float64(time.Second)).Round(time.Millisecond))
-		fmt.Fprintf(tw, "  confirmable LSN\t%s\n", f.ConfirmedLSN)
+		if f.ConfirmedLSN == replication.LSN(0).String() {
+			// The watermark counts relayed transactions; an idle relay
+			// confirms the server's WAL end instead (the slot's
+			// confirmed_flush_lsn above).
+			fmt.Fprintf(tw, "  confirmable LSN\tnone yet: no transaction relayed by this session\n")
+		} else {
+			fmt.Fprintf(tw, "  confirmable LSN\t%s\n", f.ConfirmedLSN)
+		}
 		fmt.Fprintf(tw, "  since start\t%.0f published, %.0f duplicates, %.0f dead-lettered, %.0f retries, %.0f replication restarts\n",
 			f.EventsPublished, f.Duplicates, f.DeadLettered, f.Retries, f.ReplicationRestarts)
 		if f.ReconcileLastSuccess > 0 {
@@ -324,7 +360,7 @@ func newTeardownCmd(g *globals) *cobra.Command {
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if !yes {
-				return fmt.Errorf("%w: teardown drops the replication slot; unrelayed events are then lost. Re-run with --yes to confirm", config.ErrInvalid)
+				return usageError("teardown drops the replication slot, and events not yet relayed are then lost: re-run with --yes to confirm")
 			}
 			cfg, err := g.load()
 			if err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
@@ -9,33 +10,32 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/logging"
 )
 
-func newLogger(c config.Log) (*zap.Logger, error) {
-	var zc zap.Config
-	if c.Format == "console" {
-		zc = zap.NewDevelopmentConfig()
-		zc.EncoderConfig.EncodeLevel = zapcore.CapitalColorLevelEncoder
-	} else {
-		zc = zap.NewProductionConfig()
-		zc.EncoderConfig.TimeKey = "ts"
-		zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	}
-	lvl, err := zapcore.ParseLevel(c.Level)
-	if err != nil {
-		return nil, err
-	}
-	zc.Level = zap.NewAtomicLevelAt(lvl)
-	zc.DisableStacktrace = true
-	return zc.Build()
-}
+func newLogger(c config.Log) (*zap.Logger, error) { return logging.New(c.Level, c.Format) }
 
 // connectNATS connects with reconnects that never give up: the relay keeps
 // its position in PostgreSQL, so waiting for the broker is always right.
+// It waits up to 10 s for the first connection, so that a command reports
+// an unreachable server rather than retrying silently.
 func connectNATS(c config.NATS, log *zap.Logger, name string) (*nats.Conn, error) {
+	nc, err := dialNATS(c, log, name)
+	if err != nil {
+		return nil, err
+	}
+	if err := waitNATS(context.Background(), nc, c.URL, 10*time.Second, nil); err != nil {
+		nc.Close()
+		return nil, err
+	}
+	return nc, nil
+}
+
+// dialNATS returns a connection that connects, and reconnects, in the
+// background (RetryOnFailedConnect): it is not connected yet.
+func dialNATS(c config.NATS, log *zap.Logger, name string) (*nats.Conn, error) {
 	opts := []nats.Option{
 		nats.Name(name),
 		nats.MaxReconnects(-1),
@@ -92,16 +92,6 @@ func connectNATS(c config.NATS, log *zap.Logger, name string) (*nats.Conn, error
 	nc, err := nats.Connect(c.URL, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("connect to nats %s: %w", config.RedactURL(c.URL), err)
-	}
-	// RetryOnFailedConnect returns at once; wait a little for the first
-	// connection so that setup errors are reported, not retried silently.
-	deadline := time.Now().Add(10 * time.Second)
-	for !nc.IsConnected() && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
-	if !nc.IsConnected() {
-		nc.Close()
-		return nil, fmt.Errorf("connect to nats %s: no server answered within 10s", config.RedactURL(c.URL))
 	}
 	return nc, nil
 }

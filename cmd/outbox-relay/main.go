@@ -22,6 +22,12 @@ type exitCode int
 
 func (e exitCode) Error() string { return fmt.Sprintf("exit status %d", int(e)) }
 
+// usageError is a command used wrongly: exit status 2, as for a
+// configuration error, without that label.
+type usageError string
+
+func (e usageError) Error() string { return string(e) }
+
 func main() {
 	root := newRootCmd()
 	err := root.Execute()
@@ -32,7 +38,8 @@ func main() {
 		os.Exit(int(code))
 	default:
 		fmt.Fprintln(os.Stderr, "outbox-relay:", err)
-		if errors.Is(err, config.ErrInvalid) {
+		var usage usageError
+		if errors.Is(err, config.ErrInvalid) || errors.As(err, &usage) {
 			os.Exit(2)
 		}
 		os.Exit(1)

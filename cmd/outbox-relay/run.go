@@ -56,82 +56,38 @@ func newRunCmd(g *globals) *cobra.Command {
 
 func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 	log.Info("starting", zap.String("version", version), zap.String("slot", cfg.Postgres.Slot), zap.String("stream", cfg.NATS.Stream), zap.Strings("tables", cfg.Tables()))
-	nc, err := connectNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
-	if err != nil {
-		return err
+	// The relay and the NATS connection come after the HTTP server: while
+	// a server is still unreachable at start, /healthz answers 200 and
+	// /readyz 503, and the gauges read as idle.
+	var (
+		ready atomic.Bool
+		rlp   atomic.Pointer[relay.Relay]
+		ncp   atomic.Pointer[nats.Conn]
+	)
+	connected := func() bool {
+		nc := ncp.Load()
+		return nc != nil && nc.IsConnected()
 	}
-	defer nc.Close()
-	var ready atomic.Bool
+	streaming := func() bool { return ready.Load() && connected() }
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	var rl *relay.Relay
-	obs := metrics.NewRelay(reg, metrics.Gauges{
-		InFlight:     func() float64 { return float64(rl.InFlight()) },
-		ConfirmedLSN: func() float64 { return float64(rl.Tracker().Confirmed()) },
-		OldestAge: func() float64 {
-			if t := rl.Tracker().Oldest(); !t.IsZero() {
-				return time.Since(t).Seconds()
-			}
-			return 0
-		},
-		Ready: func() float64 {
-			if ready.Load() && nc.IsConnected() {
-				return 1
-			}
-			return 0
-		},
-		StreamDurable: func() float64 { return float64(rl.StreamDurable()) },
-	})
-	rl, err = relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(ready.Store))
-	if err != nil {
-		return err
-	}
-	// The pollers and the reconcile loop share a small pool, apart from
-	// the replication connection; it connects on first use.
-	pool, err := sqlPool(ctx, cfg.Postgres.URL, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return err
-	}
-	mon, err := newMonitors(reg, pool, js, cfg, ready.Load, log)
-	if err != nil {
-		return err
-	}
+	obs := &standbyObserver{Relay: metrics.NewRelay(reg, relayGauges(&rlp, streaming))}
+	standingBy := func() bool { return connected() && obs.recent(standbyFresh) }
 
 	g, gctx := errgroup.WithContext(ctx)
-	mon.start(gctx, g)
 	if cfg.HTTP.Listen != "" {
-		srv := &http.Server{Handler: httpHandler(reg, cfg.HTTP.Pprof, func() bool { return ready.Load() && nc.IsConnected() }), ReadHeaderTimeout: 5 * time.Second}
-		ln, err := net.Listen("tcp", cfg.HTTP.Listen)
-		if err != nil {
+		if err := serveHTTP(gctx, g, cfg.HTTP, httpHandler(reg, cfg.HTTP.Pprof, streaming, standingBy), log); err != nil {
 			return err
 		}
-		log.Info("http listening", zap.String("addr", ln.Addr().String()))
-		g.Go(func() error {
-			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-				return err
-			}
-			return nil
-		})
-		g.Go(func() error {
-			<-gctx.Done()
-			sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			defer cancel()
-			return srv.Shutdown(sctx)
-		})
 	}
 	g.Go(func() error {
-		err := setupAndRun(gctx, cfg, nc, rl, log)
+		err := startAndRun(gctx, cfg, log, obs, reg, &rlp, &ncp, &ready)
 		if err == nil {
 			// Stop the HTTP server too when the relay returns on shutdown.
 			return context.Canceled
 		}
 		log.Error("relay stopped", zap.Error(err))
-		if cfg.HTTP.Listen != "" && cfg.HTTP.LingerOnError > 0 {
+		if cfg.HTTP.Listen != "" && cfg.HTTP.LingerOnError > 0 && lingerHelps(err) {
 			// Stay observable before exiting: /metrics shows why (a lost
 			// slot in outbox_relay_slot_wal_status) and /readyz is 503, so
 			// alerts fire even while an orchestrator restarts the process.
@@ -143,23 +99,151 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 		}
 		return err
 	})
-	err = g.Wait()
+	err := g.Wait()
+	if nc := ncp.Load(); nc != nil {
+		nc.Close()
+	}
 	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
 		return nil
 	}
 	return err
 }
 
-// setupAndRun creates what is missing (auto_setup) and streams until ctx
-// ends; it returns an error only for conditions that need an operator.
-func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *relay.Relay, log *zap.Logger) error {
-	if cfg.Postgres.AutoSetup {
-		if err := autoSetup(ctx, cfg, nc, log); err != nil {
-			if ctx.Err() != nil {
-				return nil
+// relayGauges reads the relay's in-memory figures, as idle values before
+// the relay exists.
+func relayGauges(rlp *atomic.Pointer[relay.Relay], streaming func() bool) metrics.Gauges {
+	return metrics.Gauges{
+		InFlight: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				return float64(rl.InFlight())
 			}
-			return fmt.Errorf("setup: %w", err)
+			return 0
+		},
+		ConfirmedLSN: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				return float64(rl.Tracker().Confirmed())
+			}
+			return 0
+		},
+		OldestAge: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				if t := rl.Tracker().Oldest(); !t.IsZero() {
+					return time.Since(t).Seconds()
+				}
+			}
+			return 0
+		},
+		Ready: func() float64 {
+			if streaming() {
+				return 1
+			}
+			return 0
+		},
+		StreamDurable: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				return float64(rl.StreamDurable())
+			}
+			return -1
+		},
+	}
+}
+
+// serveHTTP listens on c.Listen and serves h in g until ctx ends.
+func serveHTTP(ctx context.Context, g *errgroup.Group, c config.HTTP, h http.Handler, log *zap.Logger) error {
+	ln, err := net.Listen("tcp", c.Listen)
+	if err != nil {
+		return fmt.Errorf("http.listen %s: %w (another process, or a second relay on this host, uses the address: give each instance its own, e.g. --http-listen 127.0.0.1:9188)", c.Listen, err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	log.Info("http listening", zap.String("addr", ln.Addr().String()))
+	g.Go(func() error {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			return err
 		}
+		return nil
+	})
+	g.Go(func() error {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		return srv.Shutdown(sctx)
+	})
+	return nil
+}
+
+// startAndRun waits for NATS and PostgreSQL (servers that are down at start
+// are waited for, with backoff; refusals that need an operator end it at
+// once), builds the relay and streams until ctx ends.
+func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs relay.Observer, reg prometheus.Registerer,
+	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool) error {
+	nc, err := dialNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
+	if err != nil {
+		return err
+	}
+	ncp.Store(nc)
+	if err := waitNATS(ctx, nc, cfg.NATS.URL, 0, log); err != nil {
+		return err
+	}
+	var mon *monitors // set before the relay runs, which is when readiness changes
+	readiness := func(streaming bool) {
+		ready.Store(streaming)
+		if streaming {
+			mon.refresh()
+		}
+	}
+	rl, err := relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(readiness))
+	if err != nil {
+		return err
+	}
+	rlp.Store(rl)
+	// The pollers and the reconcile loop share a small pool, apart from
+	// the replication connection; it connects on first use.
+	pool, err := sqlPool(ctx, cfg.Postgres.URL, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	mon, err = newMonitors(reg, pool, js, cfg, ready.Load, log)
+	if err != nil {
+		return err
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	mon.start(gctx, g)
+	g.Go(func() error {
+		err := setupAndRun(gctx, cfg, nc, rl, log)
+		if err == nil {
+			return context.Canceled // stop the monitors
+		}
+		return err
+	})
+	err = g.Wait()
+	if errors.Is(err, context.Canceled) {
+		return nil
+	}
+	return err
+}
+
+// setupAndRun creates what is missing (auto_setup), or checks that it
+// exists, and streams until ctx ends; it returns an error only for
+// conditions that need an operator. A PostgreSQL server that cannot be
+// reached yet is waited for.
+func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *relay.Relay, log *zap.Logger) error {
+	prepare := func() error { return replication.Check(ctx, cfg.Replication()) }
+	if cfg.Postgres.AutoSetup {
+		prepare = func() error { return autoSetup(ctx, cfg, nc, log) }
+	}
+	if err := retryStartup(ctx, log, prepare); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		if cfg.Postgres.AutoSetup {
+			return fmt.Errorf("setup: %w", causeFirst{err})
+		}
+		return causeFirst{err}
 	}
 	return rl.Run(ctx)
 }
@@ -190,18 +274,48 @@ func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.L
 	return nil
 }
 
-func httpHandler(reg *prometheus.Registry, withPprof bool, ready func() bool) http.Handler {
+// standbyFresh is how recent a standby's last try for the slot must be for
+// it to count as a healthy standby: it tries every 2 s at most.
+const standbyFresh = 10 * time.Second
+
+// standbyObserver remembers when this instance last found the slot held by
+// another one.
+type standbyObserver struct {
+	*metrics.Relay
+	last atomic.Int64 // unix nanoseconds
+}
+
+// StandingBy implements relay.Observer.
+func (o *standbyObserver) StandingBy() {
+	o.last.Store(time.Now().UnixNano())
+	o.Relay.StandingBy()
+}
+
+func (o *standbyObserver) recent(d time.Duration) bool {
+	t := o.last.Load()
+	return t != 0 && time.Since(time.Unix(0, t)) < d
+}
+
+// httpHandler serves /metrics, /healthz and /readyz. /readyz answers 200
+// while this instance streams; /readyz?standby=ok also while it is a
+// healthy standby (NATS connected, PostgreSQL answering that another
+// instance holds the slot), the rule for orchestrators that roll one
+// instance at a time (deploy/helm).
+func httpHandler(reg *prometheus.Registry, withPprof bool, ready, standingBy func() bool) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if !ready() {
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case ready():
+			_, _ = w.Write([]byte("ready\n"))
+		case r.URL.Query().Get("standby") == "ok" && standingBy():
+			_, _ = w.Write([]byte("standing by\n"))
+		default:
 			http.Error(w, "not streaming", http.StatusServiceUnavailable)
-			return
 		}
-		_, _ = w.Write([]byte("ready\n"))
 	})
 	if withPprof {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)
@@ -244,6 +358,13 @@ func newMonitors(reg prometheus.Registerer, pool *pgxpool.Pool, js jetstream.Jet
 		m.loop = loop
 	}
 	return m, nil
+}
+
+// refresh polls the slot and the streams now: streaming just began, and
+// the gauges still show the state from before.
+func (m *monitors) refresh() {
+	m.slots.Refresh()
+	m.streams.Refresh()
 }
 
 // start runs the monitors in g until ctx ends. They never fail: a failed

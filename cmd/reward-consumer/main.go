@@ -11,10 +11,12 @@
 //	--nats-url      REWARD_CONSUMER_NATS_URL      default nats://127.0.0.1:4222
 //	--stream        REWARD_CONSUMER_STREAM        default OUTBOX
 //	--consumer      REWARD_CONSUMER_NAME          durable consumer name, default reward-consumer
-//	--filter-subject REWARD_CONSUMER_FILTER_SUBJECT  e.g. outbox.outbox.>; default the whole stream
+//	--filter-subject REWARD_CONSUMER_FILTER_SUBJECT  e.g. outbox.registration.>; default the whole stream
 //	--points        REWARD_CONSUMER_POINTS        points per confirmed registration, default 10
 //	--owner         REWARD_CONSUMER_OWNER         owner of the dead letters, default rewards-team
 //	--metrics-listen REWARD_CONSUMER_METRICS_LISTEN  address for /metrics; empty disables
+//	--log-level     REWARD_CONSUMER_LOG_LEVEL     debug, info, warn or error; default info
+//	--log-format    REWARD_CONSUMER_LOG_FORMAT    json (default) or console
 //
 // REWARD_CONSUMER_TEST_CRASH_AFTER_COMMIT, for fault tests only, names a
 // file: after the first transaction commits, the process writes the event
@@ -40,10 +42,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/consumer"
+	"github.com/outbox-relay/outbox-relay/internal/logging"
 	"github.com/outbox-relay/outbox-relay/internal/reward"
 )
 
@@ -62,10 +64,15 @@ type options struct {
 	ackWait       time.Duration
 	metricsListen string
 	logLevel      string
+	logFormat     string
 }
 
 func main() {
-	if err := run(); err != nil {
+	err := run()
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		// --help printed the usage: asking for it is no failure.
+	case err != nil:
 		fmt.Fprintln(os.Stderr, "reward-consumer:", err)
 		os.Exit(1)
 	}
@@ -97,6 +104,7 @@ func parseFlags() (options, error) {
 	fs.DurationVar(&o.ackWait, "ack-wait", consumer.DefaultAckWait, "JetStream ack wait of the durable consumer")
 	fs.StringVar(&o.metricsListen, "metrics-listen", env("METRICS_LISTEN", ""), "address serving /metrics (e.g. 127.0.0.1:9464); empty disables")
 	fs.StringVar(&o.logLevel, "log-level", env("LOG_LEVEL", "info"), "debug, info, warn or error")
+	fs.StringVar(&o.logFormat, "log-format", env("LOG_FORMAT", logging.FormatJSON), "json or console")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		return o, err
 	}
@@ -114,15 +122,9 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	level, err := zap.ParseAtomicLevel(o.logLevel)
+	log, err := logging.New(o.logLevel, o.logFormat)
 	if err != nil {
-		return fmt.Errorf("--log-level: %w", err)
-	}
-	zcfg := zap.NewProductionConfig()
-	zcfg.Level = level
-	log, err := zcfg.Build()
-	if err != nil {
-		return err
+		return fmt.Errorf("--log-level/--log-format: %w", err)
 	}
 	defer func() { _ = log.Sync() }()
 

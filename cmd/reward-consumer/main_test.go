@@ -183,3 +183,15 @@ func TestCrashBetweenCommitAndAckCreditsOnce(t *testing.T) {
 		t.Fatalf("reward-consumer exited with %v after SIGTERM, want 0", err)
 	}
 }
+
+// --help prints the flags and exits 0 (it exited 1, as for an error).
+func TestHelpExitsZero(t *testing.T) {
+	bin := testenv.BuildBinary(t, "./cmd/reward-consumer")
+	out, err := exec.Command(bin, "--help").CombinedOutput()
+	if err != nil {
+		t.Fatalf("--help: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "-postgres-url") || strings.Contains(string(out), "help requested") {
+		t.Errorf("--help printed:\n%s", out)
+	}
+}

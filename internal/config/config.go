@@ -112,6 +112,9 @@ type NATS struct {
 	CreateStreams    bool          `yaml:"create_streams"`
 	Replicas         int           `yaml:"replicas"`
 	DuplicateWindow  time.Duration `yaml:"duplicate_window"`
+	// MaxAge is how long a created event stream keeps an event; 0 keeps it
+	// for ever. Consumers' dedup rows may be pruned only past it.
+	MaxAge           time.Duration `yaml:"max_age"`
 	AckTimeout       time.Duration `yaml:"ack_timeout"`
 	MaxInFlight      int           `yaml:"max_in_flight"`
 	MaxInFlightBytes int           `yaml:"max_in_flight_bytes"`
@@ -254,6 +257,9 @@ func (c *Config) Validate() error {
 	}
 	if c.NATS.DuplicateWindow < time.Second {
 		bad("nats.duplicate_window", "%s is too short: it must exceed the longest relay outage (default 2m)", c.NATS.DuplicateWindow)
+	}
+	if c.NATS.MaxAge != 0 && c.NATS.MaxAge < c.NATS.DuplicateWindow {
+		bad("nats.max_age", "%s is shorter than nats.duplicate_window (%s): JetStream refuses such a stream; use 0 (keep events for ever) or at least the window, and longer than any consumer may lag", c.NATS.MaxAge, c.NATS.DuplicateWindow)
 	}
 	if c.NATS.AckTimeout < 100*time.Millisecond {
 		bad("nats.ack_timeout", "%s is too short: use at least 100ms (default 5s)", c.NATS.AckTimeout)

@@ -123,7 +123,12 @@ func checkKeys(n *yaml.Node, t reflect.Type, path string) error {
 			sub := join(path, k.Value)
 			ft, ok := fields[k.Value]
 			if !ok {
-				return &Error{Path: sub, Msg: fmt.Sprintf("line %d: unknown key (known keys here: %s)", k.Line, strings.Join(sortedKeys(fields), ", "))}
+				keys := sortedKeys(fields)
+				hint := ""
+				if best, ok := closest(k.Value, keys); ok {
+					hint = fmt.Sprintf(": did you mean %s?", best)
+				}
+				return &Error{Path: sub, Msg: fmt.Sprintf("line %d: unknown key%s (known keys here: %s)", k.Line, hint, strings.Join(keys, ", "))}
 			}
 			if first, dup := seen[k.Value]; dup {
 				return &Error{Path: sub, Msg: fmt.Sprintf("line %d: given twice (first on line %d): keep one", k.Line, first)}
@@ -253,19 +258,29 @@ func checkEnviron(cfg *Config, environ []string) error {
 		if _, ok := known[name]; ok || !strings.HasPrefix(name, EnvPrefix) {
 			continue
 		}
-		best, dist := "", 3
+		names := make([]string, 0, len(known))
 		for k := range known {
-			if d := editDistance(name, k); d < dist || d == dist && k < best {
-				best, dist = k, d
-			}
+			names = append(names, k)
 		}
-		if dist <= 2 {
+		if best, ok := closest(name, names); ok {
 			errs = append(errs, fmt.Errorf("%w: environment variable %s is not a configuration key: did you mean %s?", ErrInvalid, name, best))
 			continue
 		}
 		cfg.Warnings = append(cfg.Warnings, fmt.Sprintf("environment variable %s is not a configuration key of the relay and is ignored (the keys' variables are listed in the README)", name))
 	}
 	return errors.Join(errs...)
+}
+
+// closest returns the candidate nearest to name, when it is at most two
+// edits away: a typo, not another key. Ties go to the first in sort order.
+func closest(name string, candidates []string) (string, bool) {
+	best, dist := "", 3
+	for _, c := range candidates {
+		if d := editDistance(name, c); d < dist || d == dist && c < best {
+			best, dist = c, d
+		}
+	}
+	return best, dist <= 2
 }
 
 // editDistance is the Levenshtein distance of two ASCII names.

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"go.yaml.in/yaml/v3"
 
@@ -73,6 +74,9 @@ func TestLoadExamples(t *testing.T) {
 				t.Errorf("headers = %v, want %v", b.Headers, want)
 			}
 			events, dlq := c.Streams()
+			if events.MaxAge != 168*time.Hour || dlq.MaxAge != 0 {
+				t.Errorf("max_age: events %s, dead letters %s; want 168h and 0 (dead letters never expire)", events.MaxAge, dlq.MaxAge)
+			}
 			if events.Name != "EVENTS" || !reflect.DeepEqual(events.Subjects, []string{"outbox.>", "billing.>"}) ||
 				dlq.Name != "EVENTS_DLQ" || !reflect.DeepEqual(dlq.Subjects, []string{"events_dlq.>"}) {
 				t.Errorf("streams: %+v %+v", events, dlq)

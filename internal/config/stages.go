@@ -44,6 +44,7 @@ func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
 		Name:       c.NATS.Stream,
 		Subjects:   c.NATS.StreamSubjects,
 		Duplicates: c.NATS.DuplicateWindow,
+		MaxAge:     c.NATS.MaxAge,
 		Replicas:   c.NATS.Replicas,
 		// The dedup window must cover the longest outage: warn below it.
 		MinDuplicates:  c.NATS.MaxExpectedOutage,

@@ -117,5 +117,5 @@ func (p *FailoverPoller) Poll(ctx context.Context) error {
 // Run polls every interval until ctx ends, then returns nil. Failed checks
 // are counted and logged, never returned.
 func (p *FailoverPoller) Run(ctx context.Context) error {
-	return pollLoop(ctx, p.interval, p.log, "check failover readiness", p.Poll)
+	return pollLoop(ctx, p.interval, nil, p.log, "check failover readiness", p.Poll)
 }

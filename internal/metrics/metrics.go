@@ -6,6 +6,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/router"
 )
 
 // Relay holds the relay's metrics and implements relay.Observer.
@@ -15,8 +16,21 @@ type Relay struct {
 	deadLettered   *prometheus.CounterVec
 	retries        *prometheus.CounterVec
 	reconnects     prometheus.Counter
+	standbyRetries prometheus.Counter
 	publishLatency prometheus.Histogram
 }
+
+// deadLetterClasses are the reason classes of outbox_relay_dead_lettered_total:
+// the router's, and the publisher's for broker rejections.
+var deadLetterClasses = []string{
+	router.ClassMissingColumn, router.ClassNullField, router.ClassInvalidField,
+	router.ClassSubjectTooLong, router.ClassTooLarge, router.ClassUnknownTable,
+	router.ClassRejectedByBroker, "stream_mismatch", "no_stream",
+}
+
+// retryClasses are the failure classes of outbox_relay_publish_retries_total
+// (publisher.PublishError.Class of a transient failure).
+var retryClasses = []string{"connection", "no_responders", "bad_ack", "timeout", "api_error", "batch"}
 
 // Gauges are read at scrape time.
 type Gauges struct {
@@ -50,7 +64,11 @@ func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
 		}, []string{"class"}),
 		reconnects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "outbox_relay_replication_restarts_total",
-			Help: "Restarts of the replication session (connection loss, standby waiting for the slot).",
+			Help: "Restarts of the replication session after it failed or was interrupted (a standby's retries are counted apart).",
+		}),
+		standbyRetries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outbox_relay_standby_retries_total",
+			Help: "Attempts of a standby instance to take the slot while another instance streams from it.",
 		}),
 		publishLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "outbox_relay_publish_latency_seconds",
@@ -58,7 +76,17 @@ func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 18),
 		}),
 	}
-	reg.MustRegister(m.published, m.duplicates, m.deadLettered, m.retries, m.reconnects, m.publishLatency)
+	reg.MustRegister(m.published, m.duplicates, m.deadLettered, m.retries, m.reconnects, m.standbyRetries, m.publishLatency)
+	// A labelled counter has no series until its first increment, and
+	// increase() over a series that appears at 1 reads 0: the alerts on
+	// these counters would miss the first dead letter. Start the known
+	// classes at 0.
+	for _, c := range deadLetterClasses {
+		m.deadLettered.WithLabelValues(c)
+	}
+	for _, c := range retryClasses {
+		m.retries.WithLabelValues(c)
+	}
 	gauge := func(name, help string, f func() float64) {
 		if f != nil {
 			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, f))
@@ -101,3 +129,6 @@ func (m *Relay) Settled(res publisher.Result, commitTime time.Time) {
 
 // Reconnected implements relay.Observer.
 func (m *Relay) Reconnected() { m.reconnects.Inc() }
+
+// StandingBy implements relay.Observer.
+func (m *Relay) StandingBy() { m.standbyRetries.Inc() }

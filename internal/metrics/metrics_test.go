@@ -165,3 +165,27 @@ g 0.5
 		t.Fatal("no error for a broken exposition")
 	}
 }
+
+// The labelled counters the alerts use are exported at 0 before their
+// first increment, and a standby's retries are not restarts.
+func TestRelayCountersStartAtZero(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := NewRelay(reg, Gauges{})
+	m.StandingBy()
+	m.StandingBy()
+	expect(t, gather(t, reg), map[string]float64{
+		"outbox_relay_dead_lettered_total{reason=invalid_field}":      0,
+		"outbox_relay_dead_lettered_total{reason=rejected_by_broker}": 0,
+		"outbox_relay_publish_retries_total{class=timeout}":           0,
+		"outbox_relay_publish_retries_total{class=no_responders}":     0,
+		"outbox_relay_replication_restarts_total":                     0,
+		"outbox_relay_standby_retries_total":                          2,
+	})
+	m.Reconnected()
+	m.DeadLettered("too_large")
+	expect(t, gather(t, reg), map[string]float64{
+		"outbox_relay_replication_restarts_total":            1,
+		"outbox_relay_standby_retries_total":                 2,
+		"outbox_relay_dead_lettered_total{reason=too_large}": 1,
+	})
+}

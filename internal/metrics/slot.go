@@ -83,6 +83,7 @@ type SlotPoller struct {
 	slot     string
 	interval time.Duration
 	log      *zap.Logger
+	refresh  chan struct{} // Refresh's request for a poll now
 
 	mu   sync.Mutex
 	last *SlotSnapshot
@@ -98,7 +99,7 @@ func NewSlotPoller(reg prometheus.Registerer, db Querier, slot string, interval 
 		log = zap.NewNop()
 	}
 	p := &SlotPoller{
-		db: db, slot: slot, interval: interval, log: log,
+		db: db, slot: slot, interval: interval, log: log, refresh: make(chan struct{}, 1),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "outbox_relay_slot_poll_errors_total",
 			Help: "Failed polls of pg_replication_slots.",
@@ -182,11 +183,24 @@ func (p *SlotPoller) Poll(ctx context.Context) error {
 // are counted and logged (the first of a series as a warning), never
 // returned: monitoring must not stop the relay.
 func (p *SlotPoller) Run(ctx context.Context) error {
-	return pollLoop(ctx, p.interval, p.log, "poll replication slot", p.Poll)
+	return pollLoop(ctx, p.interval, p.refresh, p.log, "poll replication slot", p.Poll)
 }
 
-// pollLoop calls poll now and then every interval until ctx ends.
-func pollLoop(ctx context.Context, interval time.Duration, log *zap.Logger, what string, poll func(context.Context) error) error {
+// Refresh asks Run for a poll now, without waiting for it: the relay calls
+// it when it starts streaming, so the slot gauges do not read "inactive"
+// for up to an interval after start.
+func (p *SlotPoller) Refresh() { requestPoll(p.refresh) }
+
+func requestPoll(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default: // a poll is already requested
+	}
+}
+
+// pollLoop calls poll now, then every interval and on each refresh, until
+// ctx ends.
+func pollLoop(ctx context.Context, interval time.Duration, refresh <-chan struct{}, log *zap.Logger, what string, poll func(context.Context) error) error {
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	failing := false
@@ -209,6 +223,7 @@ func pollLoop(ctx context.Context, interval time.Duration, log *zap.Logger, what
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
+		case <-refresh:
 		}
 	}
 }

@@ -62,6 +62,7 @@ type StreamPoller struct {
 	events, dlq     string
 	interval        time.Duration
 	log             *zap.Logger
+	refresh         chan struct{} // Refresh's request for a poll now
 	mu              sync.Mutex
 	lastEv, lastDLQ *StreamSnapshot
 	errors          prometheus.Counter
@@ -75,7 +76,7 @@ func NewStreamPoller(reg prometheus.Registerer, js jetstream.JetStream, events, 
 		log = zap.NewNop()
 	}
 	p := &StreamPoller{
-		js: js, events: events, dlq: deadLetters, interval: interval, log: log, now: time.Now,
+		js: js, events: events, dlq: deadLetters, interval: interval, log: log, now: time.Now, refresh: make(chan struct{}, 1),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "outbox_relay_stream_poll_errors_total",
 			Help: "Failed polls of the event and dead-letter streams' state.",
@@ -136,5 +137,9 @@ func (p *StreamPoller) Poll(ctx context.Context) error {
 // Run polls every interval until ctx ends, then returns nil; failures are
 // counted and logged, never returned.
 func (p *StreamPoller) Run(ctx context.Context) error {
-	return pollLoop(ctx, p.interval, p.log, "poll streams", p.Poll)
+	return pollLoop(ctx, p.interval, p.refresh, p.log, "poll streams", p.Poll)
 }
+
+// Refresh asks Run for a poll now, without waiting for it (see
+// SlotPoller.Refresh).
+func (p *StreamPoller) Refresh() { requestPoll(p.refresh) }
