@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -229,14 +230,29 @@ func (c *cleaner) byStream(ctx context.Context, js jetstream.JetStream, tables [
 // deleteIDs deletes, in one short transaction, the rows of t with these
 // event ids (all found in the stream) that are older than the cutoff.
 func (c *cleaner) deleteIDs(ctx context.Context, t *reconcile.Table, tr *TableReport, ids []string) error {
-	var q string
-	if c.cfg.DryRun {
-		q = fmt.Sprintf("SELECT count(*) FROM %s WHERE %s AND %s < $2", t.Ident, t.IDIn("$1"), t.Time)
-	} else {
-		q = fmt.Sprintf("WITH d AS (DELETE FROM %s WHERE ctid IN (SELECT ctid FROM %s WHERE %s AND %s < $2 FOR UPDATE SKIP LOCKED) RETURNING 1) SELECT count(*) FROM d",
-			t.Ident, t.Ident, t.IDIn("$1"), t.Time)
+	cond := fmt.Sprintf("%s AND %s < $2", t.IDIn("$1"), t.Time)
+	q := fmt.Sprintf("SELECT count(*) FROM %s WHERE %s", t.Ident, cond)
+	if !c.cfg.DryRun {
+		q = deleteLocked(t, cond, "")
 	}
 	return c.batch(ctx, t, tr, q, ids, c.rep.Cutoff)
+}
+
+// deleteLocked returns a statement deleting the rows of t matching cond
+// that no other transaction holds locked (at most limit rows when limit is
+// not empty), and counting them.
+//
+// A ctid is unique only within one heap: on a partitioned table every
+// partition has a row at (0,1). The rows are therefore keyed on (tableoid,
+// ctid), and the DELETE checks cond again, so it can only ever remove a row
+// that is itself proven relayed and old enough.
+func deleteLocked(t *reconcile.Table, cond, limit string) string {
+	if limit != "" {
+		limit = " LIMIT " + limit
+	}
+	return fmt.Sprintf(`WITH c AS (SELECT tableoid, ctid FROM %[1]s WHERE %[2]s%[3]s FOR UPDATE SKIP LOCKED),
+d AS (DELETE FROM %[1]s WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM c) AND %[2]s RETURNING 1)
+SELECT count(*) FROM d`, t.Ident, cond, limit)
 }
 
 // byState deletes rows marked published, batch by batch, until a batch
@@ -244,15 +260,15 @@ func (c *cleaner) deleteIDs(ctx context.Context, t *reconcile.Table, tr *TableRe
 func (c *cleaner) byState(ctx context.Context, tables []*reconcile.Table) error {
 	for i, t := range tables {
 		tr := &c.rep.Tables[i]
+		cond := fmt.Sprintf("%s = 'PUBLISHED' AND %s < $1", t.StateColumn, t.Time)
 		if c.cfg.DryRun {
-			q := fmt.Sprintf("SELECT count(*) FROM %s WHERE %s = 'PUBLISHED' AND %s < $1", t.Ident, t.StateColumn, t.Time)
+			q := fmt.Sprintf("SELECT count(*) FROM %s WHERE %s", t.Ident, cond)
 			if err := c.batch(ctx, t, tr, q, c.rep.Cutoff); err != nil {
 				return err
 			}
 			continue
 		}
-		q := fmt.Sprintf("WITH d AS (DELETE FROM %s WHERE ctid IN (SELECT ctid FROM %s WHERE %s = 'PUBLISHED' AND %s < $1 LIMIT %d FOR UPDATE SKIP LOCKED) RETURNING 1) SELECT count(*) FROM d",
-			t.Ident, t.Ident, t.StateColumn, t.Time, c.cfg.BatchSize)
+		q := deleteLocked(t, cond, strconv.Itoa(c.cfg.BatchSize))
 		for {
 			before := tr.Deleted
 			if err := c.batch(ctx, t, tr, q, c.rep.Cutoff); err != nil {

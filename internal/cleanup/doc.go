@@ -28,7 +28,10 @@
 // created, or in WAL a lost slot dropped, are before the confirmed position
 // and were never relayed; deleting them would lose them for good.
 //
-// Each batch is its own short transaction: DELETE ... WHERE ctid IN
-// (SELECT ctid ... FOR UPDATE SKIP LOCKED), so cleanup never waits for, nor
-// blocks, the application's transactions for longer than one batch.
+// Each batch is its own short transaction: DELETE ... WHERE (tableoid,
+// ctid) IN (SELECT tableoid, ctid ... FOR UPDATE SKIP LOCKED) AND the same
+// conditions again, so cleanup never waits for, nor blocks, the
+// application's transactions for longer than one batch. The tableoid is
+// what makes this right on a partitioned table, where each partition has
+// its own ctids.
 package cleanup
