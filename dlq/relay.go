@@ -53,6 +53,16 @@ type RelayFilter struct {
 	Limit     int
 }
 
+// RelayTarget is where the relay keeps its dead letters.
+type RelayTarget struct {
+	// Stream is the dead-letter stream (the configuration's
+	// nats.dead_letter_stream). Default DefaultRelayStream.
+	Stream string
+	// AuditReplicas is the replicas of the audit stream when the command
+	// creates it (the configuration's nats.replicas). Default 1.
+	AuditReplicas int
+}
+
 // RelayDLQ reads and discards records of the relay's dead-letter stream.
 // Discards are audited in a separate stream before the record is deleted.
 type RelayDLQ struct {
@@ -60,7 +70,9 @@ type RelayDLQ struct {
 	stream       string
 	auditStream  string
 	auditSubject string
-	now          func() time.Time
+	// auditReplicas is the replicas of an audit stream created here.
+	auditReplicas int
+	now           func() time.Time
 }
 
 // NewRelayDLQ returns access to the dead-letter stream named stream; empty
@@ -279,6 +291,9 @@ func (r *RelayDLQ) ensureAuditStream(ctx context.Context) error {
 		Subjects:    []string{r.auditSubject},
 		Storage:     jetstream.FileStorage,
 		Retention:   jetstream.LimitsPolicy,
+		// As replicated as the streams whose actions it records: an audit
+		// trail that one node's loss erases is no trail.
+		Replicas: max(r.auditReplicas, 1),
 	})
 	if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		return fmt.Errorf("create audit stream %s: %w", r.auditStream, err)

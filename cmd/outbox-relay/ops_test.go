@@ -38,6 +38,8 @@ type opsFixture struct {
 	js     jetstream.JetStream
 	stream string
 	url    string
+	// file is the configuration file cfg was loaded from.
+	file string
 }
 
 func newOpsFixture(t *testing.T) *opsFixture {
@@ -101,7 +103,7 @@ shutdown_timeout: 2s
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &opsFixture{t: t, ns: ns, db: db, cfg: cfg, js: js, stream: stream, url: fmt.Sprintf("http://127.0.0.1:%d", port)}
+	return &opsFixture{t: t, ns: ns, db: db, cfg: cfg, js: js, stream: stream, url: fmt.Sprintf("http://127.0.0.1:%d", port), file: file}
 }
 
 // start runs `run` until the test ends; stop cancels it and returns its
@@ -466,5 +468,74 @@ func TestParseWhen(t *testing.T) {
 		case !c.bad && (err != nil || !got.Equal(c.want)):
 			t.Errorf("%q: %v, %v; want %v", c.in, got, err, c.want)
 		}
+	}
+}
+
+// cli runs the outbox-relay command line with the fixture's configuration
+// file and returns its standard output.
+func (f *opsFixture) cli(args ...string) (string, error) {
+	f.t.Helper()
+	cmd := newRootCmd()
+	var out, errOut bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetErr(&errOut)
+	cmd.SetArgs(append([]string{"-c", f.file}, args...))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err := cmd.ExecuteContext(ctx)
+	if errOut.Len() > 0 {
+		f.t.Logf("outbox-relay %s: stderr:\n%s", strings.Join(args, " "), errOut.String())
+	}
+	return out.String(), err
+}
+
+// Issue 17, case 2: `dlq --relay` acted on OUTBOX_DLQ whatever
+// nats.dead_letter_stream said: it listed, and discarded, another
+// service's dead letter. It takes the stream from the configuration, and
+// --relay-stream still overrides it.
+func TestDLQRelayUsesConfiguredStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	mine := f.cfg.NATS.DeadLetterStream
+	for _, sc := range []jetstream.StreamConfig{
+		{Name: "OUTBOX_DLQ", Subjects: []string{"other_dlq.>"}},
+		{Name: mine, Subjects: []string{f.cfg.Router.DeadLetterFilter()}},
+	} {
+		if _, err := f.js.CreateStream(ctx, sc); err != nil {
+			t.Fatal(err)
+		}
+	}
+	record := func(subject, id string) {
+		m := nats.NewMsg(subject)
+		m.Header.Set("Nats-Msg-Id", id)
+		m.Header.Set("Outbox-Table", "public.outbox")
+		m.Header.Set("Outbox-DLQ-Reason-Class", "missing_field")
+		m.Data = []byte(`{"table":"public.outbox","row":{}}`)
+		if _, err := f.js.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	record("other_dlq.public_outbox", "theirs")
+	record(f.cfg.Router.DeadLetterSubject+".public_outbox", "ours")
+
+	out, err := f.cli("dlq", "--relay", "list", "-o", "json")
+	if err != nil {
+		t.Fatalf("list: %v\n%s", err, out)
+	}
+	if !strings.Contains(out, `"ours"`) || strings.Contains(out, `"theirs"`) {
+		t.Fatalf("dlq --relay list shows another stream's records:\n%s", out)
+	}
+	if out, err := f.cli("dlq", "--relay", "discard", "1", "--actor", "test", "--reason", "fixed"); err != nil || !strings.Contains(out, mine) {
+		t.Fatalf("discard: %v\n%s", err, out)
+	}
+	for stream, want := range map[string]uint64{"OUTBOX_DLQ": 1, mine: 0} {
+		if n := relaytest.StreamCount(ctx, f.js, stream); n != want {
+			t.Errorf("%s holds %d records after the discard, want %d", stream, n, want)
+		}
+	}
+	out, err = f.cli("dlq", "--relay", "--relay-stream", "OUTBOX_DLQ", "list", "-o", "json")
+	if err != nil || !strings.Contains(out, `"theirs"`) {
+		t.Fatalf("--relay-stream OUTBOX_DLQ list: %v\n%s", err, out)
 	}
 }
