@@ -539,3 +539,55 @@ func TestDLQRelayUsesConfiguredStream(t *testing.T) {
 		t.Fatalf("--relay-stream OUTBOX_DLQ list: %v\n%s", err, out)
 	}
 }
+
+// Issue 17, case 3: a slot created again (setup after teardown, auto_setup
+// after a lost slot) backfilled every row of the table, since the relay
+// never marks rows published: past the duplicate window each event was
+// stored twice. The backfill now publishes only the rows whose event the
+// stream lacks: here the five written while there was no slot.
+func TestSetupAfterTeardownBackfillsOnlyWhatTheStreamLacks(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	f.cfg.NATS.DuplicateWindow = time.Second
+	f.cfg.Reconcile.Interval = 0
+	stop := f.start() // auto_setup with backfill: creates the slot and the streams
+	f.insert(ctx, 50, "RegistrationConfirmed")
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.js, f.stream) == 50 }) {
+		t.Fatal("events not relayed")
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := f.cli("teardown", "--yes"); err != nil {
+		t.Fatalf("teardown: %v\n%s", err, out)
+	}
+	f.insert(ctx, 5, "RegistrationConfirmed") // no slot: only a backfill can relay these
+	// The stream's duplicate window (1s) must pass, or it would hide the
+	// second copies.
+	time.Sleep(1500 * time.Millisecond)
+	nc, err := nats.Connect(f.cfg.NATS.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	rep, err := backfill(ctx, f.cfg, nc, zaptest.NewLogger(t), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rep.SlotCreated || rep.Rows != 5 || rep.AlreadyStreamed != 50 {
+		t.Errorf("backfill after teardown: %+v, want 5 rows published and 50 already in the stream", rep)
+	}
+	ids := map[string]int{}
+	for _, m := range relaytest.ReadStream(ctx, t, f.js, f.stream) {
+		ids[m.Event.ID]++
+	}
+	for id, n := range ids {
+		if n != 1 {
+			t.Errorf("event %s stored %d times", id, n)
+		}
+	}
+	if len(ids) != 55 || relaytest.StreamCount(ctx, f.js, f.stream) != 55 {
+		t.Errorf("stream holds %d messages of %d events, want 55", relaytest.StreamCount(ctx, f.js, f.stream), len(ids))
+	}
+}
