@@ -435,13 +435,21 @@ func TestReconcileAndCleanupCommands(t *testing.T) {
 		}
 	}
 
-	// Every row is in the stream again: cleanup deletes them all.
+	// Every row is in the stream again, but stored just now: cleanup keeps
+	// them until the stream has synced them (issue 17, case 4), exits 1
+	// and says why. --older-than 0 is refused.
 	out.Reset()
-	if err := runCleanup(ctx, &out, f.cfg, cleanupFlags{olderThan: 0, mode: "stream", batch: 7, asJSON: true}); err != nil {
+	if err := runCleanup(ctx, &out, f.cfg, cleanupFlags{olderThan: 0, storedMargin: 10 * time.Minute, mode: "stream", batch: 7}); !errors.Is(err, config.ErrInvalid) {
+		t.Fatalf("cleanup --older-than 0: %v", err)
+	}
+	err = runCleanup(ctx, &out, f.cfg, cleanupFlags{olderThan: time.Nanosecond, storedMargin: 10 * time.Minute, mode: "stream", batch: 7})
+	if code, ok := err.(exitCode); !ok || code != 1 {
 		t.Fatalf("cleanup: %v\n%s", err, out.String())
 	}
-	if !strings.Contains(out.String(), `"deleted": 30`) || !strings.Contains(out.String(), `"remaining": 0`) {
-		t.Fatalf("cleanup output:\n%s", out.String())
+	for _, want := range []string{"30 rows older than the cutoff were kept", "30 of them have an event stored after", "warning: stream " + f.stream + ": 1 replica(s)"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("cleanup output lacks %q:\n%s", want, out.String())
+		}
 	}
 }
 

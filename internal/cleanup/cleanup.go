@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
@@ -30,6 +31,15 @@ const (
 const (
 	DefaultBatchSize = 1000
 	DefaultClockSkew = time.Minute
+	// DefaultStoredMargin is how long an event must have been stored in the
+	// stream before its row may go.
+	DefaultStoredMargin = 10 * time.Minute
+	// MinStoredMargin is the shortest StoredMargin accepted unless
+	// WithMinStoredMargin lowers it: JetStream's default sync interval. A
+	// stream acknowledges before fsync, so an event stored less than that
+	// ago may exist only in the OS cache; a server crash would lose it
+	// together with its row, and nothing could show the loss.
+	MinStoredMargin = 2 * time.Minute
 	// MaxBatchSize bounds a batch: one DELETE holds its rows' locks until
 	// it commits.
 	MaxBatchSize = 10_000
@@ -44,8 +54,13 @@ type Config struct {
 	// Mode is ModeStream (default) or ModePublished.
 	Mode Mode
 	// OlderThan keeps rows whose occurred-at time is within this long of
-	// now; 0 allows every proven row.
+	// now. Required (a positive duration).
 	OlderThan time.Duration
+	// StoredMargin keeps rows whose event the stream stored within this
+	// long of now (ModeStream): the row is the only copy until the server
+	// has synced the event to disk. Default DefaultStoredMargin, at least
+	// MinStoredMargin.
+	StoredMargin time.Duration
 	// BatchSize is the rows per DELETE transaction. Default
 	// DefaultBatchSize, at most MaxBatchSize.
 	BatchSize int
@@ -58,7 +73,10 @@ type Config struct {
 	DryRun bool
 }
 
-func (c *Config) setDefaults() error {
+func (c *Config) setDefaults(minMargin time.Duration) error {
+	if c.StoredMargin == 0 {
+		c.StoredMargin = DefaultStoredMargin
+	}
 	if c.Mode == "" {
 		c.Mode = ModeStream
 	}
@@ -73,8 +91,10 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("%w: mode %q: use %s or %s", ErrInvalidConfig, c.Mode, ModeStream, ModePublished)
 	case c.Mode == ModeStream && c.Stream == "":
 		return fmt.Errorf("%w: mode stream needs the event stream", ErrInvalidConfig)
-	case c.OlderThan < 0:
-		return fmt.Errorf("%w: older-than %s is negative", ErrInvalidConfig, c.OlderThan)
+	case c.OlderThan <= 0:
+		return fmt.Errorf("%w: older-than %s: give a positive age (e.g. 168h keeps a week of rows; rows younger than the reconcile window are still needed)", ErrInvalidConfig, c.OlderThan)
+	case c.Mode == ModeStream && c.StoredMargin < minMargin:
+		return fmt.Errorf("%w: stored margin %s is shorter than %s, JetStream's default sync interval: an event stored more recently may not be on disk yet", ErrInvalidConfig, c.StoredMargin, minMargin)
 	case c.BatchSize < 1 || c.BatchSize > MaxBatchSize:
 		return fmt.Errorf("%w: batch size %d: use 1 to %d", ErrInvalidConfig, c.BatchSize, MaxBatchSize)
 	case c.ClockSkew < 0 || c.Pause < 0:
@@ -95,6 +115,10 @@ type TableReport struct {
 	Remaining int64 `json:"remaining"`
 	// Batches is the DELETE transactions run.
 	Batches int `json:"batches"`
+	// StoredRecently is the events older than the cutoff found in the
+	// stream but stored within the stored margin: their rows are kept
+	// until a later run (ModeStream).
+	StoredRecently int64 `json:"stored_recently"`
 }
 
 // Report is the outcome of Run.
@@ -104,16 +128,23 @@ type Report struct {
 	DryRun bool          `json:"dry_run"`
 	Tables []TableReport `json:"tables"`
 	// StreamMessages is the messages read (ModeStream).
-	StreamMessages uint64        `json:"stream_messages_read"`
-	Duration       time.Duration `json:"duration_ns"`
+	StreamMessages uint64 `json:"stream_messages_read"`
+	// StoredBefore is the newest storage time an event may have for its
+	// row to be deleted: the start of the run less the stored margin.
+	StoredBefore time.Time `json:"stored_before,omitempty"`
+	// Warnings are conditions the operator should know about, such as an
+	// event stream whose acknowledgements do not survive a server crash.
+	Warnings []string      `json:"warnings,omitempty"`
+	Duration time.Duration `json:"duration_ns"`
 }
 
 // Option configures Run.
 type Option func(*options)
 
 type options struct {
-	log      *zap.Logger
-	progress func(TableReport)
+	log       *zap.Logger
+	progress  func(TableReport)
+	minMargin time.Duration
 }
 
 // WithLogger sets the logger (default zap.NewNop()).
@@ -122,13 +153,20 @@ func WithLogger(l *zap.Logger) Option { return func(o *options) { o.log = l } }
 // WithProgress calls f after every batch with the table's running totals.
 func WithProgress(f func(TableReport)) Option { return func(o *options) { o.progress = f } }
 
+// WithMinStoredMargin lowers the shortest accepted Config.StoredMargin
+// (default MinStoredMargin): for a server that syncs more often
+// (jetstream sync_interval), and for tests. Negative values count as 0.
+func WithMinStoredMargin(d time.Duration) Option {
+	return func(o *options) { o.minMargin = max(d, 0) }
+}
+
 // Run deletes the rows older than the cutoff that cfg.Mode proves relayed.
 func Run(ctx context.Context, db reconcile.DB, js jetstream.JetStream, cfg Config, opts ...Option) (*Report, error) {
-	o := options{log: zap.NewNop(), progress: func(TableReport) {}}
+	o := options{log: zap.NewNop(), progress: func(TableReport) {}, minMargin: MinStoredMargin}
 	for _, opt := range opts {
 		opt(&o)
 	}
-	if err := cfg.setDefaults(); err != nil {
+	if err := cfg.setDefaults(o.minMargin); err != nil {
 		return nil, err
 	}
 	start := time.Now()
@@ -144,6 +182,12 @@ func Run(ctx context.Context, db reconcile.DB, js jetstream.JetStream, cfg Confi
 		}
 	}
 	c := &cleaner{db: db, cfg: cfg, log: o.log, progress: o.progress, rep: &Report{Mode: cfg.Mode, Cutoff: start.Add(-cfg.OlderThan).UTC(), DryRun: cfg.DryRun}}
+	if cfg.Mode == ModeStream {
+		c.rep.StoredBefore = start.Add(-cfg.StoredMargin).UTC()
+		if err := c.checkDurable(ctx, js); err != nil {
+			return nil, err
+		}
+	}
 	c.rep.Tables = make([]TableReport, len(tables))
 	var oldest time.Time
 	for i, t := range tables {
@@ -178,6 +222,28 @@ func Run(ctx context.Context, db reconcile.DB, js jetstream.JetStream, cfg Confi
 	return c.rep, nil
 }
 
+// checkDurable refuses a stream in memory, whose events a restart loses:
+// deleting their rows would leave no copy at all. A stream with fewer than
+// three replicas is reported in Warnings: the stored margin covers the
+// fsync delay, not the loss of the server's disk.
+func (c *cleaner) checkDurable(ctx context.Context, js jetstream.JetStream) error {
+	s, err := js.Stream(ctx, c.cfg.Stream)
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", c.cfg.Stream, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
+	}
+	if info.Config.Storage != jetstream.FileStorage {
+		return fmt.Errorf("%w: stream %s keeps its events in memory, so its rows are the only copy that survives a restart (use --mode published, or move the stream to file storage)", ErrNotDurable, c.cfg.Stream)
+	}
+	if ok, reason := publisher.Durability(info.Config); !ok {
+		c.rep.Warnings = append(c.rep.Warnings, fmt.Sprintf("stream %s: %s; cleanup deletes a row only once its event has been stored for %s", c.cfg.Stream, reason, c.cfg.StoredMargin))
+	}
+	return nil
+}
+
 type cleaner struct {
 	db       reconcile.DB
 	cfg      Config
@@ -203,6 +269,13 @@ func (c *cleaner) byStream(ctx context.Context, js jetstream.JetStream, tables [
 		// Only an event older than the cutoff can have a row to delete; the
 		// DELETE checks the row's own time again.
 		if !ev.OccurredAt.IsZero() && !ev.OccurredAt.Before(c.rep.Cutoff) {
+			return nil
+		}
+		// The row's age says nothing of when its event was stored (a relay
+		// that was down for hours stores old rows now): the event must have
+		// had time to reach the server's disk.
+		if !ev.Stored.Before(c.rep.StoredBefore) {
+			c.rep.Tables[i].StoredRecently++
 			return nil
 		}
 		batches[i] = append(batches[i], ev.EventID)

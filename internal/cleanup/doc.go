@@ -15,8 +15,11 @@
 //     candidate row's time, and every batch of ids it finds becomes one
 //     DELETE of those rows that are older than the cutoff. A row whose event
 //     is not in the stream (not yet published, lost, only dead-lettered, or
-//     expired from the stream) is never deleted. It needs no cooperation from
-//     the relay and holds after lost slots and failovers.
+//     expired from the stream) is never deleted, nor one whose event was
+//     stored less than Config.StoredMargin ago: JetStream acknowledges
+//     before fsync, so until the server synced the event the row may be its
+//     only durable copy. A stream in memory is refused. It needs no
+//     cooperation from the relay and holds after lost slots and failovers.
 //   - ModePublished: the row's publish_state is 'PUBLISHED', the seed's
 //     column, set by whatever publishes the rows (a polling relay being
 //     replaced, or a marker that updates rows after the broker's ack). The

@@ -114,7 +114,7 @@ VALUES ($1, $2, 1, 'E', '{}', now() - $3::interval, $4)`, r.id, fmt.Sprintf("a%d
 						t.Fatalf("publish the relayed rows: %+v, %v", rep, err)
 					}
 				}
-				rep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, Mode: mode, OlderThan: 30 * time.Minute, BatchSize: 3})
+				rep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, Mode: mode, OlderThan: 30 * time.Minute, BatchSize: 3, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0))
 				if err != nil {
 					t.Fatal(err)
 				}
