@@ -29,6 +29,10 @@ type BackfillReport struct {
 	// stream already held their event (a slot created again after a
 	// teardown or a lost slot).
 	AlreadyStreamed int
+	// Expired is the waiting rows not published because they are older
+	// than the event stream's first message after its limits removed
+	// older ones: reconcile reports them as expired.
+	Expired int
 }
 
 // Progress is told how many of the backfill's rows are published so far.
@@ -119,6 +123,8 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 		}
 	}
 	rep.DeadLettered = dead
+	rep.Expired = known.expired
+	rep.AlreadyStreamed -= known.expired
 	if err := pub.Drain(ctx); err != nil {
 		return rep, fmt.Errorf("backfill: wait for acks: %w", err)
 	}

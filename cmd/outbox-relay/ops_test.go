@@ -26,6 +26,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // opsFixture runs the real `run` in-process against a private NATS server
@@ -548,20 +549,17 @@ func TestDLQRelayUsesConfiguredStream(t *testing.T) {
 	}
 }
 
-// Issue 17, case 3: a slot created again (setup after teardown, auto_setup
-// after a lost slot) backfilled every row of the table, since the relay
-// never marks rows published: past the duplicate window each event was
-// stored twice. The backfill now publishes only the rows whose event the
-// stream lacks: here the five written while there was no slot.
-func TestSetupAfterTeardownBackfillsOnlyWhatTheStreamLacks(t *testing.T) {
-	t.Parallel()
+// relayThenTeardown relays n events with a 1s duplicate window, stops the
+// relay and tears the slot down.
+func relayThenTeardown(t *testing.T, n int) *opsFixture {
+	t.Helper()
 	ctx := context.Background()
 	f := newOpsFixture(t)
 	f.cfg.NATS.DuplicateWindow = time.Second
 	f.cfg.Reconcile.Interval = 0
 	stop := f.start() // auto_setup with backfill: creates the slot and the streams
-	f.insert(ctx, 50, "RegistrationConfirmed")
-	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.js, f.stream) == 50 }) {
+	f.insert(ctx, n, "RegistrationConfirmed")
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.js, f.stream) == uint64(n) }) {
 		t.Fatal("events not relayed")
 	}
 	if err := stop(); err != nil {
@@ -570,19 +568,37 @@ func TestSetupAfterTeardownBackfillsOnlyWhatTheStreamLacks(t *testing.T) {
 	if out, err := f.cli("teardown", "--yes"); err != nil {
 		t.Fatalf("teardown: %v\n%s", err, out)
 	}
-	f.insert(ctx, 5, "RegistrationConfirmed") // no slot: only a backfill can relay these
-	// The stream's duplicate window (1s) must pass, or it would hide the
-	// second copies.
+	return f
+}
+
+// backfillAfterWindow waits out the stream's 1s duplicate window (it
+// would hide second copies) and runs the backfill that setup runs.
+func (f *opsFixture) backfillAfterWindow() relay.BackfillReport {
+	f.t.Helper()
 	time.Sleep(1500 * time.Millisecond)
 	nc, err := nats.Connect(f.cfg.NATS.URL)
 	if err != nil {
-		t.Fatal(err)
+		f.t.Fatal(err)
 	}
 	defer nc.Close()
-	rep, err := backfill(ctx, f.cfg, nc, zaptest.NewLogger(t), io.Discard)
+	rep, err := backfill(context.Background(), f.cfg, nc, zaptest.NewLogger(f.t), io.Discard)
 	if err != nil {
-		t.Fatal(err)
+		f.t.Fatal(err)
 	}
+	return rep
+}
+
+// Issue 17, case 3: a slot created again (setup after teardown, auto_setup
+// after a lost slot) backfilled every row of the table, since the relay
+// never marks rows published: past the duplicate window each event was
+// stored twice. The backfill now publishes only the rows whose event the
+// stream lacks: here the five written while there was no slot.
+func TestSetupAfterTeardownBackfillsOnlyWhatTheStreamLacks(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := relayThenTeardown(t, 50)
+	f.insert(ctx, 5, "RegistrationConfirmed") // no slot: only a backfill can relay these
+	rep := f.backfillAfterWindow()
 	if !rep.SlotCreated || rep.Rows != 5 || rep.AlreadyStreamed != 50 {
 		t.Errorf("backfill after teardown: %+v, want 5 rows published and 50 already in the stream", rep)
 	}
@@ -597,5 +613,45 @@ func TestSetupAfterTeardownBackfillsOnlyWhatTheStreamLacks(t *testing.T) {
 	}
 	if len(ids) != 55 || relaytest.StreamCount(ctx, f.js, f.stream) != 55 {
 		t.Errorf("stream holds %d messages of %d events, want 55", relaytest.StreamCount(ctx, f.js, f.stream), len(ids))
+	}
+}
+
+// Issue 17, cases 3 and 5 together: a backfill after teardown does not
+// republish rows whose events the stream's limits removed (consumers may
+// have applied and forgotten them); it reports them, as reconcile does.
+func TestBackfillSkipsRowsOlderThanTheStreamsHead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := relayThenTeardown(t, 30)
+	s, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := info.Config
+	sc.MaxMsgs = 10 // the first 20 events go
+	if _, err := f.js.UpdateStream(ctx, sc); err != nil {
+		t.Fatal(err)
+	}
+	// Rows written while there was no slot, dated past the stream's head
+	// plus the clock-skew margin.
+	for i := 0; i < 3; i++ {
+		if _, err := f.db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, occurred_at)
+VALUES ($1, 'registration', 'later', $2, 'E', '{}', now() + interval '2 minutes')`, uuid.NewString(), i+1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rep := f.backfillAfterWindow()
+	if rep.Rows != 3 || rep.AlreadyStreamed != 10 || rep.Expired != 20 {
+		t.Errorf("backfill: %+v, want 3 published, 10 already in the stream, 20 expired", rep)
+	}
+	if n := relaytest.StreamCount(ctx, f.js, f.stream); n != 10 {
+		t.Errorf("stream holds %d (max_msgs 10)", n)
+	}
+	if info, err = s.Info(ctx); err != nil || info.State.LastSeq != 33 {
+		t.Errorf("stream last sequence %d, want 33: 3 stored: %v", info.State.LastSeq, err)
 	}
 }

@@ -239,9 +239,9 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 	}
 	fmt.Fprintf(w, "  read %d events and %d dead letters in %s\n\n", r.StreamMessages, r.DeadLetterMessages, r.Duration.Round(time.Millisecond))
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "TABLE\tAGGREGATE TYPE\tROWS\tIN STREAM\tMISSING\tPENDING\tDEAD-LETTERED\tUNEXPECTED\tDUPLICATES\t")
+	fmt.Fprintln(tw, "TABLE\tAGGREGATE TYPE\tROWS\tIN STREAM\tMISSING\tPENDING\tDEAD-LETTERED\tEXPIRED\tUNEXPECTED\tDUPLICATES\t")
 	row := func(g reconcile.Group) {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", g.Table, g.AggregateType, g.Rows, g.InStream, g.Missing, g.Pending, g.DeadLettered, g.Unexpected, g.Duplicates)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", g.Table, g.AggregateType, g.Rows, g.InStream, g.Missing, g.Pending, g.DeadLettered, g.Expired, g.Unexpected, g.Duplicates)
 	}
 	for _, g := range r.Groups {
 		row(g)
@@ -254,6 +254,10 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 	listEvents(w, "pending", r.Pending, r.Total.Pending, list)
 	listEvents(w, "dead-lettered (see `outbox-relay dlq list`)", r.DeadLettered, r.Total.DeadLettered, list)
 	listEvents(w, "unexpected", r.Unexpected, r.Total.Unexpected, list)
+	if r.Total.Expired > 0 {
+		fmt.Fprintf(w, "\n%d rows dated before %s are not in the stream, whose limits (max_age, max_msgs, max_bytes) removed the events stored before its first message: they cannot be checked and --repair never republishes them (consumers may have applied and forgotten them). Reconcile a later window, or clean these rows up.\n", r.Total.Expired, r.ExpiredBefore.Format(time.RFC3339))
+		listEvents(w, "expired", r.Expired, r.Total.Expired, list)
+	}
 	if r.Total.Missing > 0 {
 		fmt.Fprintln(w, "\n`outbox-relay reconcile --repair` with the same window republishes the missing events.")
 	}

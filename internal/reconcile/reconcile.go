@@ -104,6 +104,12 @@ type Group struct {
 	Pending int `json:"pending"`
 	// DeadLettered is rows whose event is only in the dead-letter stream.
 	DeadLettered int `json:"dead_lettered"`
+	// Expired is rows not in the streams and older than the event
+	// stream's first stored message (plus the clock skew), after its
+	// limits (max_age, max_msgs, max_bytes) removed messages from its
+	// head: their event may have been stored and removed since, so they
+	// cannot be checked, and are never repaired.
+	Expired int `json:"expired"`
 	// Unexpected is the events in the stream, in the window, whose row is
 	// not in the table (deleted, or never written by this database).
 	Unexpected int `json:"unexpected"`
@@ -126,6 +132,10 @@ type Report struct {
 	// slot confirmed the snapshot: Missing is definitive. Otherwise the
 	// rows not found are Pending.
 	Confirmed bool `json:"confirmed"`
+	// ExpiredBefore is the occurred-at time before which a row not in the
+	// streams counts as expired, not missing; zero when the event stream
+	// never removed messages from its head.
+	ExpiredBefore time.Time `json:"expired_before,omitempty"`
 	// StreamMessages and DeadLetterMessages count the messages read.
 	StreamMessages     uint64  `json:"stream_messages_read"`
 	DeadLetterMessages uint64  `json:"dead_letter_messages_read"`
@@ -137,6 +147,8 @@ type Report struct {
 	Missing      []Event `json:"missing"`
 	Pending      []Event `json:"pending"`
 	DeadLettered []Event `json:"dead_lettered"`
+	// Expired lists the first MaxListed expired rows, in the same order.
+	Expired []Event `json:"expired"`
 	// Unexpected lists up to MaxListed unexpected events.
 	Unexpected []Event `json:"unexpected"`
 	// Duration is how long the run took.
@@ -268,13 +280,16 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		return nil, err
 	}
 	rep.StreamMessages, rep.DeadLetterMessages = evScan.Messages, dlqScan.Messages
+	if t := evScan.ExpiredBefore(cfg.ClockSkew); !t.IsZero() {
+		rep.ExpiredBefore = t.UTC()
+	}
 
 	// 4. Rows not found yet: wait until the relay confirmed the snapshot.
 	// From then on each is in a stream, unless it was never decoded or was
 	// deleted since; the streams' tails hold those published meanwhile.
 	unfound := 0
 	for _, r := range rows {
-		if r.found == 0 && !r.dlq {
+		if r.found == 0 && !r.dlq && !rep.expired(r) {
 			unfound++
 		}
 	}
@@ -327,6 +342,13 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		case r.dlq:
 			r.group.DeadLettered++
 			rep.DeadLettered = append(rep.DeadLettered, r.ev)
+		case rep.expired(r):
+			// Not a difference: whether the stream ever held it cannot be
+			// told, and republishing an event consumers may have applied
+			// and forgotten (docs/consumer.md allows pruning dedup rows
+			// past the stream's max_age) would apply it twice.
+			r.group.Expired++
+			rep.Expired = append(rep.Expired, r.ev)
 		case rep.Confirmed:
 			r.group.Missing++
 			rep.Missing = append(rep.Missing, r.ev)
@@ -343,6 +365,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		t.Missing += g.Missing
 		t.Pending += g.Pending
 		t.DeadLettered += g.DeadLettered
+		t.Expired += g.Expired
 		t.Unexpected += g.Unexpected
 		t.Duplicates += g.Duplicates
 	}
@@ -356,11 +379,19 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	SortEvents(rep.Missing)
 	SortEvents(rep.Pending)
 	SortEvents(rep.DeadLettered)
+	SortEvents(rep.Expired)
+	rep.Expired = rep.Expired[:min(len(rep.Expired), MaxListed):min(len(rep.Expired), MaxListed)]
 	rep.Duration = o.now().Sub(start)
 	return rep, nil
 }
 
 func key(table, id string) string { return table + "\x00" + id }
+
+// expired reports whether r's event may have been removed by the stream's
+// limits (see Group.Expired).
+func (rep *Report) expired(r *row) bool {
+	return !rep.ExpiredBefore.IsZero() && r.ev.OccurredAt.Before(rep.ExpiredBefore)
+}
 
 // SortEvents orders events by table, aggregate type, aggregate id and
 // numeric version: the order Repair publishes them in.

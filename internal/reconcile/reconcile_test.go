@@ -436,3 +436,89 @@ func equal(a, b []string) bool {
 	}
 	return true
 }
+
+// setMaxMsgs changes the event stream's max_msgs limit (-1: none).
+func setMaxMsgs(t *testing.T, f *opstest.Fixture, n int64) {
+	t.Helper()
+	ctx := context.Background()
+	s, err := f.JS.Stream(ctx, f.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := info.Config
+	cfg.MaxMsgs = n
+	if _, err := f.JS.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Issue 17, case 5: events the stream's limits removed (max_age,
+// max_msgs) were reported missing and --repair republished them, although
+// consumers may have applied them and pruned their dedup rows since. Rows
+// older than the stream's first stored message are now expired: reported,
+// never repaired; a row lost after it is still missing.
+func TestReconcileReportsEventsExpiredByStreamLimits(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", time.Second)
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	w := f.NewWriter(5)
+	old := w.Write(ctx, 30, 5)
+	f.WaitCount(ctx, f.Stream, 30, 30*time.Second)
+	setMaxMsgs(t, f, 10) // the first 20 events go
+	s, err := f.JS.Stream(ctx, f.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil || info.State.FirstSeq != 21 {
+		t.Fatalf("stream after max_msgs 10: %+v, %v", info.State, err)
+	}
+	// Rows dated a clock-skew margin after the first stored message.
+	const skew = time.Second
+	if !testenv.WaitFor(10*time.Second, func() bool { return time.Now().After(info.State.FirstTime.Add(skew + 100*time.Millisecond)) }) {
+		t.Fatal("clock does not move")
+	}
+	setMaxMsgs(t, f, -1)
+	young := w.Write(ctx, 5, 5)
+	f.WaitCount(ctx, f.Stream, 15, 30*time.Second)
+	lost := map[string]bool{young[2].ID: true}
+	if n := f.DeleteFromStream(ctx, lost); n != 1 {
+		t.Fatalf("deleted %d", n)
+	}
+
+	cfg := config(f, since)
+	cfg.ClockSkew = skew
+	rep := run(t, f, cfg)
+	tot := rep.Total
+	if tot.Rows != 35 || tot.InStream != 14 || tot.Expired != 20 || tot.Missing != 1 || tot.Pending != 0 {
+		t.Fatalf("report %+v, want 14 in stream, 20 expired, 1 missing", tot)
+	}
+	if got, want := ids(rep.Missing), sortedKeys(lost); len(got) != 1 || got[0] != want[0] {
+		t.Errorf("missing %v, want %v", got, want)
+	}
+	expired := map[string]bool{}
+	for _, e := range old[:20] {
+		expired[e.ID] = true
+	}
+	if got, want := ids(rep.Expired), sortedKeys(expired); len(got) != len(want) || got[0] != want[0] {
+		t.Errorf("expired %v, want %v", got, want)
+	}
+	if rep.ExpiredBefore.IsZero() || rep.Differences() != 1 {
+		t.Errorf("expired before %v, differences %d", rep.ExpiredBefore, rep.Differences())
+	}
+	// Repair republishes the lost event only.
+	time.Sleep(1100 * time.Millisecond) // past the 1s duplicate window
+	if rr := repair(t, f, rep.Missing); rr.Published != 1 {
+		t.Fatalf("repair: %+v", rr)
+	}
+	if n := relaytest.StreamCount(ctx, f.JS, f.Stream); n != 15 {
+		t.Errorf("stream holds %d events after the repair, want 15", n)
+	}
+}
