@@ -237,7 +237,11 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 	default:
 		fmt.Fprintf(w, "  slot %s confirmed only %s, before the snapshot's %s: rows not in the stream are pending (is the relay running? --confirm-wait waits longer)\n", cfg.Postgres.Slot, r.ConfirmedLSN, r.SnapshotLSN)
 	}
-	fmt.Fprintf(w, "  read %d events and %d dead letters in %s\n\n", r.StreamMessages, r.DeadLetterMessages, r.Duration.Round(time.Millisecond))
+	fmt.Fprintf(w, "  read %d events and %d dead letters in %s\n", r.StreamMessages, r.DeadLetterMessages, r.Duration.Round(time.Millisecond))
+	if r.FoundBySubject > 0 {
+		fmt.Fprintf(w, "  %d rows were found only by looking their subjects up: their events were stored before the window's start (rows dated ahead of their commit)\n", r.FoundBySubject)
+	}
+	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "TABLE\tAGGREGATE TYPE\tROWS\tIN STREAM\tMISSING\tPENDING\tDEAD-LETTERED\tEXPIRED\tUNEXPECTED\tDUPLICATES\t")
 	row := func(g reconcile.Group) {
@@ -285,7 +289,7 @@ func listEvents(w io.Writer, what string, evs []reconcile.Event, total, limit in
 }
 
 func printRepair(w io.Writer, cfg config.Config, r *reconcile.RepairReport) {
-	fmt.Fprintf(w, "\nRepair: %d republished, %d acknowledged as duplicates, %d rows gone, %d failed\n", r.Published, r.Duplicates, r.Gone, len(r.Failed))
+	fmt.Fprintf(w, "\nRepair: %d republished, %d acknowledged as duplicates, %d already in the stream (not republished), %d rows gone, %d failed\n", r.Published, r.Duplicates, r.AlreadyInStream, r.Gone, len(r.Failed))
 	if r.Duplicates > 0 {
 		fmt.Fprintf(w, "  The stream still holds the ids of %d events in its duplicate window (nats.duplicate_window %s) and dropped them: rerun after the window passed.\n", r.Duplicates, cfg.NATS.DuplicateWindow)
 	}

@@ -24,6 +24,10 @@ const (
 	// MaxListed bounds the unexpected events listed in a Report (all are
 	// counted).
 	MaxListed = 1000
+	// MaxLookedUp bounds the rows not found by the window's scan that Run
+	// looks up by subject (see Report.FoundBySubject); with more, the
+	// look-up is left to Repair, which does it before every publish.
+	MaxLookedUp = 10_000
 )
 
 // Config says what to compare.
@@ -136,6 +140,11 @@ type Report struct {
 	// streams counts as expired, not missing; zero when the event stream
 	// never removed messages from its head.
 	ExpiredBefore time.Time `json:"expired_before,omitempty"`
+	// FoundBySubject is the rows the window's scan did not find whose event
+	// a look-up of their subject found in the stream: stored before the
+	// window's start, their row dated ahead of its commit (a writer's clock,
+	// a business time). They count as in stream.
+	FoundBySubject int `json:"found_by_subject"`
 	// StreamMessages and DeadLetterMessages count the messages read.
 	StreamMessages     uint64  `json:"stream_messages_read"`
 	DeadLetterMessages uint64  `json:"dead_letter_messages_read"`
@@ -317,6 +326,13 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		rep.StreamMessages += tail.Messages
 	}
 
+	// 4b. The scan started at since minus the clock skew by storage time:
+	// an event stored earlier, its row dated ahead of its commit, is not
+	// missing. Look the rows still not found up by their subjects.
+	if err := lookUpBySubject(ctx, db, js, cfg, tables, rows, rep); err != nil {
+		return nil, err
+	}
+
 	// 5. An event without a row in the snapshot may belong to a transaction
 	// that committed after it: look again.
 	unexpected, err = recheck(ctx, db, tables, unexpected)
@@ -386,6 +402,48 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 }
 
 func key(table, id string) string { return table + "\x00" + id }
+
+// lookUpBySubject marks found the rows in neither stream (and not expired)
+// whose event is on its subject in the event stream, up to MaxLookedUp rows.
+func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, tables []*Table, rows map[string]*row, rep *Report) error {
+	byTable := map[string][]Event{}
+	n := 0
+	for _, r := range rows {
+		if r.found == 0 && !r.dlq && !rep.expired(r) {
+			byTable[r.ev.Table] = append(byTable[r.ev.Table], r.ev)
+			n++
+		}
+	}
+	if n == 0 || n > MaxLookedUp {
+		return nil
+	}
+	rt, err := router.New(cfg.Router)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	for _, t := range tables {
+		evs := byTable[t.Qualified]
+		for len(evs) > 0 {
+			chunk := evs[:min(len(evs), repairChunk)]
+			evs = evs[len(chunk):]
+			rs, err := routeRows(ctx, db, t, rt, chunk, func(Event, string) {})
+			if err != nil {
+				return err
+			}
+			found, err := inStream(ctx, js, cfg.Stream, rs)
+			if err != nil {
+				return err
+			}
+			for id := range found {
+				if r := rows[key(t.Qualified, id)]; r != nil && r.found == 0 {
+					r.found++
+					rep.FoundBySubject++
+				}
+			}
+		}
+	}
+	return nil
+}
 
 // expired reports whether r's event may have been removed by the stream's
 // limits (see Group.Expired).
