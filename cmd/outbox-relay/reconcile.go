@@ -238,6 +238,9 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 		fmt.Fprintf(w, "  slot %s confirmed only %s, before the snapshot's %s: rows not in the stream are pending (is the relay running? --confirm-wait waits longer)\n", cfg.Postgres.Slot, r.ConfirmedLSN, r.SnapshotLSN)
 	}
 	fmt.Fprintf(w, "  read %d events and %d dead letters in %s\n", r.StreamMessages, r.DeadLetterMessages, r.Duration.Round(time.Millisecond))
+	if len(r.Tableless) > 0 {
+		fmt.Fprintf(w, "  not checked: the table-less events of message prefixes %s have no rows to compare with (their events in the stream are not reported either)\n", strings.Join(r.Tableless, ", "))
+	}
 	if r.FoundBySubject > 0 {
 		fmt.Fprintf(w, "  %d rows were found only by looking their subjects up: their events were stored before the window's start (rows dated ahead of their commit)\n", r.FoundBySubject)
 	}

@@ -145,6 +145,11 @@ type Report struct {
 	// window's start, their row dated ahead of its commit (a writer's clock,
 	// a business time). They count as in stream.
 	FoundBySubject int `json:"found_by_subject"`
+	// Tableless lists the configured message prefixes (table-less events
+	// from pg_logical_emit_message): they have no rows, so nothing of them
+	// is checked — neither missing events (only the slot's position and
+	// the relay's dead letters vouch for them) nor unexpected ones.
+	Tableless []string `json:"tableless_prefixes,omitempty"`
 	// StreamMessages and DeadLetterMessages count the messages read.
 	StreamMessages     uint64  `json:"stream_messages_read"`
 	DeadLetterMessages uint64  `json:"dead_letter_messages_read"`
@@ -206,7 +211,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	if err != nil {
 		return nil, err
 	}
-	rep := &Report{Since: cfg.Since.UTC(), Until: cfg.Until.UTC()}
+	rep := &Report{Since: cfg.Since.UTC(), Until: cfg.Until.UTC(), Tableless: Tableless(cfg.Router)}
 	groups := map[[2]string]*Group{}
 	group := func(table, aggType string) *Group {
 		k := [2]string{table, aggType}

@@ -2,6 +2,7 @@ package reconcile_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"sort"
@@ -13,11 +14,15 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/cleanup"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/outbox"
+	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
 )
 
 func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
@@ -558,5 +563,48 @@ func TestReconcileFutureDatedRowIsNotMissing(t *testing.T) {
 	}
 	if n := relaytest.StreamCount(ctx, f.JS, f.Stream); n != 3 {
 		t.Fatalf("stream holds %d messages, want 3", n)
+	}
+}
+
+// Issue 17, case 7: with messages: configured, the router has a synthetic
+// table per prefix, and reconcile, cleanup and the relay's reconcile loop
+// failed with "outbox table does not exist: pg_logical_message.outbox".
+// The synthetic tables are skipped where tables are looked up, the report
+// names the prefixes it cannot check, and their events are not unexpected.
+func TestReconcileAndCleanupWithMessagePrefixes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	if reconcile.MessageSchema != relay.MessageSchema {
+		t.Fatalf("reconcile.MessageSchema %q, relay.MessageSchema %q", reconcile.MessageSchema, relay.MessageSchema)
+	}
+	f.Cfg.MessagePrefixes = []string{"outbox"}
+	f.Cfg.Router.Tables = append(f.Cfg.Router.Tables, router.TableConfig{Table: relay.MessageSchema + ".outbox", Subject: f.Prefix + ".msg.{aggregate_id}"})
+	if err := f.Cfg.Router.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	f.NewWriter(2).Write(ctx, 5, 5)
+	tx, err := f.DB.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := outbox.EmitMessage(ctx, tx, "outbox", outbox.Event{AggregateID: "m1", AggregateVersion: 1, Type: "E", Payload: json.RawMessage(`{}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	f.WaitCount(ctx, f.Stream, 6, 30*time.Second)
+
+	rep := run(t, f, config(f, since))
+	if rep.Total.Rows != 5 || rep.Total.InStream != 5 || rep.Differences() != 0 || len(rep.Tableless) != 1 || rep.Tableless[0] != "outbox" {
+		t.Fatalf("report %+v, tableless %q", rep.Total, rep.Tableless)
+	}
+	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Nanosecond, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0))
+	if err != nil || len(crep.Tables) != 1 || crep.Tables[0].Deleted != 5 {
+		t.Fatalf("cleanup: %+v, %v", crep, err)
 	}
 }
