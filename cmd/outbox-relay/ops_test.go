@@ -27,6 +27,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 // opsFixture runs the real `run` in-process against a private NATS server
@@ -653,5 +654,39 @@ VALUES ($1, 'registration', 'later', $2, 'E', '{}', now() + interval '2 minutes'
 	}
 	if info, err = s.Info(ctx); err != nil || info.State.LastSeq != 33 {
 		t.Errorf("stream last sequence %d, want 33: 3 stored: %v", info.State.LastSeq, err)
+	}
+}
+
+// Issue 17, case 8: teardown dropped whatever slot had the configured
+// name, although setup refuses a slot of another plugin or database. It
+// now refuses it too, naming the owner, and leaves the slot alone.
+func TestTeardownRefusesAnotherOwnersSlot(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	other := testenv.Get(t).NewDatabase(t)
+	slot := f.cfg.Postgres.Slot
+	for _, c := range []struct {
+		name, create, want string
+		db                 *testenv.Database
+	}{
+		{"plugin", "SELECT pg_create_logical_replication_slot($1, 'test_decoding')", `plugin "test_decoding"`, f.db},
+		{"database", "SELECT pg_create_logical_replication_slot($1, 'pgoutput')", `in database "` + other.Name + `"`, other},
+		{"physical", "SELECT pg_create_physical_replication_slot($1)", "physical slot", f.db},
+	} {
+		if _, err := c.db.Pool.Exec(ctx, c.create, slot); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		out, err := f.cli("teardown", "--yes")
+		if !errors.Is(err, replication.ErrSlotMismatch) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: teardown: %v (want ErrSlotMismatch naming %s)\n%s", c.name, err, c.want, out)
+		}
+		var exists bool
+		if err := f.db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)", slot).Scan(&exists); err != nil || !exists {
+			t.Fatalf("%s: the slot was dropped (%v)", c.name, err)
+		}
+		if _, err := f.db.Pool.Exec(ctx, "SELECT pg_drop_replication_slot($1)", slot); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
