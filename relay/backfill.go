@@ -92,7 +92,14 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 	go func() { done <- pub.Run(pctx) }()
 	defer func() { stop(); <-done }()
 
-	conn, err := pgx.Connect(ctx, cfg.Replication.URL)
+	ccfg, err := pgx.ParseConfig(cfg.Replication.URL)
+	if err != nil {
+		return rep, fmt.Errorf("connect for backfill: %w", err)
+	}
+	// The rows are read as text and routed like pgoutput's text output:
+	// the same DateStyle and TimeZone as the replication connection.
+	ccfg.RuntimeParams["DateStyle"], ccfg.RuntimeParams["TimeZone"] = "ISO", "UTC"
+	conn, err := pgx.ConnectConfig(ctx, ccfg)
 	if err != nil {
 		return rep, fmt.Errorf("connect for backfill: %w", err)
 	}

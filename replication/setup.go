@@ -147,6 +147,9 @@ func connectSQL(ctx context.Context, url string) (*pgx.Conn, error) {
 		return nil, fmt.Errorf("parse postgres URL: %w", redactErr(err))
 	}
 	delete(cfg.RuntimeParams, "replication")
+	// As on the replication connection: nothing read here may depend on
+	// the database's or role's DateStyle and TimeZone.
+	cfg.RuntimeParams["DateStyle"], cfg.RuntimeParams["TimeZone"] = "ISO", "UTC"
 	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to postgres %s: %w", describe(cfg.Config), err)

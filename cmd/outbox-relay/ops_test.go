@@ -690,3 +690,49 @@ func TestTeardownRefusesAnotherOwnersSlot(t *testing.T) {
 		}
 	}
 }
+
+// Issue 17, case 9: backfill and repair read rows as text and route them
+// like pgoutput's output, whose timestamps the router parses in ISO form.
+// With the database's DateStyle 'SQL, DMY' backfill dead-lettered every row
+// and repair failed. Every connection the tools open now sets DateStyle
+// ISO and TimeZone UTC.
+func TestBackfillAndRepairIgnoreTheDatabasesDateStyle(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	f.cfg.NATS.DuplicateWindow = time.Second
+	f.cfg.Reconcile.Interval = 0
+	if _, err := f.db.Pool.Exec(ctx, fmt.Sprintf(`ALTER DATABASE %q SET DateStyle = 'SQL, DMY'; ALTER DATABASE %q SET TimeZone = 'Asia/Kolkata'`, f.db.Name, f.db.Name)); err != nil {
+		t.Fatal(err)
+	}
+	f.insert(ctx, 5, "RegistrationConfirmed") // before the slot: the backfill publishes them
+	f.start()
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.js, f.stream) == 5 }) {
+		t.Fatalf("backfill stored %d events and %d dead letters, want 5 events", relaytest.StreamCount(ctx, f.js, f.stream), relaytest.StreamCount(ctx, f.js, f.cfg.NATS.DeadLetterStream))
+	}
+	if n := relaytest.StreamCount(ctx, f.js, f.cfg.NATS.DeadLetterStream); n != 0 {
+		t.Fatalf("backfill dead-lettered %d rows", n)
+	}
+	s, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for seq := uint64(2); seq <= 3; seq++ {
+		if err := s.DeleteMsg(ctx, seq); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(1100 * time.Millisecond) // past the 1s duplicate window
+	var out bytes.Buffer
+	flags := reconcileFlags{since: "1h", list: 20, confirmWait: 10 * time.Second, clockSkew: time.Minute, maxRows: 1000, repair: true, asJSON: true}
+	if err := runReconcile(ctx, &out, f.cfg, flags); err != nil {
+		t.Fatalf("repair: %v\n%s", err, out.String())
+	}
+	var res reconcileOutput
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+		t.Fatal(err)
+	}
+	if res.Repair == nil || res.Repair.Published != 2 || len(res.Repair.Failed) != 0 || res.After.Total.Missing != 0 {
+		t.Fatalf("repair: %+v, after %+v", res.Repair, res.After)
+	}
+}

@@ -33,6 +33,11 @@ func sqlPool(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 	if pc.ConnConfig.RuntimeParams["application_name"] == "" {
 		pc.ConnConfig.RuntimeParams["application_name"] = "outbox-relay"
 	}
+	// Repair routes rows read as text, like the replication stream's: the
+	// router parses timestamps in ISO form, whatever the database's or
+	// role's DateStyle and TimeZone.
+	pc.ConnConfig.RuntimeParams["DateStyle"] = "ISO"
+	pc.ConnConfig.RuntimeParams["TimeZone"] = "UTC"
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
 		return nil, fmt.Errorf("postgres pool: %w", err)
