@@ -266,6 +266,10 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 	listEvents(w, "pending", r.Pending, r.Total.Pending, list)
 	listEvents(w, "dead-lettered (see `outbox-relay dlq list`)", r.DeadLettered, r.Total.DeadLettered, list)
 	listEvents(w, "unexpected", r.Unexpected, r.Total.Unexpected, list)
+	if r.Total.NoEventID > 0 {
+		fmt.Fprintf(w, "\n%d rows have a NULL event id: nothing can match them with an event, and the relay dead-letters them (`outbox-relay dlq --relay list`). Fix the producer (and add NOT NULL to the column), then insert the events again.\n", r.Total.NoEventID)
+		listEvents(w, "without an event id", r.NoEventID, r.Total.NoEventID, list)
+	}
 	if r.Total.Expired > 0 {
 		fmt.Fprintf(w, "\n%d rows dated before %s are not in the stream, whose limits (max_age, max_msgs, max_bytes) removed the events stored before its first message: they cannot be checked and --repair never republishes them (consumers may have applied and forgotten them). Reconcile a later window, or clean these rows up.\n", r.Total.Expired, r.ExpiredBefore.Format(time.RFC3339))
 		listEvents(w, "expired", r.Expired, r.Total.Expired, list)

@@ -117,6 +117,10 @@ type Group struct {
 	// Unexpected is the events in the stream, in the window, whose row is
 	// not in the table (deleted, or never written by this database).
 	Unexpected int `json:"unexpected"`
+	// NoEventID is the rows in the window whose event id is NULL (a table
+	// without NOT NULL on it): the relay dead-letters them, and nothing
+	// can match them with an event. Not counted in Rows.
+	NoEventID int `json:"no_event_id"`
 	// Duplicates is extra copies of an event stored more than once (a
 	// re-publish after the duplicate window passed).
 	Duplicates int `json:"duplicates"`
@@ -161,6 +165,9 @@ type Report struct {
 	Missing      []Event `json:"missing"`
 	Pending      []Event `json:"pending"`
 	DeadLettered []Event `json:"dead_lettered"`
+	// NoEventID lists the first MaxListed rows without an event id (the
+	// EventID field empty).
+	NoEventID []Event `json:"no_event_id"`
 	// Expired lists the first MaxListed expired rows, in the same order.
 	Expired []Event `json:"expired"`
 	// Unexpected lists up to MaxListed unexpected events.
@@ -178,6 +185,7 @@ type row struct {
 	group *Group
 	found int
 	dlq   bool
+	noID  bool // the event id is NULL
 }
 
 // Option configures Run and Repair.
@@ -226,6 +234,15 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	// 1. The rows, in one snapshot, and an LSN past all of their commits.
 	rows := map[string]*row{}
 	snapshot, err := readRows(ctx, db, tables, cfg, func(r *row) error {
+		if r.noID {
+			// Report the row and go on: one bad row must not hide the
+			// state of every other.
+			group(r.ev.Table, r.ev.AggregateType).NoEventID++
+			if len(rep.NoEventID) < MaxListed {
+				rep.NoEventID = append(rep.NoEventID, r.ev)
+			}
+			return nil
+		}
 		if len(rows) >= cfg.MaxRows {
 			return fmt.Errorf("%w: more than %d rows between %s and %s (reconcile a narrower window, e.g. --since/--until one day apart)",
 				ErrTooManyRows, cfg.MaxRows, cfg.Since.Format(time.RFC3339), cfg.Until.Format(time.RFC3339))
@@ -387,6 +404,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		t.Pending += g.Pending
 		t.DeadLettered += g.DeadLettered
 		t.Expired += g.Expired
+		t.NoEventID += g.NoEventID
 		t.Unexpected += g.Unexpected
 		t.Duplicates += g.Duplicates
 	}
@@ -401,6 +419,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	SortEvents(rep.Pending)
 	SortEvents(rep.DeadLettered)
 	SortEvents(rep.Expired)
+	SortEvents(rep.NoEventID)
 	rep.Expired = rep.Expired[:min(len(rep.Expired), MaxListed):min(len(rep.Expired), MaxListed)]
 	rep.Duration = o.now().Sub(start)
 	return rep, nil
@@ -506,14 +525,17 @@ func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, fn func(*
 			return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
 		}
 		for rs.Next() {
-			var id, aggType string
-			var aggID, version *string
+			var aggType string
+			var id, aggID, version *string
 			var at time.Time
 			if err := rs.Scan(&id, &aggType, &aggID, &version, &at); err != nil {
 				rs.Close()
 				return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
 			}
-			r := &row{ev: Event{Table: t.Qualified, AggregateType: aggType, EventID: id, OccurredAt: at.UTC()}}
+			r := &row{ev: Event{Table: t.Qualified, AggregateType: aggType, OccurredAt: at.UTC()}, noID: id == nil}
+			if id != nil {
+				r.ev.EventID = *id
+			}
 			if aggID != nil {
 				r.ev.AggregateID = *aggID
 			}

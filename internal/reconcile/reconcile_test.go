@@ -608,3 +608,29 @@ func TestReconcileAndCleanupWithMessagePrefixes(t *testing.T) {
 		t.Fatalf("cleanup: %+v, %v", crep, err)
 	}
 }
+
+// Issue 17, case 10: in a table without NOT NULL on the event id, one row
+// with a NULL id aborted the whole reconcile ("cannot scan NULL into
+// *string"). Such rows are reported (the relay dead-letters them) and the
+// other rows are reconciled.
+func TestReconcileReportsRowsWithoutEventID(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	if _, err := f.DB.Pool.Exec(ctx, "ALTER TABLE outbox ALTER COLUMN event_id DROP NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	f.NewWriter(2).Write(ctx, 4, 2)
+	if _, err := f.DB.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES (NULL, 'registration', 'no-id', 1, 'E', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	f.WaitCount(ctx, f.Stream, 4, 30*time.Second)
+	f.WaitCount(ctx, f.DLQ, 1, 30*time.Second)
+	rep := run(t, f, config(f, since))
+	if rep.Total.Rows != 4 || rep.Total.InStream != 4 || rep.Total.NoEventID != 1 || len(rep.NoEventID) != 1 || rep.NoEventID[0].AggregateID != "no-id" || rep.Differences() != 0 {
+		t.Fatalf("report %+v, rows without id %+v", rep.Total, rep.NoEventID)
+	}
+}
