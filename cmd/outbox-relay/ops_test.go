@@ -736,3 +736,29 @@ func TestBackfillAndRepairIgnoreTheDatabasesDateStyle(t *testing.T) {
 		t.Fatalf("repair: %+v, after %+v", res.Repair, res.After)
 	}
 }
+
+// Issue 17, likely case: --include-pending republished what a running relay
+// was still publishing; a relay lagging past the duplicate window then
+// stored them twice. It is refused while the slot is active.
+func TestIncludePendingRefusedWhileTheSlotIsActive(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	f.cfg.Reconcile.Interval = 0
+	stop := f.start()
+	flags := reconcileFlags{since: "1h", list: 20, confirmWait: -1, clockSkew: time.Minute, maxRows: 1000, repair: true, includePending: true}
+	var out bytes.Buffer
+	if err := runReconcile(ctx, &out, f.cfg, flags); !errors.Is(err, replication.ErrSlotInUse) || !strings.Contains(err.Error(), "stop it first") {
+		t.Fatalf("--include-pending with a running relay: %v", err)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	// Stopped: the slot is released soon after.
+	if !testenv.WaitFor(20*time.Second, func() bool {
+		out.Reset()
+		return runReconcile(ctx, &out, f.cfg, flags) == nil
+	}) {
+		t.Fatalf("--include-pending with the relay stopped:\n%s", out.String())
+	}
+}

@@ -18,6 +18,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 // sqlPool returns a pool of ordinary (non-replication) connections to url
@@ -43,6 +44,21 @@ func sqlPool(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 		return nil, fmt.Errorf("postgres pool: %w", err)
 	}
 	return pool, nil
+}
+
+// refuseActiveSlot fails while a relay streams from the slot: pending rows
+// are then being published by it, and --include-pending would publish them
+// a second time — stored twice once the relay lags by more than the
+// duplicate window.
+func refuseActiveSlot(ctx context.Context, cfg config.Config) error {
+	st, err := replication.Status(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
+	if err != nil {
+		return err
+	}
+	if st.Active {
+		return fmt.Errorf("%w: --include-pending: slot %s is streaming to pid %d, so a relay is publishing the pending rows; stop it first (see \"Recovering after a lost slot\"), or repair without --include-pending", replication.ErrSlotInUse, cfg.Postgres.Slot, st.ActivePID)
+	}
+	return nil
 }
 
 // reconcileConfig is the part of reconcile.Config the configuration file
@@ -160,6 +176,11 @@ func runReconcile(ctx context.Context, out io.Writer, cfg config.Config, f recon
 	rc.ConfirmWait, rc.ClockSkew, rc.MaxRows = f.confirmWait, f.clockSkew, f.maxRows
 	if rc.ConfirmWait == 0 {
 		rc.ConfirmWait = -1 // 0 on the command line means "do not wait"
+	}
+	if f.includePending {
+		if err := refuseActiveSlot(ctx, cfg); err != nil {
+			return err
+		}
 	}
 	pool, err := sqlPool(ctx, cfg.Postgres.URL, 4)
 	if err != nil {
