@@ -261,30 +261,24 @@ func (c *cleaner) byStream(ctx context.Context, js jetstream.JetStream, tables [
 		idx[t.Qualified] = i
 	}
 	batches := make([][]string, len(tables))
-	res, err := reconcile.ScanStream(ctx, js, c.cfg.Stream, c.cfg.Router.SubjectFilters(), reconcile.ScanFrom{Time: oldest.Add(-c.cfg.ClockSkew)}, func(ev *reconcile.StreamEvent) error {
+	// The whole stream, not today's subject templates: an event stored
+	// under an earlier template proves its row relayed too. An event
+	// without Outbox-Table (a polling relay's, before a cut-over) proves
+	// the row of any table with its id.
+	res, err := reconcile.ScanStream(ctx, js, c.cfg.Stream, nil, reconcile.ScanFrom{Time: oldest.Add(-c.cfg.ClockSkew)}, func(ev *reconcile.StreamEvent) error {
+		if ev.Table == "" {
+			for i := range tables {
+				if err := c.add(ctx, tables, batches, i, ev); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
 		i, ok := idx[ev.Table]
-		if !ok || !tables[i].ValidID(ev.EventID) {
+		if !ok {
 			return nil
 		}
-		// Only an event older than the cutoff can have a row to delete; the
-		// DELETE checks the row's own time again.
-		if !ev.OccurredAt.IsZero() && !ev.OccurredAt.Before(c.rep.Cutoff) {
-			return nil
-		}
-		// The row's age says nothing of when its event was stored (a relay
-		// that was down for hours stores old rows now): the event must have
-		// had time to reach the server's disk.
-		if !ev.Stored.Before(c.rep.StoredBefore) {
-			c.rep.Tables[i].StoredRecently++
-			return nil
-		}
-		batches[i] = append(batches[i], ev.EventID)
-		if len(batches[i]) < c.cfg.BatchSize {
-			return nil
-		}
-		err := c.deleteIDs(ctx, tables[i], &c.rep.Tables[i], batches[i])
-		batches[i] = batches[i][:0]
-		return err
+		return c.add(ctx, tables, batches, i, ev)
 	})
 	c.rep.StreamMessages = res.Messages
 	if err != nil {
@@ -298,6 +292,32 @@ func (c *cleaner) byStream(ctx context.Context, js jetstream.JetStream, tables [
 		}
 	}
 	return nil
+}
+
+// add queues ev's id for deletion from tables[i], and deletes a full batch.
+func (c *cleaner) add(ctx context.Context, tables []*reconcile.Table, batches [][]string, i int, ev *reconcile.StreamEvent) error {
+	if !tables[i].ValidID(ev.EventID) {
+		return nil
+	}
+	// Only an event older than the cutoff can have a row to delete; the
+	// DELETE checks the row's own time again.
+	if !ev.OccurredAt.IsZero() && !ev.OccurredAt.Before(c.rep.Cutoff) {
+		return nil
+	}
+	// The row's age says nothing of when its event was stored (a relay
+	// that was down for hours stores old rows now): the event must have
+	// had time to reach the server's disk.
+	if !ev.Stored.Before(c.rep.StoredBefore) {
+		c.rep.Tables[i].StoredRecently++
+		return nil
+	}
+	batches[i] = append(batches[i], ev.EventID)
+	if len(batches[i]) < c.cfg.BatchSize {
+		return nil
+	}
+	err := c.deleteIDs(ctx, tables[i], &c.rep.Tables[i], batches[i])
+	batches[i] = batches[i][:0]
+	return err
 }
 
 // deleteIDs deletes, in one short transaction, the rows of t with these

@@ -261,17 +261,34 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	for _, t := range tables {
 		known[t.Qualified] = true
 	}
+	// The streams are read whole, not through today's subject templates:
+	// an event stored under an earlier template is still its row's event.
+	// Events are keyed on Outbox-Table; one without the header (stored by a
+	// polling relay before a cut-over, or by another tool) matches a row
+	// of any table with its id.
+	rowOf := func(ev *StreamEvent) *row {
+		if ev.Table != "" {
+			return rows[key(ev.Table, ev.EventID)]
+		}
+		for _, t := range tables {
+			if r := rows[key(t.Qualified, ev.EventID)]; r != nil {
+				return r
+			}
+		}
+		return nil
+	}
+	subjects := cfg.Router.SubjectFilters()
+
 	// 2. Dead letters: rows the relay could not publish are accounted for.
-	dlqFilter := []string{cfg.Router.DeadLetterFilter()}
 	markDLQ := func(ev *StreamEvent) error {
-		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
+		if r := rowOf(ev); r != nil {
 			r.dlq = true
 		}
 		return nil
 	}
 	var dlqScan ScanResult
 	if cfg.DeadLetterStream != "" {
-		dlqScan, err = ScanStream(ctx, js, cfg.DeadLetterStream, dlqFilter, ScanFrom{}, markDLQ)
+		dlqScan, err = ScanStream(ctx, js, cfg.DeadLetterStream, nil, ScanFrom{}, markDLQ)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			err = nil // no dead letter was ever written
 		}
@@ -283,17 +300,19 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	// 3. The events.
 	var unexpected []*StreamEvent
 	markFound := func(ev *StreamEvent) error {
-		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
+		if r := rowOf(ev); r != nil {
 			r.found++
 		}
 		return nil
 	}
-	evScan, err := ScanStream(ctx, js, cfg.Stream, cfg.Router.SubjectFilters(), ScanFrom{Time: cfg.Since.Add(-cfg.ClockSkew)}, func(ev *StreamEvent) error {
-		if !known[ev.Table] {
+	evScan, err := ScanStream(ctx, js, cfg.Stream, nil, ScanFrom{Time: cfg.Since.Add(-cfg.ClockSkew)}, func(ev *StreamEvent) error {
+		if r := rowOf(ev); r != nil {
+			r.found++
 			return nil
 		}
-		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
-			r.found++
+		// Unexpected only on today's subjects: a stream may hold other
+		// producers' events too.
+		if !known[ev.Table] || !SubjectMatches(ev.Subject, subjects) {
 			return nil
 		}
 		if ev.OccurredAt.IsZero() || ev.OccurredAt.Before(cfg.Since) || !ev.OccurredAt.Before(cfg.Until) {
@@ -335,13 +354,13 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 			rep.ConfirmedLSN = confirmed.String()
 		}
 		if cfg.DeadLetterStream != "" {
-			tail, err := ScanStream(ctx, js, cfg.DeadLetterStream, dlqFilter, ScanFrom{Seq: dlqScan.LastSeq + 1}, markDLQ)
+			tail, err := ScanStream(ctx, js, cfg.DeadLetterStream, nil, ScanFrom{Seq: dlqScan.LastSeq + 1}, markDLQ)
 			if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 				return nil, err
 			}
 			rep.DeadLetterMessages += tail.Messages
 		}
-		tail, err := ScanStream(ctx, js, cfg.Stream, cfg.Router.SubjectFilters(), ScanFrom{Seq: evScan.LastSeq + 1}, markFound)
+		tail, err := ScanStream(ctx, js, cfg.Stream, nil, ScanFrom{Seq: evScan.LastSeq + 1}, markFound)
 		if err != nil {
 			return nil, err
 		}

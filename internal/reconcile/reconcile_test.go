@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"sort"
+	"strconv"
 	"testing"
 	"time"
 
@@ -632,5 +633,79 @@ func TestReconcileReportsRowsWithoutEventID(t *testing.T) {
 	rep := run(t, f, config(f, since))
 	if rep.Total.Rows != 4 || rep.Total.InStream != 4 || rep.Total.NoEventID != 1 || len(rep.NoEventID) != 1 || rep.NoEventID[0].AggregateID != "no-id" || rep.Differences() != 0 {
 		t.Fatalf("report %+v, rows without id %+v", rep.Total, rep.NoEventID)
+	}
+}
+
+// Issue 17, likely cases: the scans filtered by today's subject templates
+// and skipped events without Outbox-Table. After a template change the
+// older events looked missing (and repair duplicated them); events of a
+// polling relay before a cut-over (no Outbox-Table) were never matched.
+// The streams are now read whole and keyed on Outbox-Table, an event
+// without it matching any table's row with its id; cleanup does the same.
+func TestReconcileAndCleanupAfterTemplateChangeAndWithoutTableHeader(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	f.CreateStreams(ctx)
+	since := time.Now().Add(-time.Minute)
+	w := f.NewWriter(3)
+	w.Age = 2 * time.Hour
+	since = since.Add(-3 * time.Hour)
+	templated := w.Write(ctx, 5, 5)
+	// Stored under the old template, with the relay's headers (a repair
+	// publishes exactly what the relay would).
+	var evs []reconcile.Event
+	for _, e := range templated {
+		evs = append(evs, reconcile.Event{Table: "public.outbox", AggregateType: "registration", AggregateID: e.Aggregate, AggregateVersion: strconv.FormatInt(e.Version, 10), EventID: e.ID})
+	}
+	if rr := repair(t, f, evs); rr.Published != 5 {
+		t.Fatalf("publish: %+v", rr)
+	}
+	// A polling relay's events: the id as Nats-Msg-Id, no Outbox-* headers.
+	polled := w.Write(ctx, 4, 4)
+	for _, e := range polled {
+		m := nats.NewMsg(f.Prefix + ".legacy." + e.Aggregate)
+		m.Header.Set(contract.MsgID, e.ID)
+		m.Data = []byte(e.Payload)
+		if _, err := f.JS.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Today's template differs from the one the events were stored under.
+	f.Cfg.Router.Tables[0].Subject = f.Prefix + ".v2.{aggregate_id}"
+	if err := f.Cfg.Router.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	cfg := config(f, since)
+	cfg.Slot = "" // no relay: what is not found is pending
+	rep := run(t, f, cfg)
+	if rep.Total.Rows != 9 || rep.Total.InStream != 9 || rep.Total.Pending != 0 || rep.Total.Unexpected != 0 {
+		t.Fatalf("report %+v, want all 9 rows in the stream", rep.Total)
+	}
+	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0))
+	if err != nil || crep.Tables[0].Deleted != 9 {
+		t.Fatalf("cleanup: %+v, %v", crep, err)
+	}
+}
+
+func TestSubjectMatches(t *testing.T) {
+	for _, c := range []struct {
+		subject string
+		filters []string
+		want    bool
+	}{
+		{"a.b.c", []string{"a.*.c"}, true},
+		{"a.b.c", []string{"a.>"}, true},
+		{"a.b.c", []string{"a.*"}, false},
+		{"a.b", []string{"a.*.c"}, false},
+		{"a.b.c", []string{"x.>", "a.b.c"}, true},
+		{"a", []string{">"}, true},
+		{"a", []string{"*"}, true},
+		{"a.b", nil, false},
+		{"ab.c", []string{"a.*"}, false},
+	} {
+		if got := reconcile.SubjectMatches(c.subject, c.filters); got != c.want {
+			t.Errorf("SubjectMatches(%q, %q) = %v, want %v", c.subject, c.filters, got, c.want)
+		}
 	}
 }

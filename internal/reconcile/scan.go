@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -193,5 +194,32 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 				return res, nil
 			}
 		}
+	}
+}
+
+// SubjectMatches reports whether subject matches one of the filters (NATS
+// wildcards: '*' one token, '>' the rest).
+func SubjectMatches(subject string, filters []string) bool {
+	for _, f := range filters {
+		if subjectMatch(subject, f) {
+			return true
+		}
+	}
+	return false
+}
+
+func subjectMatch(subject, filter string) bool {
+	for {
+		ft, frest, fmore := strings.Cut(filter, ".")
+		st, srest, smore := strings.Cut(subject, ".")
+		switch {
+		case ft == ">":
+			return true
+		case ft != "*" && ft != st:
+			return false
+		case !fmore || !smore:
+			return fmore == smore
+		}
+		filter, subject = frest, srest
 	}
 }
