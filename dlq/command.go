@@ -278,7 +278,7 @@ progress unless --no-wait is given.
 Select records by id, or with --consumer and filters (--class, --older-than) or --all.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if st.relay {
-				return fmt.Errorf("%w: relay dead letters are rows the relay could not route; fix the row or the relay configuration, insert the event into the outbox again, then discard the record", ErrNotSupported)
+				return fmt.Errorf("%w: relay dead letters are rows the relay could not route; fix the row in place (UPDATE) or the relay configuration, discard the record, then run outbox-relay reconcile --since <its time> --repair, which republishes it from the row with its event id (do not insert a second row: the original would be repaired too, two events for one fact)", ErrNotSupported)
 			}
 			f, err := sel.filter(args)
 			if err != nil {

@@ -288,7 +288,7 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 	listEvents(w, "dead-lettered (see `outbox-relay dlq list`)", r.DeadLettered, r.Total.DeadLettered, list)
 	listEvents(w, "unexpected", r.Unexpected, r.Total.Unexpected, list)
 	if r.Total.NoEventID > 0 {
-		fmt.Fprintf(w, "\n%d rows have a NULL event id: nothing can match them with an event, and the relay dead-letters them (`outbox-relay dlq --relay list`). Fix the producer (and add NOT NULL to the column), then insert the events again.\n", r.Total.NoEventID)
+		fmt.Fprintf(w, "\n%d rows have a NULL event id: nothing can match them with an event, and the relay dead-letters them (`outbox-relay dlq --relay list`). Fix the producer (and add NOT NULL to the column), insert each event again with an id and delete the row without one.\n", r.Total.NoEventID)
 		listEvents(w, "without an event id", r.NoEventID, r.Total.NoEventID, list)
 	}
 	if r.Total.Expired > 0 {
