@@ -158,6 +158,13 @@ func printCleanup(w io.Writer, r *cleanup.Report) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "TABLE\tOLDER THAN CUTOFF\t%s\tSTORED RECENTLY\tREMAINING\tBATCHES\t\n", map[bool]string{true: "WOULD DELETE", false: "DELETED"}[r.DryRun])
 	remaining, recent := int64(0), int64(0)
+	defer func() {
+		for _, t := range r.Tables {
+			if t.NoOccurredAt > 0 {
+				fmt.Fprintf(w, "%s: %d rows have a NULL occurred_at and are never deleted (nor reconciled): set it.\n", t.Table, t.NoOccurredAt)
+			}
+		}
+	}()
 	for _, t := range r.Tables {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t\n", t.Table, t.Candidates, t.Deleted, t.StoredRecently, t.Remaining, t.Batches)
 		remaining += t.Remaining

@@ -245,7 +245,7 @@ func runReconcile(ctx context.Context, out io.Writer, cfg config.Config, f recon
 			printReconcile(out, cfg, res.After, f.list)
 		}
 	}
-	if final.Total.Missing > 0 || final.Total.Pending > 0 {
+	if final.Total.Missing > 0 || final.Total.Pending > 0 || final.Total.SharedID > 0 {
 		return exitCode(1)
 	}
 	return nil
@@ -287,6 +287,13 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 	listEvents(w, "pending", r.Pending, r.Total.Pending, list)
 	listEvents(w, "dead-lettered (see `outbox-relay dlq list`)", r.DeadLettered, r.Total.DeadLettered, list)
 	listEvents(w, "unexpected", r.Unexpected, r.Total.Unexpected, list)
+	if r.Total.SharedID > 0 {
+		fmt.Fprintf(w, "\n%d rows share their event id with another row of the same table (a partitioned table's unique constraints hold per partition only): consumers keep one event per id, so one fact is lost. Give each its own id.\n", r.Total.SharedID)
+		listEvents(w, "sharing an event id", r.SharedID, r.Total.SharedID, list)
+	}
+	for table, n := range r.NoOccurredAt {
+		fmt.Fprintf(w, "\n%s: %d rows have a NULL occurred_at: no window selects them, so they are never reconciled nor cleaned up. Set it (and add NOT NULL).\n", table, n)
+	}
 	if r.Total.NoEventID > 0 {
 		fmt.Fprintf(w, "\n%d rows have a NULL event id: nothing can match them with an event, and the relay dead-letters them (`outbox-relay dlq --relay list`). Fix the producer (and add NOT NULL to the column), insert each event again with an id and delete the row without one.\n", r.Total.NoEventID)
 		listEvents(w, "without an event id", r.NoEventID, r.Total.NoEventID, list)

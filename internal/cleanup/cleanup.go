@@ -115,6 +115,9 @@ type TableReport struct {
 	Remaining int64 `json:"remaining"`
 	// Batches is the DELETE transactions run.
 	Batches int `json:"batches"`
+	// NoOccurredAt is the rows whose occurred-at time is NULL: no cutoff
+	// selects them, so they are never deleted.
+	NoOccurredAt int64 `json:"no_occurred_at"`
 	// StoredRecently is the events older than the cutoff found in the
 	// stream but stored within the stored margin: their rows are kept
 	// until a later run (ModeStream).
@@ -214,7 +217,7 @@ func Run(ctx context.Context, db reconcile.DB, js jetstream.JetStream, cfg Confi
 	}
 	for i, t := range tables {
 		tr := &c.rep.Tables[i]
-		if err := db.QueryRow(ctx, fmt.Sprintf("SELECT count(*) FROM %s WHERE %s < $1", t.Ident, t.Time), c.rep.Cutoff).Scan(&tr.Remaining); err != nil {
+		if err := db.QueryRow(ctx, fmt.Sprintf("SELECT count(*) FILTER (WHERE %s < $1), count(*) FILTER (WHERE %s IS NULL) FROM %s", t.Time, t.Time, t.Ident), c.rep.Cutoff).Scan(&tr.Remaining, &tr.NoOccurredAt); err != nil {
 			return c.rep, fmt.Errorf("count %s: %w", t.Qualified, err)
 		}
 	}

@@ -117,6 +117,10 @@ type Group struct {
 	// Unexpected is the events in the stream, in the window, whose row is
 	// not in the table (deleted, or never written by this database).
 	Unexpected int `json:"unexpected"`
+	// SharedID is the rows in the window whose event id another row of the
+	// table has too (a partitioned table's unique constraints hold per
+	// partition only): one event id for two facts, so consumers keep one.
+	SharedID int `json:"shared_id"`
 	// NoEventID is the rows in the window whose event id is NULL (a table
 	// without NOT NULL on it): the relay dead-letters them, and nothing
 	// can match them with an event. Not counted in Rows.
@@ -165,6 +169,13 @@ type Report struct {
 	Missing      []Event `json:"missing"`
 	Pending      []Event `json:"pending"`
 	DeadLettered []Event `json:"dead_lettered"`
+	// SharedID lists the first MaxListed rows whose event id an earlier row
+	// of the same table has.
+	SharedID []Event `json:"shared_id"`
+	// NoOccurredAt counts, per table, the rows whose occurred-at time is
+	// NULL: no time window selects them, so they are never reconciled (nor
+	// cleaned up).
+	NoOccurredAt map[string]int64 `json:"no_occurred_at,omitempty"`
 	// NoEventID lists the first MaxListed rows without an event id (the
 	// EventID field empty).
 	NoEventID []Event `json:"no_event_id"`
@@ -177,7 +188,9 @@ type Report struct {
 }
 
 // Differences is the number of missing, pending and unexpected events.
-func (r *Report) Differences() int { return r.Total.Missing + r.Total.Pending + r.Total.Unexpected }
+func (r *Report) Differences() int {
+	return r.Total.Missing + r.Total.Pending + r.Total.Unexpected + r.Total.SharedID
+}
 
 // row is one outbox row of the window.
 type row struct {
@@ -233,7 +246,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 
 	// 1. The rows, in one snapshot, and an LSN past all of their commits.
 	rows := map[string]*row{}
-	snapshot, err := readRows(ctx, db, tables, cfg, func(r *row) error {
+	snapshot, err := readRows(ctx, db, tables, cfg, rep, func(r *row) error {
 		if r.noID {
 			// Report the row and go on: one bad row must not hide the
 			// state of every other.
@@ -247,9 +260,19 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 			return fmt.Errorf("%w: more than %d rows between %s and %s (reconcile a narrower window, e.g. --since/--until one day apart)",
 				ErrTooManyRows, cfg.MaxRows, cfg.Since.Format(time.RFC3339), cfg.Until.Format(time.RFC3339))
 		}
+		k := key(r.ev.Table, r.ev.EventID)
+		if rows[k] != nil {
+			// Keyed by id, the second row would silently replace the
+			// first, and one event would vouch for both.
+			group(r.ev.Table, r.ev.AggregateType).SharedID++
+			if len(rep.SharedID) < MaxListed {
+				rep.SharedID = append(rep.SharedID, r.ev)
+			}
+			return nil
+		}
 		r.group = group(r.ev.Table, r.ev.AggregateType)
 		r.group.Rows++
-		rows[key(r.ev.Table, r.ev.EventID)] = r
+		rows[k] = r
 		return nil
 	})
 	if err != nil {
@@ -424,6 +447,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		t.DeadLettered += g.DeadLettered
 		t.Expired += g.Expired
 		t.NoEventID += g.NoEventID
+		t.SharedID += g.SharedID
 		t.Unexpected += g.Unexpected
 		t.Duplicates += g.Duplicates
 	}
@@ -518,7 +542,7 @@ func SortEvents(evs []Event) {
 
 // readRows reads the window's rows of every table in one REPEATABLE READ
 // snapshot and returns an LSN after the commit of every row it saw.
-func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, fn func(*row) error) (replication.LSN, error) {
+func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, rep *Report, fn func(*row) error) (replication.LSN, error) {
 	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
 	if err != nil {
 		return 0, fmt.Errorf("begin snapshot: %w", err)
@@ -537,6 +561,16 @@ func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, fn func(*
 		return 0, fmt.Errorf("parse WAL position %q: %w", lsnText, err)
 	}
 	for _, t := range tables {
+		var noTime int64
+		if err := tx.QueryRow(ctx, fmt.Sprintf("SELECT count(*) FROM %s WHERE %s IS NULL", t.Ident, t.Time)).Scan(&noTime); err != nil {
+			return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
+		}
+		if noTime > 0 {
+			if rep.NoOccurredAt == nil {
+				rep.NoOccurredAt = map[string]int64{}
+			}
+			rep.NoOccurredAt[t.Qualified] = noTime
+		}
 		q := fmt.Sprintf(`SELECT %s::text, %s, %s::text, %s::text, %s FROM %s WHERE %s >= $1 AND %s < $2`,
 			t.EventID, t.aggType, t.aggID, t.version, t.Time, t.Ident, t.Time, t.Time)
 		rs, err := tx.Query(ctx, q, cfg.Since, cfg.Until)

@@ -709,3 +709,41 @@ func TestSubjectMatches(t *testing.T) {
 		}
 	}
 }
+
+// Issue 17, likely cases: two rows with one event id (a partitioned
+// table's unique constraints hold per partition only; here the constraint
+// is dropped) gave a false "ok": keyed by id, one row replaced the other
+// and the one stored event vouched for both. Rows with a NULL occurred_at
+// are never selected. Both are now reported.
+func TestReconcileReportsSharedIDsAndRowsWithoutTime(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	if _, err := f.DB.Pool.Exec(ctx, "ALTER TABLE outbox DROP CONSTRAINT outbox_event_id_key, ALTER COLUMN occurred_at DROP NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	evs := f.NewWriter(2).Write(ctx, 3, 3)
+	for _, q := range []string{
+		`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'registration', 'twin', 1, 'E', '{}')`,
+		`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, occurred_at) VALUES (gen_random_uuid(), 'registration', 'timeless', 1, 'E', '{}', NULL) RETURNING $1::text`,
+	} {
+		if _, err := f.DB.Pool.Exec(ctx, q, evs[0].ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.WaitCount(ctx, f.Stream, 3, 30*time.Second) // the twin is a duplicate
+	rep := run(t, f, config(f, since))
+	if rep.Total.Rows != 3 || rep.Total.InStream != 3 || rep.Total.SharedID != 1 || len(rep.SharedID) != 1 || rep.Differences() != 1 {
+		t.Fatalf("report %+v, shared %+v", rep.Total, rep.SharedID)
+	}
+	if rep.NoOccurredAt["public.outbox"] != 1 {
+		t.Errorf("rows without occurred_at: %v", rep.NoOccurredAt)
+	}
+	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour})
+	if err != nil || crep.Tables[0].NoOccurredAt != 1 {
+		t.Fatalf("cleanup: %+v, %v", crep, err)
+	}
+}
