@@ -69,7 +69,7 @@ deleted, 1 when some remain (not proven relayed; see the report).`,
 	fl.DurationVar(&f.storedMargin, "stored-margin", cleanup.DefaultStoredMargin, fmt.Sprintf("stream mode: keep rows whose event was stored within this long (at least %s, JetStream's default sync interval)", cleanup.MinStoredMargin))
 	fl.StringVar(&f.mode, "mode", string(cleanup.ModeStream), "how a row is proven relayed: stream or published")
 	fl.IntVar(&f.batch, "batch-size", cleanup.DefaultBatchSize, "rows per DELETE transaction")
-	fl.DurationVar(&f.pause, "pause", 0, "sleep between batches, to spread the load")
+	fl.DurationVar(&f.pause, "pause", 0, fmt.Sprintf("sleep between batches, to spread the load (at most %s)", cleanup.MaxPause))
 	fl.BoolVar(&f.dryRun, "dry-run", false, "count what would be deleted, delete nothing")
 	fl.BoolVar(&f.asJSON, "json", false, "print JSON for scripts")
 	fl.BoolVar(&f.progress, "progress", false, "show progress on stderr")
@@ -173,6 +173,11 @@ func printCleanup(w io.Writer, r *cleanup.Report) {
 	_ = tw.Flush()
 	if remaining > 0 && !r.DryRun {
 		fmt.Fprintf(w, "\n%d rows older than the cutoff were kept: not proven relayed (not yet published, dead-lettered, lost or expired from the stream), locked, or inserted meanwhile. `outbox-relay reconcile` lists the missing ones.\n", remaining)
+		for _, t := range r.Tables {
+			if t.OldestRemaining != nil {
+				fmt.Fprintf(w, "%s: the oldest kept row is from %s; each run reads the stream from there, so settle rows that cannot be proven (reconcile --repair, or delete them by hand).\n", t.Table, t.OldestRemaining.UTC().Format(time.RFC3339))
+			}
+		}
 		if recent > 0 {
 			fmt.Fprintf(w, "%d of them have an event stored after %s (within the stored margin): a later run deletes them.\n", recent, r.StoredBefore.Format(time.RFC3339))
 		}

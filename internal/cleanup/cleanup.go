@@ -43,6 +43,10 @@ const (
 	// MaxBatchSize bounds a batch: one DELETE holds its rows' locks until
 	// it commits.
 	MaxBatchSize = 10_000
+	// MaxPause bounds Pause: batches are deleted while the stream is being
+	// scanned, and a scan consumer idle for a minute is removed by the
+	// server, which would abort the run.
+	MaxPause = 10 * time.Second
 )
 
 // Config says what to delete.
@@ -99,6 +103,8 @@ func (c *Config) setDefaults(minMargin time.Duration) error {
 		return fmt.Errorf("%w: batch size %d: use 1 to %d", ErrInvalidConfig, c.BatchSize, MaxBatchSize)
 	case c.ClockSkew < 0 || c.Pause < 0:
 		return fmt.Errorf("%w: clock skew and pause must not be negative", ErrInvalidConfig)
+	case c.Pause > MaxPause:
+		return fmt.Errorf("%w: pause %s is longer than %s: the stream scan that batches run in would time out (use a smaller --batch-size to spread the load further)", ErrInvalidConfig, c.Pause, MaxPause)
 	}
 	return nil
 }
@@ -115,6 +121,10 @@ type TableReport struct {
 	Remaining int64 `json:"remaining"`
 	// Batches is the DELETE transactions run.
 	Batches int `json:"batches"`
+	// OldestRemaining is the occurred-at time of the oldest remaining row:
+	// every run reads the stream from there, so a row that can never be
+	// proven relayed (lost, only dead-lettered) makes each run read more.
+	OldestRemaining *time.Time `json:"oldest_remaining,omitempty"`
 	// NoOccurredAt is the rows whose occurred-at time is NULL: no cutoff
 	// selects them, so they are never deleted.
 	NoOccurredAt int64 `json:"no_occurred_at"`
@@ -217,7 +227,7 @@ func Run(ctx context.Context, db reconcile.DB, js jetstream.JetStream, cfg Confi
 	}
 	for i, t := range tables {
 		tr := &c.rep.Tables[i]
-		if err := db.QueryRow(ctx, fmt.Sprintf("SELECT count(*) FILTER (WHERE %s < $1), count(*) FILTER (WHERE %s IS NULL) FROM %s", t.Time, t.Time, t.Ident), c.rep.Cutoff).Scan(&tr.Remaining, &tr.NoOccurredAt); err != nil {
+		if err := db.QueryRow(ctx, fmt.Sprintf("SELECT count(*) FILTER (WHERE %[1]s < $1), count(*) FILTER (WHERE %[1]s IS NULL), min(%[1]s) FILTER (WHERE %[1]s < $1) FROM %[2]s", t.Time, t.Ident), c.rep.Cutoff).Scan(&tr.Remaining, &tr.NoOccurredAt, &tr.OldestRemaining); err != nil {
 			return c.rep, fmt.Errorf("count %s: %w", t.Qualified, err)
 		}
 	}

@@ -227,6 +227,8 @@ func TestCleanupErrors(t *testing.T) {
 		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream}, cleanup.ErrInvalidConfig},
 		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, Mode: cleanup.ModePublished}, cleanup.ErrInvalidConfig},
 		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: h, StoredMargin: time.Minute}, cleanup.ErrInvalidConfig},
+		// A pause longer than the scan consumer survives idle.
+		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: h, Pause: 2 * cleanup.MaxPause}, cleanup.ErrInvalidConfig},
 	} {
 		if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, c.cfg); !errors.Is(err, c.want) {
 			t.Errorf("%+v: got %v, want %v", c.cfg.Mode, err, c.want)
@@ -259,6 +261,9 @@ func TestCleanupKeepsRowsWhoseEventWasStoredRecently(t *testing.T) {
 	tr := rep.Tables[0]
 	if tr.Candidates != 20 || tr.Deleted != 0 || tr.Remaining != 20 || tr.StoredRecently != 20 || len(remainingIDs(t, f)) != len(evs) {
 		t.Fatalf("events stored just now: %+v, want all 20 rows kept as stored recently", tr)
+	}
+	if tr.OldestRemaining == nil || time.Since(*tr.OldestRemaining) < 2*time.Hour {
+		t.Errorf("oldest remaining row: %v, want about 2h old", tr.OldestRemaining)
 	}
 	if len(rep.Warnings) != 1 || !strings.Contains(rep.Warnings[0], "1 replica(s)") {
 		t.Errorf("warnings on an R1 stream: %q", rep.Warnings)
