@@ -143,10 +143,6 @@ func runCleanup(ctx context.Context, out io.Writer, cfg config.Config, f cleanup
 }
 
 func printCleanup(w io.Writer, r *cleanup.Report) {
-	verb := "deleted"
-	if r.DryRun {
-		verb = "would delete"
-	}
 	fmt.Fprintf(w, "Outbox rows with occurred_at before %s, proven relayed by %s", r.Cutoff.Format(time.RFC3339), r.Mode)
 	if r.Mode == cleanup.ModeStream {
 		fmt.Fprintf(w, " (%d events read)", r.StreamMessages)
@@ -182,6 +178,6 @@ func printCleanup(w io.Writer, r *cleanup.Report) {
 			fmt.Fprintf(w, "%d of them have an event stored after %s (within the stored margin): a later run deletes them.\n", recent, r.StoredBefore.Format(time.RFC3339))
 		}
 	} else if r.DryRun {
-		fmt.Fprintf(w, "\nDry run: nothing %s.\n", verb)
+		fmt.Fprintln(w, "\nDry run: nothing was deleted.")
 	}
 }

@@ -144,7 +144,7 @@ type Report struct {
 	StreamMessages uint64 `json:"stream_messages_read"`
 	// StoredBefore is the newest storage time an event may have for its
 	// row to be deleted: the start of the run less the stored margin.
-	StoredBefore time.Time `json:"stored_before,omitempty"`
+	StoredBefore *time.Time `json:"stored_before,omitempty"`
 	// Warnings are conditions the operator should know about, such as an
 	// event stream whose acknowledgements do not survive a server crash.
 	Warnings []string      `json:"warnings,omitempty"`
@@ -196,7 +196,8 @@ func Run(ctx context.Context, db reconcile.DB, js jetstream.JetStream, cfg Confi
 	}
 	c := &cleaner{db: db, cfg: cfg, log: o.log, progress: o.progress, rep: &Report{Mode: cfg.Mode, Cutoff: start.Add(-cfg.OlderThan).UTC(), DryRun: cfg.DryRun}}
 	if cfg.Mode == ModeStream {
-		c.rep.StoredBefore = start.Add(-cfg.StoredMargin).UTC()
+		before := start.Add(-cfg.StoredMargin).UTC()
+		c.rep.StoredBefore = &before
 		if err := c.checkDurable(ctx, js); err != nil {
 			return nil, err
 		}
@@ -320,7 +321,7 @@ func (c *cleaner) add(ctx context.Context, tables []*reconcile.Table, batches []
 	// The row's age says nothing of when its event was stored (a relay
 	// that was down for hours stores old rows now): the event must have
 	// had time to reach the server's disk.
-	if !ev.Stored.Before(c.rep.StoredBefore) {
+	if !ev.Stored.Before(*c.rep.StoredBefore) {
 		c.rep.Tables[i].StoredRecently++
 		return nil
 	}

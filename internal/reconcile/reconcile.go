@@ -147,7 +147,7 @@ type Report struct {
 	// ExpiredBefore is the occurred-at time before which a row not in the
 	// streams counts as expired, not missing; zero when the event stream
 	// never removed messages from its head.
-	ExpiredBefore time.Time `json:"expired_before,omitempty"`
+	ExpiredBefore *time.Time `json:"expired_before,omitempty"`
 	// FoundBySubject is the rows the window's scan did not find whose event
 	// a look-up of their subject found in the stream: stored before the
 	// window's start, their row dated ahead of its commit (a writer's clock,
@@ -354,7 +354,8 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	}
 	rep.StreamMessages, rep.DeadLetterMessages = evScan.Messages, dlqScan.Messages
 	if t := evScan.ExpiredBefore(cfg.ClockSkew); !t.IsZero() {
-		rep.ExpiredBefore = t.UTC()
+		t = t.UTC()
+		rep.ExpiredBefore = &t
 	}
 
 	// 4. Rows not found yet: wait until the relay confirmed the snapshot.
@@ -515,7 +516,7 @@ func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Con
 // expired reports whether r's event may have been removed by the stream's
 // limits (see Group.Expired).
 func (rep *Report) expired(r *row) bool {
-	return !rep.ExpiredBefore.IsZero() && r.ev.OccurredAt.Before(rep.ExpiredBefore)
+	return rep.ExpiredBefore != nil && r.ev.OccurredAt.Before(*rep.ExpiredBefore)
 }
 
 // SortEvents orders events by table, aggregate type, aggregate id and

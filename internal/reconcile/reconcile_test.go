@@ -516,7 +516,7 @@ func TestReconcileReportsEventsExpiredByStreamLimits(t *testing.T) {
 	if got, want := ids(rep.Expired), sortedKeys(expired); len(got) != len(want) || got[0] != want[0] {
 		t.Errorf("expired %v, want %v", got, want)
 	}
-	if rep.ExpiredBefore.IsZero() || rep.Differences() != 1 {
+	if rep.ExpiredBefore == nil || rep.Differences() != 1 {
 		t.Errorf("expired before %v, differences %d", rep.ExpiredBefore, rep.Differences())
 	}
 	// Repair republishes the lost event only.
