@@ -415,56 +415,8 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		}
 	}
 
-	for _, r := range rows {
-		switch {
-		case r.found > 0:
-			r.group.InStream++
-			r.group.Duplicates += r.found - 1
-		case r.dlq:
-			r.group.DeadLettered++
-			rep.DeadLettered = append(rep.DeadLettered, r.ev)
-		case rep.expired(r):
-			// Not a difference: whether the stream ever held it cannot be
-			// told, and republishing an event consumers may have applied
-			// and forgotten (docs/consumer.md allows pruning dedup rows
-			// past the stream's max_age) would apply it twice.
-			r.group.Expired++
-			rep.Expired = append(rep.Expired, r.ev)
-		case rep.Confirmed:
-			r.group.Missing++
-			rep.Missing = append(rep.Missing, r.ev)
-		default:
-			r.group.Pending++
-			rep.Pending = append(rep.Pending, r.ev)
-		}
-	}
-	for _, g := range groups {
-		rep.Groups = append(rep.Groups, *g)
-		t := &rep.Total
-		t.Rows += g.Rows
-		t.InStream += g.InStream
-		t.Missing += g.Missing
-		t.Pending += g.Pending
-		t.DeadLettered += g.DeadLettered
-		t.Expired += g.Expired
-		t.NoEventID += g.NoEventID
-		t.SharedID += g.SharedID
-		t.Unexpected += g.Unexpected
-		t.Duplicates += g.Duplicates
-	}
-	sort.Slice(rep.Groups, func(i, j int) bool {
-		a, b := rep.Groups[i], rep.Groups[j]
-		if a.Table != b.Table {
-			return a.Table < b.Table
-		}
-		return a.AggregateType < b.AggregateType
-	})
-	SortEvents(rep.Missing)
-	SortEvents(rep.Pending)
-	SortEvents(rep.DeadLettered)
-	SortEvents(rep.Expired)
-	SortEvents(rep.NoEventID)
-	rep.Expired = rep.Expired[:min(len(rep.Expired), MaxListed):min(len(rep.Expired), MaxListed)]
+	rep.classify(rows)
+	rep.summarise(groups)
 	rep.Duration = o.now().Sub(start)
 	return rep, nil
 }
@@ -511,6 +463,66 @@ func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Con
 		}
 	}
 	return nil
+}
+
+// classify files every row of the window under its outcome.
+func (rep *Report) classify(rows map[string]*row) {
+	for _, r := range rows {
+		switch {
+		case r.found > 0:
+			r.group.InStream++
+			r.group.Duplicates += r.found - 1
+		case r.dlq:
+			r.group.DeadLettered++
+			rep.DeadLettered = append(rep.DeadLettered, r.ev)
+		case rep.expired(r):
+			// Not a difference: whether the stream ever held it cannot be
+			// told, and republishing an event consumers may have applied
+			// and forgotten (docs/consumer.md allows pruning dedup rows
+			// past the stream's max_age) would apply it twice.
+			r.group.Expired++
+			rep.Expired = append(rep.Expired, r.ev)
+		case rep.Confirmed:
+			r.group.Missing++
+			rep.Missing = append(rep.Missing, r.ev)
+		default:
+			r.group.Pending++
+			rep.Pending = append(rep.Pending, r.ev)
+		}
+	}
+}
+
+// summarise adds the groups up into Total and puts the groups and lists in
+// their report order.
+func (rep *Report) summarise(groups map[[2]string]*Group) {
+	for _, g := range groups {
+		rep.Groups = append(rep.Groups, *g)
+		t := &rep.Total
+		t.Rows += g.Rows
+		t.InStream += g.InStream
+		t.Missing += g.Missing
+		t.Pending += g.Pending
+		t.DeadLettered += g.DeadLettered
+		t.Expired += g.Expired
+		t.NoEventID += g.NoEventID
+		t.SharedID += g.SharedID
+		t.Unexpected += g.Unexpected
+		t.Duplicates += g.Duplicates
+	}
+	sort.Slice(rep.Groups, func(i, j int) bool {
+		a, b := rep.Groups[i], rep.Groups[j]
+		if a.Table != b.Table {
+			return a.Table < b.Table
+		}
+		return a.AggregateType < b.AggregateType
+	})
+	SortEvents(rep.Missing)
+	SortEvents(rep.Pending)
+	SortEvents(rep.DeadLettered)
+	SortEvents(rep.Expired)
+	SortEvents(rep.NoEventID)
+	n := min(len(rep.Expired), MaxListed)
+	rep.Expired = rep.Expired[:n:n]
 }
 
 // expired reports whether r's event may have been removed by the stream's
