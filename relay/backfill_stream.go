@@ -86,8 +86,15 @@ func streamedIDs(ctx context.Context, js jetstream.JetStream, tx pgx.Tx, cfg Con
 	default:
 		from = from.Add(-reconcile.DefaultClockSkew)
 	}
-	res, err := reconcile.ScanStream(ctx, js, cfg.Stream.Name, cfg.Router.SubjectFilters(), reconcile.ScanFrom{Time: from}, func(ev *reconcile.StreamEvent) error {
-		if ids, ok := out.ids[ev.Table]; ok {
+	// Every subject, as reconcile reads it: an event stored under an
+	// earlier subject template, or without Outbox-Table (a polling
+	// relay's), is still in the stream.
+	res, err := reconcile.ScanStream(ctx, js, cfg.Stream.Name, nil, reconcile.ScanFrom{Time: from}, func(ev *reconcile.StreamEvent) error {
+		if ev.Table == "" {
+			for _, ids := range out.ids {
+				ids[ev.EventID] = struct{}{}
+			}
+		} else if ids, ok := out.ids[ev.Table]; ok {
 			ids[ev.EventID] = struct{}{}
 		}
 		return nil

@@ -322,7 +322,9 @@ func (c *cleaner) add(ctx context.Context, tables []*reconcile.Table, batches []
 	// that was down for hours stores old rows now): the event must have
 	// had time to reach the server's disk.
 	if !ev.Stored.Before(*c.rep.StoredBefore) {
-		c.rep.Tables[i].StoredRecently++
+		if ev.Table != "" { // a header-less event is tried on every table
+			c.rep.Tables[i].StoredRecently++
+		}
 		return nil
 	}
 	batches[i] = append(batches[i], ev.EventID)
