@@ -34,6 +34,11 @@ type Deps struct {
 	// stream (with --relay), typically from the relay's configuration.
 	// The command closes the connection when it is done.
 	ConnectNATS func(ctx context.Context) (*nats.Conn, error)
+	// RelayTarget names the relay's dead-letter stream (and how an audit
+	// stream it creates is replicated), typically from the relay's
+	// configuration; it is called with --relay unless --relay-stream is
+	// given. Nil leaves RelayStream.
+	RelayTarget func() (RelayTarget, error)
 	// RelayStream, AuditStream and AuditSubject name the relay's
 	// dead-letter stream and the stream auditing actions on it. Defaults
 	// DefaultRelayStream, DefaultAuditStream, DefaultAuditSubject.
@@ -90,7 +95,7 @@ actor (--actor, default $USER) and the reason; see "dlq audit".`,
 	pf := root.PersistentFlags()
 	pf.StringVar(&st.consumerDB, "consumer-db", deps.ConsumerDatabaseURL, "PostgreSQL URL of the consumer database holding consumer_dead_letter")
 	pf.BoolVar(&st.relay, "relay", false, "act on the relay's dead-letter stream instead of a consumer's table")
-	pf.StringVar(&st.relayStrm, "relay-stream", orDefault(deps.RelayStream, DefaultRelayStream), "the relay's dead-letter stream")
+	pf.StringVar(&st.relayStrm, "relay-stream", "", "the relay's dead-letter stream (default: the configuration's nats.dead_letter_stream, else "+orDefault(deps.RelayStream, DefaultRelayStream)+")")
 	pf.StringVar(&st.actor, "actor", deps.User, "who performs replays and discards, for the audit trail")
 	pf.StringVarP(&st.output, "output", "o", "text", "output format: text or json")
 	root.AddCommand(st.listCmd(), st.showCmd(), st.replayCmd(), st.discardCmd(), st.auditCmd())
@@ -132,7 +137,20 @@ func (st *cmdState) relayDLQ(ctx context.Context) (*RelayDLQ, func(), error) {
 		nc.Close()
 		return nil, nil, fmt.Errorf("jetstream: %w", err)
 	}
-	r := NewRelayDLQ(js, st.relayStrm, st.deps.AuditStream, st.deps.AuditSubject)
+	target := RelayTarget{Stream: st.deps.RelayStream}
+	if st.deps.RelayTarget != nil {
+		// The configuration's stream, not a default: another service's
+		// dead letters may be in OUTBOX_DLQ.
+		if target, err = st.deps.RelayTarget(); err != nil {
+			nc.Close()
+			return nil, nil, err
+		}
+	}
+	if st.relayStrm != "" {
+		target.Stream = st.relayStrm
+	}
+	r := NewRelayDLQ(js, target.Stream, st.deps.AuditStream, st.deps.AuditSubject)
+	r.auditReplicas = target.AuditReplicas
 	r.now = st.deps.Now
 	return r, nc.Close, nil
 }
@@ -260,7 +278,7 @@ progress unless --no-wait is given.
 Select records by id, or with --consumer and filters (--class, --older-than) or --all.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if st.relay {
-				return fmt.Errorf("%w: relay dead letters are rows the relay could not route; fix the row or the relay configuration, insert the event into the outbox again, then discard the record", ErrNotSupported)
+				return fmt.Errorf("%w: relay dead letters are rows the relay could not route; fix the row in place (UPDATE) or the relay configuration, discard the record, then run outbox-relay reconcile --since <its time> --repair, which republishes it from the row with its event id (do not insert a second row: the original would be repaired too, two events for one fact)", ErrNotSupported)
 			}
 			f, err := sel.filter(args)
 			if err != nil {

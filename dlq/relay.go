@@ -53,6 +53,16 @@ type RelayFilter struct {
 	Limit     int
 }
 
+// RelayTarget is where the relay keeps its dead letters.
+type RelayTarget struct {
+	// Stream is the dead-letter stream (the configuration's
+	// nats.dead_letter_stream). Default DefaultRelayStream.
+	Stream string
+	// AuditReplicas is the replicas of the audit stream when the command
+	// creates it (the configuration's nats.replicas). Default 1.
+	AuditReplicas int
+}
+
 // RelayDLQ reads and discards records of the relay's dead-letter stream.
 // Discards are audited in a separate stream before the record is deleted.
 type RelayDLQ struct {
@@ -60,7 +70,9 @@ type RelayDLQ struct {
 	stream       string
 	auditStream  string
 	auditSubject string
-	now          func() time.Time
+	// auditReplicas is the replicas of an audit stream created here.
+	auditReplicas int
+	now           func() time.Time
 }
 
 // NewRelayDLQ returns access to the dead-letter stream named stream; empty
@@ -255,14 +267,29 @@ func (r *RelayDLQ) Discard(ctx context.Context, act Action, seqs []uint64) error
 	for _, rec := range recs {
 		entry, _ := json.Marshal(relayAudit{At: r.now().UTC(), Actor: act.Actor, Action: ActionDiscard, Stream: r.stream,
 			Seq: rec.Seq, MsgID: rec.MsgID, Table: rec.Table, ReasonClass: rec.ReasonClass, DLQReason: rec.Reason, Reason: act.Reason})
-		if _, err := r.js.Publish(ctx, r.auditSubject, entry); err != nil {
+		// The audit entry and the delete cannot be one transaction. The
+		// entry's id names the record, so a second discard of it within the
+		// audit stream's duplicate window (another operator at the same
+		// time, a rerun after a failed delete) adds no second entry, and a
+		// record someone else deleted meanwhile is discarded, not an error.
+		m := nats.NewMsg(r.auditSubject)
+		m.Header.Set(nats.MsgIdHdr, fmt.Sprintf("discard:%s:%d", r.stream, rec.Seq))
+		m.Data = entry
+		if _, err := r.js.PublishMsg(ctx, m); err != nil {
 			return fmt.Errorf("audit discard of sequence %d: %w", rec.Seq, err)
 		}
-		if err := s.DeleteMsg(ctx, rec.Seq); err != nil {
+		if err := s.DeleteMsg(ctx, rec.Seq); err != nil && !gone(ctx, s, rec.Seq) {
 			return fmt.Errorf("delete sequence %d of stream %s (the audit entry says it was discarded; run discard again): %w", rec.Seq, r.stream, err)
 		}
 	}
 	return nil
+}
+
+// gone reports whether the stream no longer holds seq. nats.go reports a
+// failed delete as text only, so the stream is asked instead.
+func gone(ctx context.Context, s jetstream.Stream, seq uint64) bool {
+	_, err := s.GetMsg(ctx, seq)
+	return errors.Is(err, jetstream.ErrMsgNotFound)
 }
 
 func (r *RelayDLQ) ensureAuditStream(ctx context.Context) error {
@@ -279,6 +306,12 @@ func (r *RelayDLQ) ensureAuditStream(ctx context.Context) error {
 		Subjects:    []string{r.auditSubject},
 		Storage:     jetstream.FileStorage,
 		Retention:   jetstream.LimitsPolicy,
+		// The window in which a repeated discard of one record is
+		// recognised (see Discard).
+		Duplicates: 10 * time.Minute,
+		// As replicated as the streams whose actions it records: an audit
+		// trail that one node's loss erases is no trail.
+		Replicas: max(r.auditReplicas, 1),
 	})
 	if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		return fmt.Errorf("create audit stream %s: %w", r.auditStream, err)

@@ -25,6 +25,14 @@ type BackfillReport struct {
 	ConsistentPoint replication.LSN
 	Rows            int // rows published (events and dead letters)
 	DeadLettered    int
+	// AlreadyStreamed is the waiting rows not published because the event
+	// stream already held their event (a slot created again after a
+	// teardown or a lost slot).
+	AlreadyStreamed int
+	// Expired is the waiting rows not published because they are older
+	// than the event stream's first message after its limits removed
+	// older ones: reconcile reports them as expired.
+	Expired int
 }
 
 // Progress is told how many of the backfill's rows are published so far.
@@ -37,8 +45,9 @@ const pendingColumn = "publish_state"
 
 // Backfill creates the slot with an exported snapshot and publishes the
 // outbox rows committed before it — rows with publish_state = 'PENDING' in
-// tables that have that column, every row otherwise — in (aggregate id,
-// version) order. Streaming from the slot afterwards continues exactly
+// tables that have that column, every row otherwise, less those whose event
+// the stream already holds (streamedIDs) — in (aggregate id, version)
+// order. Streaming from the slot afterwards continues exactly
 // where the snapshot ends: no gap and no overlap. It is how a first install
 // or a cut-over from a polling relay publishes the rows already waiting.
 //
@@ -85,7 +94,14 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 	go func() { done <- pub.Run(pctx) }()
 	defer func() { stop(); <-done }()
 
-	conn, err := pgx.Connect(ctx, cfg.Replication.URL)
+	ccfg, err := pgx.ParseConfig(cfg.Replication.URL)
+	if err != nil {
+		return rep, fmt.Errorf("connect for backfill: %w", err)
+	}
+	// The rows are read as text and routed like pgoutput's text output:
+	// the same DateStyle and TimeZone as the replication connection.
+	ccfg.RuntimeParams["DateStyle"], ccfg.RuntimeParams["TimeZone"] = "ISO", "UTC"
+	conn, err := pgx.ConnectConfig(ctx, ccfg)
 	if err != nil {
 		return rep, fmt.Errorf("connect for backfill: %w", err)
 	}
@@ -101,16 +117,23 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 	// The rows are already committed; as commit information they carry the
 	// slot's consistent point (committed before it) and the backfill time.
 	commit := router.CommitInfo{LSN: snap.ConsistentPoint, Time: time.Now()}
+	known, err := streamedIDs(ctx, js, tx, cfg)
+	if err != nil {
+		return rep, err
+	}
 	var dead int
 	for _, table := range cfg.Replication.Tables {
-		n, d, err := backfillTable(ctx, tx, table, tableConfig(cfg.Router, table), rt, pub, commit, progress)
+		n, d, s, err := backfillTable(ctx, tx, table, tableConfig(cfg.Router, table), rt, pub, commit, progress, known)
 		rep.Rows += n
+		rep.AlreadyStreamed += s
 		dead += d
 		if err != nil {
 			return rep, fmt.Errorf("backfill %s: %w", table, err)
 		}
 	}
 	rep.DeadLettered = dead
+	rep.Expired = known.expired
+	rep.AlreadyStreamed -= known.expired
 	if err := pub.Drain(ctx); err != nil {
 		return rep, fmt.Errorf("backfill: wait for acks: %w", err)
 	}
@@ -130,24 +153,24 @@ func tableConfig(c router.Config, table string) router.TableConfig {
 	return router.TableConfig{Table: table}
 }
 
-func backfillTable(ctx context.Context, tx pgx.Tx, table string, tc router.TableConfig, rt *router.Router, pub *publisher.Publisher, commit router.CommitInfo, progress Progress) (published, dead int, err error) {
+func backfillTable(ctx context.Context, tx pgx.Tx, table string, tc router.TableConfig, rt *router.Router, pub *publisher.Publisher, commit router.CommitInfo, progress Progress, known streamed) (published, dead, skipped int, err error) {
 	schema, name, _ := strings.Cut(table, ".")
 	ident := pgx.Identifier{schema, name}.Sanitize()
 	rel := &replication.Relation{Namespace: schema, Name: name}
 	rows, err := tx.Query(ctx, `SELECT a.attname, a.atttypid, c.oid FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
 WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum`, ident)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	for rows.Next() {
 		var col replication.Column
 		if err := rows.Scan(&col.Name, &col.TypeOID, &rel.ID); err != nil {
-			return 0, 0, err
+			return 0, 0, 0, err
 		}
 		rel.Columns = append(rel.Columns, col)
 	}
 	if err := rows.Err(); err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	where := ""
 	if rel.ColumnIndex(pendingColumn) >= 0 {
@@ -156,7 +179,7 @@ WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY
 	aggCol, verCol := or(tc.Columns.AggregateID, router.DefaultAggregateIDColumn), or(tc.Columns.AggregateVersion, router.DefaultAggregateVersionColumn)
 	var total int
 	if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+ident+" AS src"+where).Scan(&total); err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	sel := make([]string, len(rel.Columns))
 	for i, c := range rel.Columns {
@@ -172,13 +195,20 @@ WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY
 	}
 	rows, err = tx.Query(ctx, q)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	defer rows.Close()
 	vals := make([]replication.Value, len(rel.Columns))
+	idIdx := rel.ColumnIndex(or(tc.Columns.EventID, router.DefaultEventIDColumn))
 	lastReport := time.Now()
+	read, reported := 0, -1
 	for rows.Next() {
 		raw := rows.RawValues()
+		read++
+		if idIdx >= 0 && raw[idIdx] != nil && known.has(table, raw[idIdx]) {
+			skipped++
+			continue
+		}
 		for i := range vals {
 			if raw[i] == nil {
 				vals[i] = replication.Value{Kind: replication.ValueNull}
@@ -189,7 +219,7 @@ WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY
 		// A backfilled row has no WAL position of its own; its number in the
 		// deterministic read order stands in, so a re-run's dead-letter
 		// records get the same ids.
-		ins := &replication.Insert{Relation: rel, Values: vals, LSN: replication.LSN(published + 1)}
+		ins := &replication.Insert{Relation: rel, Values: vals, LSN: replication.LSN(read)}
 		var m *publisher.Message
 		rm, rerr := rt.Route(ins, commit)
 		if rerr != nil {
@@ -204,18 +234,18 @@ WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY
 				}}
 		}
 		if err := pub.Publish(ctx, m); err != nil {
-			return published, dead, err
+			return published, dead, skipped, err
 		}
 		published++
-		if progress != nil && (time.Since(lastReport) > 200*time.Millisecond || published == total) {
-			progress(table, published, total)
-			lastReport = time.Now()
+		if progress != nil && (time.Since(lastReport) > 200*time.Millisecond || read == total) {
+			progress(table, read, total)
+			lastReport, reported = time.Now(), read
 		}
 	}
-	if progress != nil && published == 0 {
-		progress(table, 0, total)
+	if progress != nil && reported != read {
+		progress(table, read, total)
 	}
-	return published, dead, rows.Err()
+	return published, dead, skipped, rows.Err()
 }
 
 func or(v, def string) string {

@@ -108,6 +108,11 @@ func DropSlot(ctx context.Context, cfg Config) (bool, error) {
 	if !st.Exists {
 		return false, nil
 	}
+	// A slot of the same name that setup would refuse is not the relay's:
+	// it belongs to another database's relay, or to another tool.
+	if err := checkSlotOwner(ctx, conn, cfg.Slot, st, "it is not this relay's slot: leave it to its owner, or check postgres.url and postgres.slot"); err != nil {
+		return false, err
+	}
 	if st.Active {
 		return false, actionable(ErrSlotInUse, "stop the relay before dropping its slot", "slot %q is streaming to pid %d", cfg.Slot, st.ActivePID)
 	}
@@ -115,6 +120,23 @@ func DropSlot(ctx context.Context, cfg Config) (bool, error) {
 		return false, fmt.Errorf("drop slot %q: %w", cfg.Slot, err)
 	}
 	return true, nil
+}
+
+// checkSlotOwner fails with ErrSlotMismatch, naming the slot's owner, when
+// the existing slot st is not a pgoutput slot of the connection's database
+// (a physical slot has neither).
+func checkSlotOwner(ctx context.Context, conn *pgx.Conn, slot string, st SlotStatus, fix string) error {
+	var db string
+	if err := conn.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		return fmt.Errorf("read the current database: %w", err)
+	}
+	if st.Plugin == "pgoutput" && st.Database == db {
+		return nil
+	}
+	if st.Plugin == "" {
+		return actionable(ErrSlotMismatch, fix, "slot %q is a physical slot (a standby's or a backup tool's), not a logical pgoutput slot of database %q", slot, db)
+	}
+	return actionable(ErrSlotMismatch, fix, "slot %q uses plugin %q in database %q, want pgoutput in %q", slot, st.Plugin, st.Database, db)
 }
 
 // Status reads the slot's row of pg_replication_slots.
@@ -133,6 +155,9 @@ func connectSQL(ctx context.Context, url string) (*pgx.Conn, error) {
 		return nil, fmt.Errorf("parse postgres URL: %w", redactErr(err))
 	}
 	delete(cfg.RuntimeParams, "replication")
+	// As on the replication connection: nothing read here may depend on
+	// the database's or role's DateStyle and TimeZone.
+	cfg.RuntimeParams["DateStyle"], cfg.RuntimeParams["TimeZone"] = "ISO", "UTC"
 	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to postgres %s: %w", describe(cfg.Config), err)
@@ -251,12 +276,8 @@ func ensureSlot(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupRepor
 		rep.add("created logical replication slot %s (pgoutput)", cfg.Slot)
 		return nil
 	}
-	var db string
-	if err := conn.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+	if err := checkSlotOwner(ctx, conn, cfg.Slot, st, "choose another slot name in the configuration"); err != nil {
 		return err
-	}
-	if st.Plugin != "pgoutput" || st.Database != db {
-		return actionable(ErrSlotMismatch, "choose another slot name in the configuration", "slot %q uses plugin %q in database %q, want pgoutput in %q", cfg.Slot, st.Plugin, st.Database, db)
 	}
 	if st.WALStatus == "lost" {
 		return slotLostError(cfg.Slot)

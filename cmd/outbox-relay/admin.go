@@ -46,7 +46,7 @@ func newSetupCmd(g *globals) *cobra.Command {
 					return err
 				}
 				if brep.SlotCreated {
-					fmt.Fprintf(out, "postgres: created slot %s with an exported snapshot (consistent point %s); backfilled %d waiting rows (%d dead-lettered)\n", cfg.Postgres.Slot, brep.ConsistentPoint, brep.Rows, brep.DeadLettered)
+					fmt.Fprintf(out, "postgres: created slot %s with an exported snapshot (consistent point %s); backfilled %d waiting rows (%d dead-lettered, %d skipped: already in stream %s, %d skipped: older than the stream's first message, see reconcile's expired rows)\n", cfg.Postgres.Slot, brep.ConsistentPoint, brep.Rows, brep.DeadLettered, brep.AlreadyStreamed, cfg.NATS.Stream, brep.Expired)
 				}
 			}
 			rep, err := replication.Setup(ctx, cfg.Replication())

@@ -26,5 +26,12 @@ func newDLQCmd(g *globals) *cobra.Command {
 			}
 			return connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay dlq")
 		},
+		RelayTarget: func() (dlq.RelayTarget, error) {
+			cfg, err := g.load()
+			if err != nil {
+				return dlq.RelayTarget{}, err
+			}
+			return dlq.RelayTarget{Stream: cfg.NATS.DeadLetterStream, AuditReplicas: cfg.NATS.Replicas}, nil
+		},
 	})
 }

@@ -26,6 +26,8 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 // opsFixture runs the real `run` in-process against a private NATS server
@@ -38,6 +40,8 @@ type opsFixture struct {
 	js     jetstream.JetStream
 	stream string
 	url    string
+	// file is the configuration file cfg was loaded from.
+	file string
 }
 
 func newOpsFixture(t *testing.T) *opsFixture {
@@ -101,7 +105,7 @@ shutdown_timeout: 2s
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &opsFixture{t: t, ns: ns, db: db, cfg: cfg, js: js, stream: stream, url: fmt.Sprintf("http://127.0.0.1:%d", port)}
+	return &opsFixture{t: t, ns: ns, db: db, cfg: cfg, js: js, stream: stream, url: fmt.Sprintf("http://127.0.0.1:%d", port), file: file}
 }
 
 // start runs `run` until the test ends; stop cancels it and returns its
@@ -433,13 +437,21 @@ func TestReconcileAndCleanupCommands(t *testing.T) {
 		}
 	}
 
-	// Every row is in the stream again: cleanup deletes them all.
+	// Every row is in the stream again, but stored just now: cleanup keeps
+	// them until the stream has synced them (issue 17, case 4), exits 1
+	// and says why. --older-than 0 is refused.
 	out.Reset()
-	if err := runCleanup(ctx, &out, f.cfg, cleanupFlags{olderThan: 0, mode: "stream", batch: 7, asJSON: true}); err != nil {
+	if err := runCleanup(ctx, &out, f.cfg, cleanupFlags{olderThan: 0, storedMargin: 10 * time.Minute, mode: "stream", batch: 7}); !errors.Is(err, config.ErrInvalid) {
+		t.Fatalf("cleanup --older-than 0: %v", err)
+	}
+	err = runCleanup(ctx, &out, f.cfg, cleanupFlags{olderThan: time.Nanosecond, storedMargin: 10 * time.Minute, mode: "stream", batch: 7})
+	if code, ok := err.(exitCode); !ok || code != 1 {
 		t.Fatalf("cleanup: %v\n%s", err, out.String())
 	}
-	if !strings.Contains(out.String(), `"deleted": 30`) || !strings.Contains(out.String(), `"remaining": 0`) {
-		t.Fatalf("cleanup output:\n%s", out.String())
+	for _, want := range []string{"30 rows older than the cutoff were kept", "30 of them have an event stored after", "warning: stream " + f.stream + ": 1 replica(s)"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("cleanup output lacks %q:\n%s", want, out.String())
+		}
 	}
 }
 
@@ -466,5 +478,287 @@ func TestParseWhen(t *testing.T) {
 		case !c.bad && (err != nil || !got.Equal(c.want)):
 			t.Errorf("%q: %v, %v; want %v", c.in, got, err, c.want)
 		}
+	}
+}
+
+// cli runs the outbox-relay command line with the fixture's configuration
+// file and returns its standard output.
+func (f *opsFixture) cli(args ...string) (string, error) {
+	f.t.Helper()
+	cmd := newRootCmd()
+	var out, errOut bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetErr(&errOut)
+	cmd.SetArgs(append([]string{"-c", f.file}, args...))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err := cmd.ExecuteContext(ctx)
+	if errOut.Len() > 0 {
+		f.t.Logf("outbox-relay %s: stderr:\n%s", strings.Join(args, " "), errOut.String())
+	}
+	return out.String(), err
+}
+
+// Issue 17, case 2: `dlq --relay` acted on OUTBOX_DLQ whatever
+// nats.dead_letter_stream said: it listed, and discarded, another
+// service's dead letter. It takes the stream from the configuration, and
+// --relay-stream still overrides it.
+func TestDLQRelayUsesConfiguredStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	mine := f.cfg.NATS.DeadLetterStream
+	for _, sc := range []jetstream.StreamConfig{
+		{Name: "OUTBOX_DLQ", Subjects: []string{"other_dlq.>"}},
+		{Name: mine, Subjects: []string{f.cfg.Router.DeadLetterFilter()}},
+	} {
+		if _, err := f.js.CreateStream(ctx, sc); err != nil {
+			t.Fatal(err)
+		}
+	}
+	record := func(subject, id string) {
+		m := nats.NewMsg(subject)
+		m.Header.Set("Nats-Msg-Id", id)
+		m.Header.Set("Outbox-Table", "public.outbox")
+		m.Header.Set("Outbox-DLQ-Reason-Class", "missing_field")
+		m.Data = []byte(`{"table":"public.outbox","row":{}}`)
+		if _, err := f.js.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	record("other_dlq.public_outbox", "theirs")
+	record(f.cfg.Router.DeadLetterSubject+".public_outbox", "ours")
+
+	out, err := f.cli("dlq", "--relay", "list", "-o", "json")
+	if err != nil {
+		t.Fatalf("list: %v\n%s", err, out)
+	}
+	if !strings.Contains(out, `"ours"`) || strings.Contains(out, `"theirs"`) {
+		t.Fatalf("dlq --relay list shows another stream's records:\n%s", out)
+	}
+	if out, err := f.cli("dlq", "--relay", "discard", "1", "--actor", "test", "--reason", "fixed"); err != nil || !strings.Contains(out, mine) {
+		t.Fatalf("discard: %v\n%s", err, out)
+	}
+	for stream, want := range map[string]uint64{"OUTBOX_DLQ": 1, mine: 0} {
+		if n := relaytest.StreamCount(ctx, f.js, stream); n != want {
+			t.Errorf("%s holds %d records after the discard, want %d", stream, n, want)
+		}
+	}
+	out, err = f.cli("dlq", "--relay", "--relay-stream", "OUTBOX_DLQ", "list", "-o", "json")
+	if err != nil || !strings.Contains(out, `"theirs"`) {
+		t.Fatalf("--relay-stream OUTBOX_DLQ list: %v\n%s", err, out)
+	}
+}
+
+// relayThenTeardown relays n events with a 1s duplicate window, stops the
+// relay and tears the slot down.
+func relayThenTeardown(t *testing.T, n int) *opsFixture {
+	t.Helper()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	f.cfg.NATS.DuplicateWindow = time.Second
+	f.cfg.Reconcile.Interval = 0
+	stop := f.start() // auto_setup with backfill: creates the slot and the streams
+	f.insert(ctx, n, "RegistrationConfirmed")
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.js, f.stream) == uint64(n) }) {
+		t.Fatal("events not relayed")
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := f.cli("teardown", "--yes"); err != nil {
+		t.Fatalf("teardown: %v\n%s", err, out)
+	}
+	return f
+}
+
+// backfillAfterWindow waits out the stream's 1s duplicate window (it
+// would hide second copies) and runs the backfill that setup runs.
+func (f *opsFixture) backfillAfterWindow() relay.BackfillReport {
+	f.t.Helper()
+	time.Sleep(1500 * time.Millisecond)
+	nc, err := nats.Connect(f.cfg.NATS.URL)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	defer nc.Close()
+	rep, err := backfill(context.Background(), f.cfg, nc, zaptest.NewLogger(f.t), io.Discard)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return rep
+}
+
+// Issue 17, case 3: a slot created again (setup after teardown, auto_setup
+// after a lost slot) backfilled every row of the table, since the relay
+// never marks rows published: past the duplicate window each event was
+// stored twice. The backfill now publishes only the rows whose event the
+// stream lacks: here the five written while there was no slot.
+func TestSetupAfterTeardownBackfillsOnlyWhatTheStreamLacks(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := relayThenTeardown(t, 50)
+	f.insert(ctx, 5, "RegistrationConfirmed") // no slot: only a backfill can relay these
+	rep := f.backfillAfterWindow()
+	if !rep.SlotCreated || rep.Rows != 5 || rep.AlreadyStreamed != 50 {
+		t.Errorf("backfill after teardown: %+v, want 5 rows published and 50 already in the stream", rep)
+	}
+	ids := map[string]int{}
+	for _, m := range relaytest.ReadStream(ctx, t, f.js, f.stream) {
+		ids[m.Event.ID]++
+	}
+	for id, n := range ids {
+		if n != 1 {
+			t.Errorf("event %s stored %d times", id, n)
+		}
+	}
+	if len(ids) != 55 || relaytest.StreamCount(ctx, f.js, f.stream) != 55 {
+		t.Errorf("stream holds %d messages of %d events, want 55", relaytest.StreamCount(ctx, f.js, f.stream), len(ids))
+	}
+}
+
+// Issue 17, cases 3 and 5 together: a backfill after teardown does not
+// republish rows whose events the stream's limits removed (consumers may
+// have applied and forgotten them); it reports them, as reconcile does.
+func TestBackfillSkipsRowsOlderThanTheStreamsHead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := relayThenTeardown(t, 30)
+	s, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := info.Config
+	sc.MaxMsgs = 10 // the first 20 events go
+	if _, err := f.js.UpdateStream(ctx, sc); err != nil {
+		t.Fatal(err)
+	}
+	// Rows written while there was no slot, dated past the stream's head
+	// plus the clock-skew margin.
+	for i := 0; i < 3; i++ {
+		if _, err := f.db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, occurred_at)
+VALUES ($1, 'registration', 'later', $2, 'E', '{}', now() + interval '2 minutes')`, uuid.NewString(), i+1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rep := f.backfillAfterWindow()
+	if rep.Rows != 3 || rep.AlreadyStreamed != 10 || rep.Expired != 20 {
+		t.Errorf("backfill: %+v, want 3 published, 10 already in the stream, 20 expired", rep)
+	}
+	if n := relaytest.StreamCount(ctx, f.js, f.stream); n != 10 {
+		t.Errorf("stream holds %d (max_msgs 10)", n)
+	}
+	if info, err = s.Info(ctx); err != nil || info.State.LastSeq != 33 {
+		t.Errorf("stream last sequence %d, want 33: 3 stored: %v", info.State.LastSeq, err)
+	}
+}
+
+// Issue 17, case 8: teardown dropped whatever slot had the configured
+// name, although setup refuses a slot of another plugin or database. It
+// now refuses it too, naming the owner, and leaves the slot alone.
+func TestTeardownRefusesAnotherOwnersSlot(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	other := testenv.Get(t).NewDatabase(t)
+	slot := f.cfg.Postgres.Slot
+	for _, c := range []struct {
+		name, create, want string
+		db                 *testenv.Database
+	}{
+		{"plugin", "SELECT pg_create_logical_replication_slot($1, 'test_decoding')", `plugin "test_decoding"`, f.db},
+		{"database", "SELECT pg_create_logical_replication_slot($1, 'pgoutput')", `in database "` + other.Name + `"`, other},
+		{"physical", "SELECT pg_create_physical_replication_slot($1)", "physical slot", f.db},
+	} {
+		if _, err := c.db.Pool.Exec(ctx, c.create, slot); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		out, err := f.cli("teardown", "--yes")
+		if !errors.Is(err, replication.ErrSlotMismatch) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: teardown: %v (want ErrSlotMismatch naming %s)\n%s", c.name, err, c.want, out)
+		}
+		var exists bool
+		if err := f.db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)", slot).Scan(&exists); err != nil || !exists {
+			t.Fatalf("%s: the slot was dropped (%v)", c.name, err)
+		}
+		if _, err := f.db.Pool.Exec(ctx, "SELECT pg_drop_replication_slot($1)", slot); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// Issue 17, case 9: backfill and repair read rows as text and route them
+// like pgoutput's output, whose timestamps the router parses in ISO form.
+// With the database's DateStyle 'SQL, DMY' backfill dead-lettered every row
+// and repair failed. Every connection the tools open now sets DateStyle
+// ISO and TimeZone UTC.
+func TestBackfillAndRepairIgnoreTheDatabasesDateStyle(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	f.cfg.NATS.DuplicateWindow = time.Second
+	f.cfg.Reconcile.Interval = 0
+	if _, err := f.db.Pool.Exec(ctx, fmt.Sprintf(`ALTER DATABASE %q SET DateStyle = 'SQL, DMY'; ALTER DATABASE %q SET TimeZone = 'Asia/Kolkata'`, f.db.Name, f.db.Name)); err != nil {
+		t.Fatal(err)
+	}
+	f.insert(ctx, 5, "RegistrationConfirmed") // before the slot: the backfill publishes them
+	f.start()
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.js, f.stream) == 5 }) {
+		t.Fatalf("backfill stored %d events and %d dead letters, want 5 events", relaytest.StreamCount(ctx, f.js, f.stream), relaytest.StreamCount(ctx, f.js, f.cfg.NATS.DeadLetterStream))
+	}
+	if n := relaytest.StreamCount(ctx, f.js, f.cfg.NATS.DeadLetterStream); n != 0 {
+		t.Fatalf("backfill dead-lettered %d rows", n)
+	}
+	s, err := f.js.Stream(ctx, f.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for seq := uint64(2); seq <= 3; seq++ {
+		if err := s.DeleteMsg(ctx, seq); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(1100 * time.Millisecond) // past the 1s duplicate window
+	var out bytes.Buffer
+	flags := reconcileFlags{since: "1h", list: 20, confirmWait: 10 * time.Second, clockSkew: time.Minute, maxRows: 1000, repair: true, asJSON: true}
+	if err := runReconcile(ctx, &out, f.cfg, flags); err != nil {
+		t.Fatalf("repair: %v\n%s", err, out.String())
+	}
+	var res reconcileOutput
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+		t.Fatal(err)
+	}
+	if res.Repair == nil || res.Repair.Published != 2 || len(res.Repair.Failed) != 0 || res.After.Total.Missing != 0 {
+		t.Fatalf("repair: %+v, after %+v", res.Repair, res.After)
+	}
+}
+
+// Issue 17, likely case: --include-pending republished what a running relay
+// was still publishing; a relay lagging past the duplicate window then
+// stored them twice. It is refused while the slot is active.
+func TestIncludePendingRefusedWhileTheSlotIsActive(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newOpsFixture(t)
+	f.cfg.Reconcile.Interval = 0
+	stop := f.start()
+	flags := reconcileFlags{since: "1h", list: 20, confirmWait: -1, clockSkew: time.Minute, maxRows: 1000, repair: true, includePending: true}
+	var out bytes.Buffer
+	if err := runReconcile(ctx, &out, f.cfg, flags); !errors.Is(err, replication.ErrSlotInUse) || !strings.Contains(err.Error(), "stop it first") {
+		t.Fatalf("--include-pending with a running relay: %v", err)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	// Stopped: the slot is released soon after.
+	if !testenv.WaitFor(20*time.Second, func() bool {
+		out.Reset()
+		return runReconcile(ctx, &out, f.cfg, flags) == nil
+	}) {
+		t.Fatalf("--include-pending with the relay stopped:\n%s", out.String())
 	}
 }

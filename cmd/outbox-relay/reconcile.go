@@ -18,6 +18,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 // sqlPool returns a pool of ordinary (non-replication) connections to url
@@ -33,11 +34,31 @@ func sqlPool(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 	if pc.ConnConfig.RuntimeParams["application_name"] == "" {
 		pc.ConnConfig.RuntimeParams["application_name"] = "outbox-relay"
 	}
+	// Repair routes rows read as text, like the replication stream's: the
+	// router parses timestamps in ISO form, whatever the database's or
+	// role's DateStyle and TimeZone.
+	pc.ConnConfig.RuntimeParams["DateStyle"] = "ISO"
+	pc.ConnConfig.RuntimeParams["TimeZone"] = "UTC"
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
 		return nil, fmt.Errorf("postgres pool: %w", err)
 	}
 	return pool, nil
+}
+
+// refuseActiveSlot fails while a relay streams from the slot: pending rows
+// are then being published by it, and --include-pending would publish them
+// a second time — stored twice once the relay lags by more than the
+// duplicate window.
+func refuseActiveSlot(ctx context.Context, cfg config.Config) error {
+	st, err := replication.Status(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
+	if err != nil {
+		return err
+	}
+	if st.Active {
+		return fmt.Errorf("%w: --include-pending: slot %s is streaming to pid %d, so a relay is publishing the pending rows; stop it first (see \"Recovering after a lost slot\"), or repair without --include-pending", replication.ErrSlotInUse, cfg.Postgres.Slot, st.ActivePID)
+	}
+	return nil
 }
 
 // reconcileConfig is the part of reconcile.Config the configuration file
@@ -156,6 +177,11 @@ func runReconcile(ctx context.Context, out io.Writer, cfg config.Config, f recon
 	if rc.ConfirmWait == 0 {
 		rc.ConfirmWait = -1 // 0 on the command line means "do not wait"
 	}
+	if f.includePending {
+		if err := refuseActiveSlot(ctx, cfg); err != nil {
+			return err
+		}
+	}
 	pool, err := sqlPool(ctx, cfg.Postgres.URL, 4)
 	if err != nil {
 		return err
@@ -219,7 +245,7 @@ func runReconcile(ctx context.Context, out io.Writer, cfg config.Config, f recon
 			printReconcile(out, cfg, res.After, f.list)
 		}
 	}
-	if final.Total.Missing > 0 || final.Total.Pending > 0 {
+	if final.Total.Missing > 0 || final.Total.Pending > 0 || final.Total.SharedID > 0 {
 		return exitCode(1)
 	}
 	return nil
@@ -237,11 +263,18 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 	default:
 		fmt.Fprintf(w, "  slot %s confirmed only %s, before the snapshot's %s: rows not in the stream are pending (is the relay running? --confirm-wait waits longer)\n", cfg.Postgres.Slot, r.ConfirmedLSN, r.SnapshotLSN)
 	}
-	fmt.Fprintf(w, "  read %d events and %d dead letters in %s\n\n", r.StreamMessages, r.DeadLetterMessages, r.Duration.Round(time.Millisecond))
+	fmt.Fprintf(w, "  read %d events and %d dead letters in %s\n", r.StreamMessages, r.DeadLetterMessages, r.Duration.Round(time.Millisecond))
+	if len(r.Tableless) > 0 {
+		fmt.Fprintf(w, "  not checked: the table-less events of message prefixes %s have no rows to compare with (their events in the stream are not reported either)\n", strings.Join(r.Tableless, ", "))
+	}
+	if r.FoundBySubject > 0 {
+		fmt.Fprintf(w, "  %d rows were found only by looking their subjects up: their events were stored before the window's start (rows dated ahead of their commit)\n", r.FoundBySubject)
+	}
+	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "TABLE\tAGGREGATE TYPE\tROWS\tIN STREAM\tMISSING\tPENDING\tDEAD-LETTERED\tUNEXPECTED\tDUPLICATES\t")
+	fmt.Fprintln(tw, "TABLE\tAGGREGATE TYPE\tROWS\tIN STREAM\tMISSING\tPENDING\tDEAD-LETTERED\tEXPIRED\tUNEXPECTED\tDUPLICATES\t")
 	row := func(g reconcile.Group) {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", g.Table, g.AggregateType, g.Rows, g.InStream, g.Missing, g.Pending, g.DeadLettered, g.Unexpected, g.Duplicates)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", g.Table, g.AggregateType, g.Rows, g.InStream, g.Missing, g.Pending, g.DeadLettered, g.Expired, g.Unexpected, g.Duplicates)
 	}
 	for _, g := range r.Groups {
 		row(g)
@@ -254,6 +287,21 @@ func printReconcile(w io.Writer, cfg config.Config, r *reconcile.Report, list in
 	listEvents(w, "pending", r.Pending, r.Total.Pending, list)
 	listEvents(w, "dead-lettered (see `outbox-relay dlq list`)", r.DeadLettered, r.Total.DeadLettered, list)
 	listEvents(w, "unexpected", r.Unexpected, r.Total.Unexpected, list)
+	if r.Total.SharedID > 0 {
+		fmt.Fprintf(w, "\n%d rows share their event id with another row of the same table (a partitioned table's unique constraints hold per partition only): consumers keep one event per id, so one fact is lost. Give each its own id.\n", r.Total.SharedID)
+		listEvents(w, "sharing an event id", r.SharedID, r.Total.SharedID, list)
+	}
+	for table, n := range r.NoOccurredAt {
+		fmt.Fprintf(w, "\n%s: %d rows have a NULL occurred_at: no window selects them, so they are never reconciled nor cleaned up. Set it (and add NOT NULL).\n", table, n)
+	}
+	if r.Total.NoEventID > 0 {
+		fmt.Fprintf(w, "\n%d rows have a NULL event id: nothing can match them with an event, and the relay dead-letters them (`outbox-relay dlq --relay list`). Fix the producer (and add NOT NULL to the column), insert each event again with an id and delete the row without one.\n", r.Total.NoEventID)
+		listEvents(w, "without an event id", r.NoEventID, r.Total.NoEventID, list)
+	}
+	if r.Total.Expired > 0 {
+		fmt.Fprintf(w, "\n%d rows dated before %s are not in the stream, whose limits (max_age, max_msgs, max_bytes) removed the events stored before its first message: they cannot be checked and --repair never republishes them (consumers may have applied and forgotten them). Reconcile a later window, or clean these rows up.\n", r.Total.Expired, r.ExpiredBefore.Format(time.RFC3339))
+		listEvents(w, "expired", r.Expired, r.Total.Expired, list)
+	}
 	if r.Total.Missing > 0 {
 		fmt.Fprintln(w, "\n`outbox-relay reconcile --repair` with the same window republishes the missing events.")
 	}
@@ -281,7 +329,7 @@ func listEvents(w io.Writer, what string, evs []reconcile.Event, total, limit in
 }
 
 func printRepair(w io.Writer, cfg config.Config, r *reconcile.RepairReport) {
-	fmt.Fprintf(w, "\nRepair: %d republished, %d acknowledged as duplicates, %d rows gone, %d failed\n", r.Published, r.Duplicates, r.Gone, len(r.Failed))
+	fmt.Fprintf(w, "\nRepair: %d republished, %d acknowledged as duplicates, %d already in the stream (not republished), %d rows gone, %d failed\n", r.Published, r.Duplicates, r.AlreadyInStream, r.Gone, len(r.Failed))
 	if r.Duplicates > 0 {
 		fmt.Fprintf(w, "  The stream still holds the ids of %d events in its duplicate window (nats.duplicate_window %s) and dropped them: rerun after the window passed.\n", r.Duplicates, cfg.NATS.DuplicateWindow)
 	}

@@ -261,7 +261,7 @@ func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.L
 			return err
 		}
 		if rep.SlotCreated {
-			log.Info("setup: created slot with snapshot and backfilled the outbox", zap.String("slot", cfg.Postgres.Slot), zap.Stringer("consistent_point", rep.ConsistentPoint), zap.Int("rows", rep.Rows), zap.Int("dead_lettered", rep.DeadLettered))
+			log.Info("setup: created slot with snapshot and backfilled the outbox", zap.String("slot", cfg.Postgres.Slot), zap.Stringer("consistent_point", rep.ConsistentPoint), zap.Int("rows", rep.Rows), zap.Int("dead_lettered", rep.DeadLettered), zap.Int("already_streamed", rep.AlreadyStreamed), zap.Int("expired", rep.Expired))
 		}
 	}
 	rep, err := replication.Setup(ctx, cfg.Replication())

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/cleanup"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
@@ -70,7 +73,7 @@ func TestCleanupUnderLoadNeverRemovesUnpublishedRows(t *testing.T) {
 	go func() {
 		defer wg.Done()
 		for cctx.Err() == nil {
-			rep, err := cleanup.Run(cctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, BatchSize: 50})
+			rep, err := cleanup.Run(cctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, BatchSize: 50, OlderThan: time.Nanosecond, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0))
 			if err != nil {
 				if cctx.Err() == nil {
 					cerr <- err
@@ -150,10 +153,10 @@ func TestCleanupOlderThanDryRunAndPublishedMode(t *testing.T) {
 	}
 	evs = append(evs, f.NewWriter(5).Write(ctx, 20, 4)...)
 	f.WaitCount(ctx, f.Stream, 40, 30*time.Second)
-	base := cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, BatchSize: 7}
+	base := cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, BatchSize: 7, StoredMargin: time.Nanosecond}
 	run := func(c cleanup.Config) *cleanup.Report {
 		t.Helper()
-		rep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, c)
+		rep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, c, cleanup.WithMinStoredMargin(0))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -209,18 +212,76 @@ func TestCleanupErrors(t *testing.T) {
 	if _, err := f.DB.Pool.Exec(ctx, "ALTER TABLE outbox DROP COLUMN publish_state"); err != nil {
 		t.Fatal(err)
 	}
+	h := time.Hour
 	for _, c := range []struct {
 		cfg  cleanup.Config
 		want error
 	}{
-		{cleanup.Config{Router: f.Cfg.Router, Mode: cleanup.ModePublished}, cleanup.ErrNoStateColumn},
-		{cleanup.Config{Router: f.Cfg.Router, Mode: "sometimes"}, cleanup.ErrInvalidConfig},
-		{cleanup.Config{Router: f.Cfg.Router}, cleanup.ErrInvalidConfig}, // stream mode without a stream
-		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, BatchSize: cleanup.MaxBatchSize + 1}, cleanup.ErrInvalidConfig},
+		{cleanup.Config{Router: f.Cfg.Router, Mode: cleanup.ModePublished, OlderThan: h}, cleanup.ErrNoStateColumn},
+		{cleanup.Config{Router: f.Cfg.Router, Mode: "sometimes", OlderThan: h}, cleanup.ErrInvalidConfig},
+		{cleanup.Config{Router: f.Cfg.Router, OlderThan: h}, cleanup.ErrInvalidConfig}, // stream mode without a stream
+		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: h, BatchSize: cleanup.MaxBatchSize + 1}, cleanup.ErrInvalidConfig},
 		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: -time.Hour}, cleanup.ErrInvalidConfig},
+		// Issue 17, case 4: no age at all, and a margin shorter than
+		// JetStream's sync interval, are refused.
+		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream}, cleanup.ErrInvalidConfig},
+		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, Mode: cleanup.ModePublished}, cleanup.ErrInvalidConfig},
+		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: h, StoredMargin: time.Minute}, cleanup.ErrInvalidConfig},
+		// A pause longer than the scan consumer survives idle.
+		{cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: h, Pause: 2 * cleanup.MaxPause}, cleanup.ErrInvalidConfig},
 	} {
 		if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, c.cfg); !errors.Is(err, c.want) {
 			t.Errorf("%+v: got %v, want %v", c.cfg.Mode, err, c.want)
 		}
+	}
+}
+
+// Issue 17, case 4: the row's age said nothing of when its event was
+// stored. Rows two hours old, relayed late, were deleted milliseconds after
+// their events were stored, before the default R1 stream (ack before
+// fsync) had synced them: an OS crash then lost event and row together.
+// Now the event must have been stored for the stored margin; a stream in
+// memory is refused and one with fewer than three replicas warned about.
+func TestCleanupKeepsRowsWhoseEventWasStoredRecently(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	f.Setup(ctx)
+	w := f.NewWriter(5)
+	w.Age = 2 * time.Hour
+	evs := w.Write(ctx, 20, 4) // written while no relay runs
+	f.Start(ctx)
+	f.WaitCount(ctx, f.Stream, 20, 30*time.Second)
+
+	cfg := cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: 30 * time.Minute}
+	rep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := rep.Tables[0]
+	if tr.Candidates != 20 || tr.Deleted != 0 || tr.Remaining != 20 || tr.StoredRecently != 20 || len(remainingIDs(t, f)) != len(evs) {
+		t.Fatalf("events stored just now: %+v, want all 20 rows kept as stored recently", tr)
+	}
+	if tr.OldestRemaining == nil || time.Since(*tr.OldestRemaining) < 2*time.Hour {
+		t.Errorf("oldest remaining row: %v, want about 2h old", tr.OldestRemaining)
+	}
+	if len(rep.Warnings) != 1 || !strings.Contains(rep.Warnings[0], "1 replica(s)") {
+		t.Errorf("warnings on an R1 stream: %q", rep.Warnings)
+	}
+	// Once the margin has passed (here: lowered to what has passed), they go.
+	cfg.StoredMargin = time.Nanosecond
+	if rep, err = cleanup.Run(ctx, f.DB.Pool, f.JS, cfg, cleanup.WithMinStoredMargin(0)); err != nil || rep.Tables[0].Deleted != 20 {
+		t.Fatalf("after the margin: %+v, %v", rep, err)
+	}
+
+	// A stream in memory is never proof enough.
+	mem := strings.ToUpper(testenv.UniqueName("MEM"))
+	if _, err := f.JS.CreateStream(ctx, jetstream.StreamConfig{Name: mem, Subjects: []string{strings.ToLower(mem) + ".>"}, Storage: jetstream.MemoryStorage}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.JS.DeleteStream(context.Background(), mem) })
+	cfg.Stream = mem
+	if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cfg, cleanup.WithMinStoredMargin(0)); !errors.Is(err, cleanup.ErrNotDurable) {
+		t.Fatalf("memory stream: err %v, want ErrNotDurable", err)
 	}
 }

@@ -15,8 +15,11 @@
 //     candidate row's time, and every batch of ids it finds becomes one
 //     DELETE of those rows that are older than the cutoff. A row whose event
 //     is not in the stream (not yet published, lost, only dead-lettered, or
-//     expired from the stream) is never deleted. It needs no cooperation from
-//     the relay and holds after lost slots and failovers.
+//     expired from the stream) is never deleted, nor one whose event was
+//     stored less than Config.StoredMargin ago: JetStream acknowledges
+//     before fsync, so until the server synced the event the row may be its
+//     only durable copy. A stream in memory is refused. It needs no
+//     cooperation from the relay and holds after lost slots and failovers.
 //   - ModePublished: the row's publish_state is 'PUBLISHED', the seed's
 //     column, set by whatever publishes the rows (a polling relay being
 //     replaced, or a marker that updates rows after the broker's ack). The
@@ -28,7 +31,10 @@
 // created, or in WAL a lost slot dropped, are before the confirmed position
 // and were never relayed; deleting them would lose them for good.
 //
-// Each batch is its own short transaction: DELETE ... WHERE ctid IN
-// (SELECT ctid ... FOR UPDATE SKIP LOCKED), so cleanup never waits for, nor
-// blocks, the application's transactions for longer than one batch.
+// Each batch is its own short transaction: DELETE ... WHERE (tableoid,
+// ctid) IN (SELECT tableoid, ctid ... FOR UPDATE SKIP LOCKED) AND the same
+// conditions again, so cleanup never waits for, nor blocks, the
+// application's transactions for longer than one batch. The tableoid is
+// what makes this right on a partitioned table, where each partition has
+// its own ctids.
 package cleanup

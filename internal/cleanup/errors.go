@@ -8,4 +8,7 @@ var (
 	// ErrNoStateColumn means ModePublished was asked for a table without a
 	// publish_state column.
 	ErrNoStateColumn = errors.New("outbox table has no publish_state column")
+	// ErrNotDurable means the event stream loses its events on a restart
+	// (memory storage), so ModeStream cannot prove a row safe to delete.
+	ErrNotDurable = errors.New("event stream is not durable")
 )

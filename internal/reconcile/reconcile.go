@@ -24,6 +24,10 @@ const (
 	// MaxListed bounds the unexpected events listed in a Report (all are
 	// counted).
 	MaxListed = 1000
+	// MaxLookedUp bounds the rows not found by the window's scan that Run
+	// looks up by subject (see Report.FoundBySubject); with more, the
+	// look-up is left to Repair, which does it before every publish.
+	MaxLookedUp = 10_000
 )
 
 // Config says what to compare.
@@ -104,9 +108,23 @@ type Group struct {
 	Pending int `json:"pending"`
 	// DeadLettered is rows whose event is only in the dead-letter stream.
 	DeadLettered int `json:"dead_lettered"`
+	// Expired is rows not in the streams and older than the event
+	// stream's first stored message (plus the clock skew), after its
+	// limits (max_age, max_msgs, max_bytes) removed messages from its
+	// head: their event may have been stored and removed since, so they
+	// cannot be checked, and are never repaired.
+	Expired int `json:"expired"`
 	// Unexpected is the events in the stream, in the window, whose row is
 	// not in the table (deleted, or never written by this database).
 	Unexpected int `json:"unexpected"`
+	// SharedID is the rows in the window whose event id another row of the
+	// table has too (a partitioned table's unique constraints hold per
+	// partition only): one event id for two facts, so consumers keep one.
+	SharedID int `json:"shared_id"`
+	// NoEventID is the rows in the window whose event id is NULL (a table
+	// without NOT NULL on it): the relay dead-letters them, and nothing
+	// can match them with an event. Not counted in Rows.
+	NoEventID int `json:"no_event_id"`
 	// Duplicates is extra copies of an event stored more than once (a
 	// re-publish after the duplicate window passed).
 	Duplicates int `json:"duplicates"`
@@ -126,6 +144,20 @@ type Report struct {
 	// slot confirmed the snapshot: Missing is definitive. Otherwise the
 	// rows not found are Pending.
 	Confirmed bool `json:"confirmed"`
+	// ExpiredBefore is the occurred-at time before which a row not in the
+	// streams counts as expired, not missing; zero when the event stream
+	// never removed messages from its head.
+	ExpiredBefore *time.Time `json:"expired_before,omitempty"`
+	// FoundBySubject is the rows the window's scan did not find whose event
+	// a look-up of their subject found in the stream: stored before the
+	// window's start, their row dated ahead of its commit (a writer's clock,
+	// a business time). They count as in stream.
+	FoundBySubject int `json:"found_by_subject"`
+	// Tableless lists the configured message prefixes (table-less events
+	// from pg_logical_emit_message): they have no rows, so nothing of them
+	// is checked — neither missing events (only the slot's position and
+	// the relay's dead letters vouch for them) nor unexpected ones.
+	Tableless []string `json:"tableless_prefixes,omitempty"`
 	// StreamMessages and DeadLetterMessages count the messages read.
 	StreamMessages     uint64  `json:"stream_messages_read"`
 	DeadLetterMessages uint64  `json:"dead_letter_messages_read"`
@@ -137,6 +169,18 @@ type Report struct {
 	Missing      []Event `json:"missing"`
 	Pending      []Event `json:"pending"`
 	DeadLettered []Event `json:"dead_lettered"`
+	// SharedID lists the first MaxListed rows whose event id an earlier row
+	// of the same table has.
+	SharedID []Event `json:"shared_id"`
+	// NoOccurredAt counts, per table, the rows whose occurred-at time is
+	// NULL: no time window selects them, so they are never reconciled (nor
+	// cleaned up).
+	NoOccurredAt map[string]int64 `json:"no_occurred_at,omitempty"`
+	// NoEventID lists the first MaxListed rows without an event id (the
+	// EventID field empty).
+	NoEventID []Event `json:"no_event_id"`
+	// Expired lists the first MaxListed expired rows, in the same order.
+	Expired []Event `json:"expired"`
 	// Unexpected lists up to MaxListed unexpected events.
 	Unexpected []Event `json:"unexpected"`
 	// Duration is how long the run took.
@@ -144,7 +188,9 @@ type Report struct {
 }
 
 // Differences is the number of missing, pending and unexpected events.
-func (r *Report) Differences() int { return r.Total.Missing + r.Total.Pending + r.Total.Unexpected }
+func (r *Report) Differences() int {
+	return r.Total.Missing + r.Total.Pending + r.Total.Unexpected + r.Total.SharedID
+}
 
 // row is one outbox row of the window.
 type row struct {
@@ -152,6 +198,7 @@ type row struct {
 	group *Group
 	found int
 	dlq   bool
+	noID  bool // the event id is NULL
 }
 
 // Option configures Run and Repair.
@@ -185,7 +232,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	if err != nil {
 		return nil, err
 	}
-	rep := &Report{Since: cfg.Since.UTC(), Until: cfg.Until.UTC()}
+	rep := &Report{Since: cfg.Since.UTC(), Until: cfg.Until.UTC(), Tableless: Tableless(cfg.Router)}
 	groups := map[[2]string]*Group{}
 	group := func(table, aggType string) *Group {
 		k := [2]string{table, aggType}
@@ -199,14 +246,33 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 
 	// 1. The rows, in one snapshot, and an LSN past all of their commits.
 	rows := map[string]*row{}
-	snapshot, err := readRows(ctx, db, tables, cfg, func(r *row) error {
+	snapshot, err := readRows(ctx, db, tables, cfg, rep, func(r *row) error {
+		if r.noID {
+			// Report the row and go on: one bad row must not hide the
+			// state of every other.
+			group(r.ev.Table, r.ev.AggregateType).NoEventID++
+			if len(rep.NoEventID) < MaxListed {
+				rep.NoEventID = append(rep.NoEventID, r.ev)
+			}
+			return nil
+		}
 		if len(rows) >= cfg.MaxRows {
 			return fmt.Errorf("%w: more than %d rows between %s and %s (reconcile a narrower window, e.g. --since/--until one day apart)",
 				ErrTooManyRows, cfg.MaxRows, cfg.Since.Format(time.RFC3339), cfg.Until.Format(time.RFC3339))
 		}
+		k := key(r.ev.Table, r.ev.EventID)
+		if rows[k] != nil {
+			// Keyed by id, the second row would silently replace the
+			// first, and one event would vouch for both.
+			group(r.ev.Table, r.ev.AggregateType).SharedID++
+			if len(rep.SharedID) < MaxListed {
+				rep.SharedID = append(rep.SharedID, r.ev)
+			}
+			return nil
+		}
 		r.group = group(r.ev.Table, r.ev.AggregateType)
 		r.group.Rows++
-		rows[key(r.ev.Table, r.ev.EventID)] = r
+		rows[k] = r
 		return nil
 	})
 	if err != nil {
@@ -218,17 +284,34 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	for _, t := range tables {
 		known[t.Qualified] = true
 	}
+	// The streams are read whole, not through today's subject templates:
+	// an event stored under an earlier template is still its row's event.
+	// Events are keyed on Outbox-Table; one without the header (stored by a
+	// polling relay before a cut-over, or by another tool) matches a row
+	// of any table with its id.
+	rowOf := func(ev *StreamEvent) *row {
+		if ev.Table != "" {
+			return rows[key(ev.Table, ev.EventID)]
+		}
+		for _, t := range tables {
+			if r := rows[key(t.Qualified, ev.EventID)]; r != nil {
+				return r
+			}
+		}
+		return nil
+	}
+	subjects := cfg.Router.SubjectFilters()
+
 	// 2. Dead letters: rows the relay could not publish are accounted for.
-	dlqFilter := []string{cfg.Router.DeadLetterFilter()}
 	markDLQ := func(ev *StreamEvent) error {
-		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
+		if r := rowOf(ev); r != nil {
 			r.dlq = true
 		}
 		return nil
 	}
 	var dlqScan ScanResult
 	if cfg.DeadLetterStream != "" {
-		dlqScan, err = ScanStream(ctx, js, cfg.DeadLetterStream, dlqFilter, ScanFrom{}, markDLQ)
+		dlqScan, err = ScanStream(ctx, js, cfg.DeadLetterStream, nil, ScanFrom{}, markDLQ)
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
 			err = nil // no dead letter was ever written
 		}
@@ -240,17 +323,19 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	// 3. The events.
 	var unexpected []*StreamEvent
 	markFound := func(ev *StreamEvent) error {
-		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
+		if r := rowOf(ev); r != nil {
 			r.found++
 		}
 		return nil
 	}
-	evScan, err := ScanStream(ctx, js, cfg.Stream, cfg.Router.SubjectFilters(), ScanFrom{Time: cfg.Since.Add(-cfg.ClockSkew)}, func(ev *StreamEvent) error {
-		if !known[ev.Table] {
+	evScan, err := ScanStream(ctx, js, cfg.Stream, nil, ScanFrom{Time: cfg.Since.Add(-cfg.ClockSkew)}, func(ev *StreamEvent) error {
+		if r := rowOf(ev); r != nil {
+			r.found++
 			return nil
 		}
-		if r := rows[key(ev.Table, ev.EventID)]; r != nil {
-			r.found++
+		// Unexpected only on today's subjects: a stream may hold other
+		// producers' events too.
+		if !known[ev.Table] || !SubjectMatches(ev.Subject, subjects) {
 			return nil
 		}
 		if ev.OccurredAt.IsZero() || ev.OccurredAt.Before(cfg.Since) || !ev.OccurredAt.Before(cfg.Until) {
@@ -268,13 +353,17 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		return nil, err
 	}
 	rep.StreamMessages, rep.DeadLetterMessages = evScan.Messages, dlqScan.Messages
+	if t := evScan.ExpiredBefore(cfg.ClockSkew); !t.IsZero() {
+		t = t.UTC()
+		rep.ExpiredBefore = &t
+	}
 
 	// 4. Rows not found yet: wait until the relay confirmed the snapshot.
 	// From then on each is in a stream, unless it was never decoded or was
 	// deleted since; the streams' tails hold those published meanwhile.
 	unfound := 0
 	for _, r := range rows {
-		if r.found == 0 && !r.dlq {
+		if r.found == 0 && !r.dlq && !rep.expired(r) {
 			unfound++
 		}
 	}
@@ -289,17 +378,24 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 			rep.ConfirmedLSN = confirmed.String()
 		}
 		if cfg.DeadLetterStream != "" {
-			tail, err := ScanStream(ctx, js, cfg.DeadLetterStream, dlqFilter, ScanFrom{Seq: dlqScan.LastSeq + 1}, markDLQ)
+			tail, err := ScanStream(ctx, js, cfg.DeadLetterStream, nil, ScanFrom{Seq: dlqScan.LastSeq + 1}, markDLQ)
 			if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 				return nil, err
 			}
 			rep.DeadLetterMessages += tail.Messages
 		}
-		tail, err := ScanStream(ctx, js, cfg.Stream, cfg.Router.SubjectFilters(), ScanFrom{Seq: evScan.LastSeq + 1}, markFound)
+		tail, err := ScanStream(ctx, js, cfg.Stream, nil, ScanFrom{Seq: evScan.LastSeq + 1}, markFound)
 		if err != nil {
 			return nil, err
 		}
 		rep.StreamMessages += tail.Messages
+	}
+
+	// 4b. The scan started at since minus the clock skew by storage time:
+	// an event stored earlier, its row dated ahead of its commit, is not
+	// missing. Look the rows still not found up by their subjects.
+	if err := lookUpBySubject(ctx, db, js, cfg, tables, rows, rep); err != nil {
+		return nil, err
 	}
 
 	// 5. An event without a row in the snapshot may belong to a transaction
@@ -319,6 +415,58 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		}
 	}
 
+	rep.classify(rows)
+	rep.summarise(groups)
+	rep.Duration = o.now().Sub(start)
+	return rep, nil
+}
+
+func key(table, id string) string { return table + "\x00" + id }
+
+// lookUpBySubject marks found the rows in neither stream (and not expired)
+// whose event is on its subject in the event stream, up to MaxLookedUp rows.
+func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, tables []*Table, rows map[string]*row, rep *Report) error {
+	byTable := map[string][]Event{}
+	n := 0
+	for _, r := range rows {
+		if r.found == 0 && !r.dlq && !rep.expired(r) {
+			byTable[r.ev.Table] = append(byTable[r.ev.Table], r.ev)
+			n++
+		}
+	}
+	if n == 0 || n > MaxLookedUp {
+		return nil
+	}
+	rt, err := router.New(cfg.Router)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	for _, t := range tables {
+		evs := byTable[t.Qualified]
+		for len(evs) > 0 {
+			chunk := evs[:min(len(evs), repairChunk)]
+			evs = evs[len(chunk):]
+			rs, err := routeRows(ctx, db, t, rt, chunk, func(Event, string) {})
+			if err != nil {
+				return err
+			}
+			found, err := inStream(ctx, js, cfg.Stream, rs)
+			if err != nil {
+				return err
+			}
+			for id := range found {
+				if r := rows[key(t.Qualified, id)]; r != nil && r.found == 0 {
+					r.found++
+					rep.FoundBySubject++
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// classify files every row of the window under its outcome.
+func (rep *Report) classify(rows map[string]*row) {
 	for _, r := range rows {
 		switch {
 		case r.found > 0:
@@ -327,6 +475,13 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		case r.dlq:
 			r.group.DeadLettered++
 			rep.DeadLettered = append(rep.DeadLettered, r.ev)
+		case rep.expired(r):
+			// Not a difference: whether the stream ever held it cannot be
+			// told, and republishing an event consumers may have applied
+			// and forgotten (docs/consumer.md allows pruning dedup rows
+			// past the stream's max_age) would apply it twice.
+			r.group.Expired++
+			rep.Expired = append(rep.Expired, r.ev)
 		case rep.Confirmed:
 			r.group.Missing++
 			rep.Missing = append(rep.Missing, r.ev)
@@ -335,6 +490,11 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 			rep.Pending = append(rep.Pending, r.ev)
 		}
 	}
+}
+
+// summarise adds the groups up into Total and puts the groups and lists in
+// their report order.
+func (rep *Report) summarise(groups map[[2]string]*Group) {
 	for _, g := range groups {
 		rep.Groups = append(rep.Groups, *g)
 		t := &rep.Total
@@ -343,6 +503,9 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		t.Missing += g.Missing
 		t.Pending += g.Pending
 		t.DeadLettered += g.DeadLettered
+		t.Expired += g.Expired
+		t.NoEventID += g.NoEventID
+		t.SharedID += g.SharedID
 		t.Unexpected += g.Unexpected
 		t.Duplicates += g.Duplicates
 	}
@@ -356,11 +519,17 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	SortEvents(rep.Missing)
 	SortEvents(rep.Pending)
 	SortEvents(rep.DeadLettered)
-	rep.Duration = o.now().Sub(start)
-	return rep, nil
+	SortEvents(rep.Expired)
+	SortEvents(rep.NoEventID)
+	n := min(len(rep.Expired), MaxListed)
+	rep.Expired = rep.Expired[:n:n]
 }
 
-func key(table, id string) string { return table + "\x00" + id }
+// expired reports whether r's event may have been removed by the stream's
+// limits (see Group.Expired).
+func (rep *Report) expired(r *row) bool {
+	return rep.ExpiredBefore != nil && r.ev.OccurredAt.Before(*rep.ExpiredBefore)
+}
 
 // SortEvents orders events by table, aggregate type, aggregate id and
 // numeric version: the order Repair publishes them in.
@@ -386,7 +555,7 @@ func SortEvents(evs []Event) {
 
 // readRows reads the window's rows of every table in one REPEATABLE READ
 // snapshot and returns an LSN after the commit of every row it saw.
-func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, fn func(*row) error) (replication.LSN, error) {
+func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, rep *Report, fn func(*row) error) (replication.LSN, error) {
 	tx, err := db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
 	if err != nil {
 		return 0, fmt.Errorf("begin snapshot: %w", err)
@@ -405,6 +574,16 @@ func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, fn func(*
 		return 0, fmt.Errorf("parse WAL position %q: %w", lsnText, err)
 	}
 	for _, t := range tables {
+		var noTime int64
+		if err := tx.QueryRow(ctx, fmt.Sprintf("SELECT count(*) FROM %s WHERE %s IS NULL", t.Ident, t.Time)).Scan(&noTime); err != nil {
+			return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
+		}
+		if noTime > 0 {
+			if rep.NoOccurredAt == nil {
+				rep.NoOccurredAt = map[string]int64{}
+			}
+			rep.NoOccurredAt[t.Qualified] = noTime
+		}
 		q := fmt.Sprintf(`SELECT %s::text, %s, %s::text, %s::text, %s FROM %s WHERE %s >= $1 AND %s < $2`,
 			t.EventID, t.aggType, t.aggID, t.version, t.Time, t.Ident, t.Time, t.Time)
 		rs, err := tx.Query(ctx, q, cfg.Since, cfg.Until)
@@ -412,14 +591,17 @@ func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, fn func(*
 			return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
 		}
 		for rs.Next() {
-			var id, aggType string
-			var aggID, version *string
+			var aggType string
+			var id, aggID, version *string
 			var at time.Time
 			if err := rs.Scan(&id, &aggType, &aggID, &version, &at); err != nil {
 				rs.Close()
 				return 0, fmt.Errorf("read %s: %w", t.Qualified, err)
 			}
-			r := &row{ev: Event{Table: t.Qualified, AggregateType: aggType, EventID: id, OccurredAt: at.UTC()}}
+			r := &row{ev: Event{Table: t.Qualified, AggregateType: aggType, OccurredAt: at.UTC()}, noID: id == nil}
+			if id != nil {
+				r.ev.EventID = *id
+			}
 			if aggID != nil {
 				r.ev.AggregateID = *aggID
 			}

@@ -2,9 +2,11 @@ package reconcile_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"sort"
+	"strconv"
 	"testing"
 	"time"
 
@@ -13,11 +15,15 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/cleanup"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/outbox"
+	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
 )
 
 func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
@@ -435,4 +441,309 @@ func equal(a, b []string) bool {
 		}
 	}
 	return true
+}
+
+// setMaxMsgs changes the event stream's max_msgs limit (-1: none).
+func setMaxMsgs(t *testing.T, f *opstest.Fixture, n int64) {
+	t.Helper()
+	ctx := context.Background()
+	s, err := f.JS.Stream(ctx, f.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := info.Config
+	cfg.MaxMsgs = n
+	if _, err := f.JS.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Issue 17, case 5: events the stream's limits removed (max_age,
+// max_msgs) were reported missing and --repair republished them, although
+// consumers may have applied them and pruned their dedup rows since. Rows
+// older than the stream's first stored message are now expired: reported,
+// never repaired; a row lost after it is still missing.
+func TestReconcileReportsEventsExpiredByStreamLimits(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", time.Second)
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	w := f.NewWriter(5)
+	old := w.Write(ctx, 30, 5)
+	f.WaitCount(ctx, f.Stream, 30, 30*time.Second)
+	setMaxMsgs(t, f, 10) // the first 20 events go
+	s, err := f.JS.Stream(ctx, f.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil || info.State.FirstSeq != 21 {
+		t.Fatalf("stream after max_msgs 10: %+v, %v", info.State, err)
+	}
+	// Rows dated a clock-skew margin after the first stored message.
+	const skew = time.Second
+	if !testenv.WaitFor(10*time.Second, func() bool { return time.Now().After(info.State.FirstTime.Add(skew + 100*time.Millisecond)) }) {
+		t.Fatal("clock does not move")
+	}
+	setMaxMsgs(t, f, -1)
+	young := w.Write(ctx, 5, 5)
+	f.WaitCount(ctx, f.Stream, 15, 30*time.Second)
+	lost := map[string]bool{young[2].ID: true}
+	if n := f.DeleteFromStream(ctx, lost); n != 1 {
+		t.Fatalf("deleted %d", n)
+	}
+
+	cfg := config(f, since)
+	cfg.ClockSkew = skew
+	rep := run(t, f, cfg)
+	tot := rep.Total
+	if tot.Rows != 35 || tot.InStream != 14 || tot.Expired != 20 || tot.Missing != 1 || tot.Pending != 0 {
+		t.Fatalf("report %+v, want 14 in stream, 20 expired, 1 missing", tot)
+	}
+	if got, want := ids(rep.Missing), sortedKeys(lost); len(got) != 1 || got[0] != want[0] {
+		t.Errorf("missing %v, want %v", got, want)
+	}
+	expired := map[string]bool{}
+	for _, e := range old[:20] {
+		expired[e.ID] = true
+	}
+	if got, want := ids(rep.Expired), sortedKeys(expired); len(got) != len(want) || got[0] != want[0] {
+		t.Errorf("expired %v, want %v", got, want)
+	}
+	if rep.ExpiredBefore == nil || rep.Differences() != 1 {
+		t.Errorf("expired before %v, differences %d", rep.ExpiredBefore, rep.Differences())
+	}
+	// Repair republishes the lost event only.
+	time.Sleep(1100 * time.Millisecond) // past the 1s duplicate window
+	if rr := repair(t, f, rep.Missing); rr.Published != 1 {
+		t.Fatalf("repair: %+v", rr)
+	}
+	if n := relaytest.StreamCount(ctx, f.JS, f.Stream); n != 15 {
+		t.Errorf("stream holds %d events after the repair, want 15", n)
+	}
+}
+
+// Issue 17, case 6: a row dated ahead of its commit (a writer's clock, a
+// business time) has its event stored before the window's scan starts:
+// reconcile reported it missing and --repair stored a second copy. Run now
+// looks rows not found up by subject, and Repair does so before it
+// publishes.
+func TestReconcileFutureDatedRowIsNotMissing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", time.Second) // a short duplicate window
+	f.Setup(ctx)
+	f.Start(ctx)
+	w := f.NewWriter(3)
+	w.Age = -3 * time.Minute // dated now+3m
+	evs := w.Write(ctx, 3, 3)
+	f.WaitCount(ctx, f.Stream, 3, 30*time.Second)
+	time.Sleep(1100 * time.Millisecond) // past the duplicate window
+
+	now := time.Now()
+	cfg := config(f, now.Add(150*time.Second))
+	cfg.Until = now.Add(4 * time.Minute)
+	rep := run(t, f, cfg)
+	if rep.Total.Rows != 3 || rep.Total.InStream != 3 || rep.Total.Missing != 0 || rep.FoundBySubject != 3 {
+		t.Fatalf("future-dated rows: %+v (found by subject %d), want 3 in stream", rep.Total, rep.FoundBySubject)
+	}
+	// Repair, handed the rows anyway (e.g. from an older report), stores no
+	// second copy.
+	var todo []reconcile.Event
+	for _, e := range evs {
+		todo = append(todo, reconcile.Event{Table: "public.outbox", AggregateType: "registration", AggregateID: e.Aggregate, AggregateVersion: "1", EventID: e.ID})
+	}
+	if rr := repair(t, f, todo); rr.Published != 0 || rr.AlreadyInStream != 3 {
+		t.Fatalf("repair of events in the stream: %+v", rr)
+	}
+	if n := relaytest.StreamCount(ctx, f.JS, f.Stream); n != 3 {
+		t.Fatalf("stream holds %d messages, want 3", n)
+	}
+}
+
+// Issue 17, case 7: with messages: configured, the router has a synthetic
+// table per prefix, and reconcile, cleanup and the relay's reconcile loop
+// failed with "outbox table does not exist: pg_logical_message.outbox".
+// The synthetic tables are skipped where tables are looked up, the report
+// names the prefixes it cannot check, and their events are not unexpected.
+func TestReconcileAndCleanupWithMessagePrefixes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	if reconcile.MessageSchema != relay.MessageSchema {
+		t.Fatalf("reconcile.MessageSchema %q, relay.MessageSchema %q", reconcile.MessageSchema, relay.MessageSchema)
+	}
+	f.Cfg.MessagePrefixes = []string{"outbox"}
+	f.Cfg.Router.Tables = append(f.Cfg.Router.Tables, router.TableConfig{Table: relay.MessageSchema + ".outbox", Subject: f.Prefix + ".msg.{aggregate_id}"})
+	if err := f.Cfg.Router.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	f.NewWriter(2).Write(ctx, 5, 5)
+	tx, err := f.DB.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := outbox.EmitMessage(ctx, tx, "outbox", outbox.Event{AggregateID: "m1", AggregateVersion: 1, Type: "E", Payload: json.RawMessage(`{}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	f.WaitCount(ctx, f.Stream, 6, 30*time.Second)
+
+	rep := run(t, f, config(f, since))
+	if rep.Total.Rows != 5 || rep.Total.InStream != 5 || rep.Differences() != 0 || len(rep.Tableless) != 1 || rep.Tableless[0] != "outbox" {
+		t.Fatalf("report %+v, tableless %q", rep.Total, rep.Tableless)
+	}
+	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Nanosecond, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0))
+	if err != nil || len(crep.Tables) != 1 || crep.Tables[0].Deleted != 5 {
+		t.Fatalf("cleanup: %+v, %v", crep, err)
+	}
+}
+
+// Issue 17, case 10: in a table without NOT NULL on the event id, one row
+// with a NULL id aborted the whole reconcile ("cannot scan NULL into
+// *string"). Such rows are reported (the relay dead-letters them) and the
+// other rows are reconciled.
+func TestReconcileReportsRowsWithoutEventID(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	if _, err := f.DB.Pool.Exec(ctx, "ALTER TABLE outbox ALTER COLUMN event_id DROP NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	f.NewWriter(2).Write(ctx, 4, 2)
+	if _, err := f.DB.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES (NULL, 'registration', 'no-id', 1, 'E', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	f.WaitCount(ctx, f.Stream, 4, 30*time.Second)
+	f.WaitCount(ctx, f.DLQ, 1, 30*time.Second)
+	rep := run(t, f, config(f, since))
+	if rep.Total.Rows != 4 || rep.Total.InStream != 4 || rep.Total.NoEventID != 1 || len(rep.NoEventID) != 1 || rep.NoEventID[0].AggregateID != "no-id" || rep.Differences() != 0 {
+		t.Fatalf("report %+v, rows without id %+v", rep.Total, rep.NoEventID)
+	}
+}
+
+// Issue 17, likely cases: the scans filtered by today's subject templates
+// and skipped events without Outbox-Table. After a template change the
+// older events looked missing (and repair duplicated them); events of a
+// polling relay before a cut-over (no Outbox-Table) were never matched.
+// The streams are now read whole and keyed on Outbox-Table, an event
+// without it matching any table's row with its id; cleanup does the same.
+func TestReconcileAndCleanupAfterTemplateChangeAndWithoutTableHeader(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	f.CreateStreams(ctx)
+	since := time.Now().Add(-time.Minute)
+	w := f.NewWriter(3)
+	w.Age = 2 * time.Hour
+	since = since.Add(-3 * time.Hour)
+	templated := w.Write(ctx, 5, 5)
+	// Stored under the old template, with the relay's headers (a repair
+	// publishes exactly what the relay would).
+	var evs []reconcile.Event
+	for _, e := range templated {
+		evs = append(evs, reconcile.Event{Table: "public.outbox", AggregateType: "registration", AggregateID: e.Aggregate, AggregateVersion: strconv.FormatInt(e.Version, 10), EventID: e.ID})
+	}
+	if rr := repair(t, f, evs); rr.Published != 5 {
+		t.Fatalf("publish: %+v", rr)
+	}
+	// A polling relay's events: the id as Nats-Msg-Id, no Outbox-* headers.
+	polled := w.Write(ctx, 4, 4)
+	for _, e := range polled {
+		m := nats.NewMsg(f.Prefix + ".legacy." + e.Aggregate)
+		m.Header.Set(contract.MsgID, e.ID)
+		m.Data = []byte(e.Payload)
+		if _, err := f.JS.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Today's template differs from the one the events were stored under.
+	f.Cfg.Router.Tables[0].Subject = f.Prefix + ".v2.{aggregate_id}"
+	if err := f.Cfg.Router.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	cfg := config(f, since)
+	cfg.Slot = "" // no relay: what is not found is pending
+	rep := run(t, f, cfg)
+	if rep.Total.Rows != 9 || rep.Total.InStream != 9 || rep.Total.Pending != 0 || rep.Total.Unexpected != 0 {
+		t.Fatalf("report %+v, want all 9 rows in the stream", rep.Total)
+	}
+	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0))
+	if err != nil || crep.Tables[0].Deleted != 9 {
+		t.Fatalf("cleanup: %+v, %v", crep, err)
+	}
+}
+
+func TestSubjectMatches(t *testing.T) {
+	for _, c := range []struct {
+		subject string
+		filters []string
+		want    bool
+	}{
+		{"a.b.c", []string{"a.*.c"}, true},
+		{"a.b.c", []string{"a.>"}, true},
+		{"a.b.c", []string{"a.*"}, false},
+		{"a.b", []string{"a.*.c"}, false},
+		{"a.b.c", []string{"x.>", "a.b.c"}, true},
+		{"a", []string{">"}, true},
+		{"a", []string{"*"}, true},
+		{"a.b", nil, false},
+		{"ab.c", []string{"a.*"}, false},
+	} {
+		if got := reconcile.SubjectMatches(c.subject, c.filters); got != c.want {
+			t.Errorf("SubjectMatches(%q, %q) = %v, want %v", c.subject, c.filters, got, c.want)
+		}
+	}
+}
+
+// Issue 17, likely cases: two rows with one event id (a partitioned
+// table's unique constraints hold per partition only; here the constraint
+// is dropped) gave a false "ok": keyed by id, one row replaced the other
+// and the one stored event vouched for both. Rows with a NULL occurred_at
+// are never selected. Both are now reported.
+func TestReconcileReportsSharedIDsAndRowsWithoutTime(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	if _, err := f.DB.Pool.Exec(ctx, "ALTER TABLE outbox DROP CONSTRAINT outbox_event_id_key, ALTER COLUMN occurred_at DROP NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	f.Setup(ctx)
+	f.Start(ctx)
+	since := time.Now().Add(-time.Minute)
+	evs := f.NewWriter(2).Write(ctx, 3, 3)
+	for _, q := range []string{
+		`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'registration', 'twin', 1, 'E', '{}')`,
+		`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, occurred_at) VALUES (gen_random_uuid(), 'registration', 'timeless', 1, 'E', '{}', NULL) RETURNING $1::text`,
+	} {
+		if _, err := f.DB.Pool.Exec(ctx, q, evs[0].ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.WaitCount(ctx, f.Stream, 3, 30*time.Second) // the twin is a duplicate
+	rep := run(t, f, config(f, since))
+	if rep.Total.Rows != 3 || rep.Total.InStream != 3 || rep.Total.SharedID != 1 || len(rep.SharedID) != 1 || rep.Differences() != 1 {
+		t.Fatalf("report %+v, shared %+v", rep.Total, rep.SharedID)
+	}
+	if rep.NoOccurredAt["public.outbox"] != 1 {
+		t.Errorf("rows without occurred_at: %v", rep.NoOccurredAt)
+	}
+	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour})
+	if err != nil || crep.Tables[0].NoOccurredAt != 1 {
+		t.Fatalf("cleanup: %+v, %v", crep, err)
+	}
 }

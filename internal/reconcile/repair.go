@@ -64,6 +64,10 @@ type RepairReport struct {
 	Duplicates int `json:"duplicates"`
 	// Gone is the events whose row was deleted since reconcile read it.
 	Gone int `json:"gone"`
+	// AlreadyInStream is the events not republished because a look-up of
+	// their subjects found them in the stream (stored before the window the
+	// reconcile scan read, e.g. a row dated ahead of its commit).
+	AlreadyInStream int `json:"already_in_stream"`
 	// Failed lists the events not republished, and the later events of
 	// their aggregates, which are held back to keep the order.
 	Failed []RepairFailure `json:"failed"`
@@ -151,75 +155,44 @@ type routed struct {
 }
 
 // chunk reads the rows of evs (all of table t), routes them in order and
-// publishes them, one aggregate per worker at a time.
+// publishes those the stream does not hold yet, one aggregate per worker
+// at a time.
 func (rp *repairer) chunk(ctx context.Context, t *Table, evs []Event) error {
-	cols := make([]string, len(t.Relation.Columns))
-	for i, c := range t.Relation.Columns {
-		cols[i] = quoteIdent(c.Name) + "::text"
-	}
-	ids := make([]string, 0, len(evs))
-	for _, ev := range evs {
-		if t.ValidID(ev.EventID) {
-			ids = append(ids, ev.EventID)
-		}
-	}
-	q := fmt.Sprintf("SELECT %s FROM %s WHERE %s", strings.Join(cols, ", "), t.Ident, t.IDIn("$1"))
-	rs, err := rp.db.Query(ctx, q, ids)
-	if err != nil {
-		return fmt.Errorf("read rows of %s: %w", t.Qualified, err)
-	}
-	idIdx := t.Relation.ColumnIndex(t.Config.Columns.EventID)
-	byID := make(map[string][]replication.Value, len(ids))
-	for rs.Next() {
-		texts := make([]*string, len(cols))
-		dst := make([]any, len(cols))
-		for i := range texts {
-			dst[i] = &texts[i]
-		}
-		if err := rs.Scan(dst...); err != nil {
-			rs.Close()
-			return fmt.Errorf("read rows of %s: %w", t.Qualified, err)
-		}
-		vals := make([]replication.Value, len(cols))
-		for i, s := range texts {
-			if s == nil {
-				vals[i] = replication.Value{Kind: replication.ValueNull}
-			} else {
-				vals[i] = replication.Value{Kind: replication.ValueText, Data: []byte(*s)}
-			}
-		}
-		if texts[idIdx] != nil {
-			byID[*texts[idIdx]] = vals
-		}
-	}
-	if err := rs.Err(); err != nil {
-		return fmt.Errorf("read rows of %s: %w", t.Qualified, err)
-	}
-
-	// Route in order on this goroutine (the router is not safe for
-	// concurrent use), then publish each aggregate's events in order.
-	queues := make([][]routed, rp.cfg.Workers)
-	for _, ev := range evs {
-		vals, ok := byID[ev.EventID]
-		if !ok {
+	rs, err := routeRows(ctx, rp.db, t, rp.rt, evs, func(ev Event, reason string) {
+		if reason == "" {
 			rp.mu.Lock()
 			rp.rep.Gone++
 			rp.mu.Unlock()
+			return
+		}
+		rp.fail(ev, aggKey(ev), reason)
+	})
+	if err != nil {
+		return err
+	}
+	// The scan that reported these events missing read the stream by
+	// storage time from the window's start; an event stored earlier (its
+	// row dated ahead of its commit) is not missing. Look each subject up
+	// once more before storing a second copy.
+	stored, err := inStream(ctx, rp.js, rp.cfg.Stream, rs)
+	if err != nil {
+		return err
+	}
+	queues := make([][]routed, rp.cfg.Workers)
+	for _, r := range rs {
+		if stored[r.ev.EventID] {
+			rp.mu.Lock()
+			rp.rep.AlreadyInStream++
+			rp.mu.Unlock()
 			continue
 		}
-		ins := &replication.Insert{Relation: t.Relation, Values: vals}
-		m, err := rp.rt.Route(ins, router.CommitInfo{})
-		if err != nil {
-			rp.fail(ev, aggKey(ev), "cannot route the row: "+err.Error())
-			continue
-		}
-		m.Header.Del(contract.CommitLSN)
-		m.Header.Del(contract.CommitTime)
-		m.Header.Set(RepairedAtHeader, rp.repairedAt)
+		r.msg.Header.Del(contract.CommitLSN)
+		r.msg.Header.Del(contract.CommitTime)
+		r.msg.Header.Set(RepairedAtHeader, rp.repairedAt)
 		h := fnv.New32a()
-		_, _ = h.Write([]byte(aggKey(ev)))
+		_, _ = h.Write([]byte(aggKey(r.ev)))
 		w := int(h.Sum32() % uint32(rp.cfg.Workers))
-		queues[w] = append(queues[w], routed{ev: ev, msg: m})
+		queues[w] = append(queues[w], r)
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	for _, q := range queues {
@@ -236,6 +209,105 @@ func (rp *repairer) chunk(ctx context.Context, t *Table, evs []Event) error {
 		})
 	}
 	return g.Wait()
+}
+
+// routeRows reads the rows of evs (all of table t) and routes them, in the
+// order of evs, as the relay would. An event whose row is gone is passed to
+// skip with an empty reason, one that cannot be routed with the reason.
+// The router is not safe for concurrent use: call it from one goroutine.
+func routeRows(ctx context.Context, db DB, t *Table, rt *router.Router, evs []Event, skip func(ev Event, reason string)) ([]routed, error) {
+	cols := make([]string, len(t.Relation.Columns))
+	for i, c := range t.Relation.Columns {
+		cols[i] = quoteIdent(c.Name) + "::text"
+	}
+	ids := make([]string, 0, len(evs))
+	for _, ev := range evs {
+		if t.ValidID(ev.EventID) {
+			ids = append(ids, ev.EventID)
+		}
+	}
+	q := fmt.Sprintf("SELECT %s FROM %s WHERE %s", strings.Join(cols, ", "), t.Ident, t.IDIn("$1"))
+	rs, err := db.Query(ctx, q, ids)
+	if err != nil {
+		return nil, fmt.Errorf("read rows of %s: %w", t.Qualified, err)
+	}
+	idIdx := t.Relation.ColumnIndex(t.Config.Columns.EventID)
+	byID := make(map[string][]replication.Value, len(ids))
+	for rs.Next() {
+		texts := make([]*string, len(cols))
+		dst := make([]any, len(cols))
+		for i := range texts {
+			dst[i] = &texts[i]
+		}
+		if err := rs.Scan(dst...); err != nil {
+			rs.Close()
+			return nil, fmt.Errorf("read rows of %s: %w", t.Qualified, err)
+		}
+		vals := make([]replication.Value, len(cols))
+		for i, s := range texts {
+			if s == nil {
+				vals[i] = replication.Value{Kind: replication.ValueNull}
+			} else {
+				vals[i] = replication.Value{Kind: replication.ValueText, Data: []byte(*s)}
+			}
+		}
+		if texts[idIdx] != nil {
+			byID[*texts[idIdx]] = vals
+		}
+	}
+	if err := rs.Err(); err != nil {
+		return nil, fmt.Errorf("read rows of %s: %w", t.Qualified, err)
+	}
+	out := make([]routed, 0, len(evs))
+	for _, ev := range evs {
+		vals, ok := byID[ev.EventID]
+		if !ok {
+			skip(ev, "")
+			continue
+		}
+		m, err := rt.Route(&replication.Insert{Relation: t.Relation, Values: vals}, router.CommitInfo{})
+		if err != nil {
+			skip(ev, "cannot route the row: "+err.Error())
+			continue
+		}
+		out = append(out, routed{ev: ev, msg: m})
+	}
+	return out, nil
+}
+
+// subjectLookup is how many subjects one lookup consumer filters on.
+const subjectLookup = 256
+
+// inStream returns the event ids of rs that the stream holds, by reading
+// the headers of every message on their subjects (the stream's subject
+// index makes this cheap for per-aggregate subjects, whatever the age of
+// the messages).
+func inStream(ctx context.Context, js jetstream.JetStream, stream string, rs []routed) (map[string]bool, error) {
+	want := make(map[string]bool, len(rs))
+	var subjects []string
+	seen := map[string]bool{}
+	for _, r := range rs {
+		want[r.ev.EventID] = true
+		if !seen[r.msg.Subject] {
+			seen[r.msg.Subject] = true
+			subjects = append(subjects, r.msg.Subject)
+		}
+	}
+	found := map[string]bool{}
+	for len(subjects) > 0 {
+		n := min(len(subjects), subjectLookup)
+		_, err := ScanStream(ctx, js, stream, subjects[:n], ScanFrom{}, func(ev *StreamEvent) error {
+			if want[ev.EventID] {
+				found[ev.EventID] = true
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, fmt.Errorf("look up the events' subjects: %w", err)
+		}
+		subjects = subjects[n:]
+	}
+	return found, nil
 }
 
 // publish sends one event unless an earlier event of its aggregate failed.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -46,6 +47,27 @@ type ScanResult struct {
 	// covered everything up to it, and a later scan of the tail starts
 	// after it.
 	LastSeq uint64
+	// FirstSeq and FirstTime are the stream's first stored message when
+	// the scan began, LastTime its last one's storage time. FirstSeq above
+	// 1 means messages were removed from the stream's head (max_age,
+	// max_msgs, max_bytes, a purge).
+	FirstSeq            uint64
+	FirstTime, LastTime time.Time
+}
+
+// ExpiredBefore returns the occurred-at time before which an event may
+// have been removed from the stream's head by its limits (zero when
+// nothing was removed): events are stored after their row committed, so
+// an event of a row dated skew or more after the first stored message
+// cannot have been stored before it.
+func (r ScanResult) ExpiredBefore(skew time.Duration) time.Time {
+	switch {
+	case r.FirstSeq <= 1:
+		return time.Time{}
+	case r.FirstSeq > r.LastSeq: // everything stored was removed
+		return r.LastTime.Add(skew)
+	}
+	return r.FirstTime.Add(skew)
 }
 
 // ScanStream calls fn for every message of stream matching filters (all when
@@ -64,6 +86,7 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 	}
 	last := info.State.LastSeq
 	res.LastSeq = last
+	res.FirstSeq, res.FirstTime, res.LastTime = info.State.FirstSeq, info.State.FirstTime, info.State.LastTime
 	if info.State.Msgs == 0 || last == 0 || (from.Seq > 0 && from.Seq > last) {
 		return res, nil
 	}
@@ -171,5 +194,32 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 				return res, nil
 			}
 		}
+	}
+}
+
+// SubjectMatches reports whether subject matches one of the filters (NATS
+// wildcards: '*' one token, '>' the rest).
+func SubjectMatches(subject string, filters []string) bool {
+	for _, f := range filters {
+		if subjectMatch(subject, f) {
+			return true
+		}
+	}
+	return false
+}
+
+func subjectMatch(subject, filter string) bool {
+	for {
+		ft, frest, fmore := strings.Cut(filter, ".")
+		st, srest, smore := strings.Cut(subject, ".")
+		switch {
+		case ft == ">":
+			return true
+		case ft != "*" && ft != st:
+			return false
+		case !fmore || !smore:
+			return fmore == smore
+		}
+		filter, subject = frest, srest
 	}
 }
