@@ -133,6 +133,15 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 	if err != nil {
 		return nil, fmt.Errorf("register consumer metrics: %w", err)
 	}
+	// The labelled counters the alerts use start at 0 for every class, so
+	// increase() sees the first retry or dead letter (a series that
+	// appears at 1 has no increase).
+	for _, c := range []Class{ClassTransient, ClassUnknown} {
+		v.retries.WithLabelValues(name, string(c))
+	}
+	for _, c := range []Class{ClassTransient, ClassPermanent, ClassUnknown, ClassConflict, ClassGap} {
+		v.deadLettered.WithLabelValues(name, owner, string(c))
+	}
 	return &metrics{
 		vecs:     v,
 		name:     name,

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outbox-relay/outbox-relay/contract"
 )
@@ -165,5 +166,26 @@ func TestFailedBeginClass(t *testing.T) {
 		if got := failedBegin(tc.err); got.kind != resFailed || got.class != tc.want {
 			t.Errorf("%s: failedBegin = %v %s, want %s", tc.name, got.kind, got.class, tc.want)
 		}
+	}
+}
+
+// The labelled counters the alerts use are exported at 0 before their
+// first increment.
+func TestMetricsStartAtZero(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	if _, err := newMetrics(reg, "svc", "team"); err != nil {
+		t.Fatal(err)
+	}
+	fams, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	series := map[string]int{}
+	for _, f := range fams {
+		series[f.GetName()] = len(f.GetMetric())
+	}
+	if series["outbox_consumer_retries_total"] != 2 || series["outbox_consumer_dead_lettered_total"] != 5 {
+		t.Errorf("series before any increment: retries %d, dead letters %d; want 2 and 5",
+			series["outbox_consumer_retries_total"], series["outbox_consumer_dead_lettered_total"])
 	}
 }
