@@ -236,6 +236,10 @@ func TestRefusedValues(t *testing.T) {
 		{"created secret without a URL", "secrets:\n  create: true\n", "secrets.postgresUrl is empty"},
 		{"no PostgreSQL URL key", "secrets:\n  postgresUrlKey: \"\"\n", "secrets.postgresUrlKey is required"},
 		{"two NATS authentications", "secrets:\n  natsPasswordKey: p\n  natsCredentialsKey: c\n", "at most one NATS authentication method"},
+		// values.schema.json: a misspelt value is refused, not ignored.
+		{"misspelt value", "replicas: 3\n", "replicas"},
+		{"misspelt secret value", "secrets:\n  existingSecrets: relay\n", "existingSecrets"},
+		{"probe path without a slash", "readinessProbe:\n  path: readyz\n", "/readinessProbe/path"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := render(t, tc.values)
