@@ -195,6 +195,18 @@ func TestExistingSecretAndCustomConfig(t *testing.T) {
 	}
 }
 
+// TestSingleReplica: one replica has no standby, and a budget of one
+// available pod would block every drain, so none is rendered.
+func TestSingleReplica(t *testing.T) {
+	m := mustRender(t, "replicaCount: 1\n")
+	if m.pdb != nil {
+		t.Errorf("replicaCount 1: rendered a PodDisruptionBudget %+v", m.pdb.Spec)
+	}
+	if got := *m.deployment.Spec.Replicas; got != 1 {
+		t.Errorf("replicas %d, want 1", got)
+	}
+}
+
 func TestCreatedSecret(t *testing.T) {
 	m := mustRender(t, createdSecretValues)
 	checkPair(t, m)
