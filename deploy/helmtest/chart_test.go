@@ -246,6 +246,7 @@ func TestRefusedValues(t *testing.T) {
 		{"another listen address", "config:\n  http:\n    listen: 127.0.0.1:9187\n", "config.http.listen is set by the chart"},
 		{"created and existing secret", "secrets:\n  create: true\n  existingSecret: x\n  postgresUrl: postgres://h/db\n", "secrets.create and secrets.existingSecret are exclusive"},
 		{"created secret without a URL", "secrets:\n  create: true\n", "secrets.postgresUrl is empty"},
+		{"created secret without a named value", "secrets:\n  create: true\n  postgresUrl: postgres://h/db\n  natsPasswordKey: p\n", "secrets.natsPasswordKey is set, but secrets.natsPassword is empty"},
 		{"no PostgreSQL URL key", "secrets:\n  postgresUrlKey: \"\"\n", "secrets.postgresUrlKey is required"},
 		{"two NATS authentications", "secrets:\n  natsPasswordKey: p\n  natsCredentialsKey: c\n", "at most one NATS authentication method"},
 		// values.schema.json: a misspelt value is refused, not ignored.
