@@ -25,20 +25,28 @@ import (
 
 var (
 	relayOnce sync.Once
+	relayDir  string // created and removed by TestMain
 	relayBin  string
 	relayErr  error
 )
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "helmtest-relay")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	relayDir = dir
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
 
 // relayBinary builds cmd/outbox-relay once per test run.
 func relayBinary(t *testing.T) string {
 	t.Helper()
 	relayOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "helmtest-relay")
-		if err != nil {
-			relayErr = err
-			return
-		}
-		relayBin = filepath.Join(dir, "outbox-relay")
+		relayBin = filepath.Join(relayDir, "outbox-relay")
 		cmd := exec.Command("go", "build", "-o", relayBin, "./cmd/outbox-relay")
 		cmd.Dir = "../.."
 		if out, err := cmd.CombinedOutput(); err != nil {
