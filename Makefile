@@ -5,7 +5,7 @@ PKGS     ?= ./...
 PG_BIN   := $(firstword $(dir $(shell command -v initdb 2>/dev/null)) $(wildcard /usr/lib/postgresql/*/bin/))
 STATICCHECK := $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build test test-pg17 pg17-root test-short vet lint demo bench fuzz postgres clean
+.PHONY: all build test test-pg17 pg17-root test-short test-deploy helm-rules vet lint demo bench fuzz postgres clean
 
 all: build
 
@@ -26,8 +26,9 @@ lint: vet
 	@if [ -x "$(STATICCHECK)" ]; then $(STATICCHECK) $(PKGS); else echo "staticcheck not installed (go install honnef.co/go/tools/cmd/staticcheck@latest): skipped"; fi
 
 # test runs vet and the whole suite with the race detector against a private
-# PostgreSQL cluster and an embedded NATS server (see internal/testenv).
-test: postgres vet
+# PostgreSQL cluster and an embedded NATS server (see internal/testenv), and
+# the Helm chart's checks (test-deploy).
+test: postgres vet test-deploy
 	$(GO) test -race -count=1 -timeout 25m $(PKGS)
 
 # test-pg17 is CI's PostgreSQL 17 lane: every package whose tests talk to
@@ -44,6 +45,18 @@ test-pg17: vet pg17-root
 
 pg17-root:
 	scripts/pg17-root.sh prepare
+
+# test-deploy renders the Helm chart (deploy/helm/outbox-relay) with Helm's
+# Go library and checks every object; a module of its own (deploy/helmtest),
+# so Helm and the Kubernetes types stay out of the relay's go.mod.
+test-deploy:
+	cd deploy/helmtest && $(GO) vet ./... && $(GO) test -count=1 -timeout 5m ./...
+
+# helm-rules copies the alert rules into the chart, which can embed only its
+# own files: deploy/prometheus/alerts.yml stays the one source, and
+# test-deploy fails when the copy differs.
+helm-rules:
+	cp deploy/prometheus/alerts.yml deploy/helm/outbox-relay/files/alerts.yml
 
 test-short: vet
 	$(GO) test -short -count=1 $(PKGS)
