@@ -20,14 +20,16 @@ func newDLQCmd(g *globals) *cobra.Command {
 		User:                os.Getenv("USER"),
 		ConsumerDatabaseURL: os.Getenv("OUTBOX_RELAY_DLQ_CONSUMER_DB"),
 		ConnectNATS: func(ctx context.Context) (*nats.Conn, error) {
-			cfg, err := g.load()
+			// The relay's dead letters need only the NATS keys: postgres.url
+			// and tables may be left out (no -c at all, say).
+			cfg, err := g.loadOnly("nats.")
 			if err != nil {
 				return nil, err
 			}
 			return connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay dlq")
 		},
 		RelayTarget: func() (dlq.RelayTarget, error) {
-			cfg, err := g.load()
+			cfg, err := g.loadOnly("nats.")
 			if err != nil {
 				return dlq.RelayTarget{}, err
 			}

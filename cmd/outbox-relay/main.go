@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -101,6 +102,42 @@ func (g *globals) load() (config.Config, error) {
 		}
 	}
 	return cfg, err
+}
+
+// loadOnly loads the configuration for a command that uses only the keys
+// under the given prefixes (e.g. "nats."): invalid or missing keys
+// elsewhere, such as postgres.url or tables, are no reason to refuse it.
+func (g *globals) loadOnly(prefixes ...string) (config.Config, error) {
+	cfg, err := g.load()
+	if err == nil {
+		return cfg, nil
+	}
+	var joined interface{ Unwrap() []error }
+	if !errors.As(err, &joined) {
+		return cfg, onlyConcerning(err, prefixes)
+	}
+	var keep []error
+	for _, e := range joined.Unwrap() {
+		if e = onlyConcerning(e, prefixes); e != nil {
+			keep = append(keep, e)
+		}
+	}
+	return cfg, errors.Join(keep...)
+}
+
+// onlyConcerning returns err unless it is a configuration error of a key
+// outside prefixes.
+func onlyConcerning(err error, prefixes []string) error {
+	var ce *config.Error
+	if !errors.As(err, &ce) {
+		return err
+	}
+	for _, p := range prefixes {
+		if strings.HasPrefix(ce.Path, p) {
+			return err
+		}
+	}
+	return nil
 }
 
 func newVersionCmd() *cobra.Command {

@@ -82,8 +82,9 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 	}
 	g.Go(func() error {
 		err := startAndRun(gctx, cfg, log, obs, reg, &rlp, &ncp, &ready)
-		if err == nil {
-			// Stop the HTTP server too when the relay returns on shutdown.
+		if err == nil || gctx.Err() != nil && errors.Is(err, gctx.Err()) {
+			// Done, or stopped while still waiting for a server: stop the
+			// HTTP server too.
 			return context.Canceled
 		}
 		log.Error("relay stopped", zap.Error(err))

@@ -287,3 +287,25 @@ func TestReadyzStandby(t *testing.T) {
 		t.Fatal("the standby did not take over within 30s")
 	}
 }
+
+// A stop while `run` still waits for a server is a clean exit: no error
+// logged, nil returned (it logged "relay stopped: context canceled").
+func TestStopWhileWaitingForServers(t *testing.T) {
+	t.Parallel()
+	f := newOpsFixture(t)
+	f.ns.Stop()
+	core, logs := observer.New(zap.InfoLevel)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, f.cfg, zap.New(core)) }()
+	if !testenv.WaitFor(10*time.Second, func() bool { return f.get("/healthz") == http.StatusOK }) {
+		t.Fatal("/healthz not served while NATS is down")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("run = %v, want nil", err)
+	}
+	for _, e := range logs.FilterLevelExact(zap.ErrorLevel).All() {
+		t.Errorf("error logged: %s %v", e.Message, e.ContextMap())
+	}
+}
