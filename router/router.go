@@ -32,9 +32,12 @@ type Message struct {
 	Key string
 	// Table is the row's schema-qualified table.
 	Table string
-	// LSN is the row's change LSN; DeadLetterMessage derives the record's
-	// de-duplication id from it.
-	LSN replication.LSN
+	// LSN and Ordinal are the row's change LSN and its position among the
+	// changes sharing it (replication.Insert); DeadLetterMessage derives
+	// the record's de-duplication id from them when the event id cannot
+	// serve.
+	LSN     replication.LSN
+	Ordinal uint32
 	// Commit is the commit of the transaction that inserted the row.
 	Commit CommitInfo
 	// HeaderLen is the encoded size of Header on the wire ("NATS/1.0"
@@ -490,6 +493,7 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 		Key:       s[off[partKey]:off[partEventID]],
 		Table:     rule.qualified,
 		LSN:       ins.LSN,
+		Ordinal:   ins.Ordinal,
 		Commit:    commit,
 		HeaderLen: hdrLen,
 		vals:      vals,
