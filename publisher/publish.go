@@ -602,6 +602,43 @@ func (p *Publisher) checkNoStream(ctx context.Context, pd *pending) {
 	}()
 }
 
+// Stuck describes the oldest unsettled message of a publisher: with
+// messages handed over in commit order, it is the one holding the
+// watermark.
+type Stuck struct {
+	Key      string // the message's ordering key, "" for a dead-letter record
+	Subject  string // the subject of its current attempt
+	Since    time.Time
+	Attempts int
+}
+
+// Oldest returns the oldest message in flight or waiting to retry, and
+// false when there is none. It walks the window (at most MaxInFlight
+// messages): call it on a timer, not per message.
+func (p *Publisher) Oldest() (Stuck, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var old *pending
+	consider := func(pd *pending) {
+		if old == nil || pd.first.Before(old.first) {
+			old = pd
+		}
+	}
+	for _, pd := range p.inflight {
+		consider(pd)
+	}
+	for _, pd := range p.retries {
+		consider(pd)
+	}
+	for pd := range p.checking {
+		consider(pd)
+	}
+	if old == nil {
+		return Stuck{}, false
+	}
+	return Stuck{Key: old.m.Key, Subject: old.cur.Subject, Since: old.first, Attempts: old.attempts}, true
+}
+
 // Close unsubscribes from acks. Unsettled messages stay unsettled: the
 // watermark never passes them, so they are re-sent after a restart.
 func (p *Publisher) Close() error {

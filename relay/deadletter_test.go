@@ -13,6 +13,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/router"
 )
 
 // Regression (issue 16, case 1): COPY writes many tuples in one WAL record,
@@ -86,5 +87,39 @@ func TestRelayDeadLettersEveryCopiedRow(t *testing.T) {
 	}
 	if len(dl) != want || len(ids) != want {
 		t.Fatalf("%d dead-letter records with %d ids, want %d: %v", len(dl), len(ids), want, ids)
+	}
+}
+
+// Regression (issue 16, case 2): a row whose header block exceeds
+// JetStream's 64 KiB limit (a 70 KB event type, well within max_payload)
+// was refused by the broker with an error taken as transient: in batches
+// nothing after it was stored, per aggregate everything after it was
+// stored but the watermark never passed it. It is dead-lettered, and the
+// slot confirms past everything.
+func TestRelayDeadLettersHugeHeaders(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"on", "off"} {
+		t.Run("batch_publish "+mode, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			f := newFixture(t, "")
+			f.Cfg.BatchPublish = mode
+			f.Setup(ctx)
+			f.start(ctx)
+			if _, err := f.DB.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_id, aggregate_version, event_type, payload)
+				VALUES (gen_random_uuid(), 'huge', 1, repeat('x', 70000), '{}')`); err != nil {
+				t.Fatal(err)
+			}
+			evs := relaytest.Write(ctx, t, f.DB.Pool, relaytest.Load{Events: 300, Aggregates: 10})
+			f.WaitCount(ctx, f.Stream, uint64(len(evs)), 30*time.Second)
+			f.WaitCount(ctx, f.DLQ, 1, 30*time.Second)
+			dl := relaytest.ReadStream(ctx, t, f.JS, f.DLQ)
+			if c := dl[0].Headers[contract.DLQReasonClass][0]; c != router.ClassHeaderTooLarge {
+				t.Fatalf("reason class %q", c)
+			}
+			if !testenv.WaitFor(10*time.Second, func() bool { return f.slot(ctx).LagBytes == 0 }) {
+				t.Fatalf("slot lag %d", f.slot(ctx).LagBytes)
+			}
+		})
 	}
 }

@@ -42,7 +42,29 @@ type Config struct {
 	// ReconnectMin and ReconnectMax bound the backoff between attempts to
 	// (re)start streaming. Defaults 500ms and 30s.
 	ReconnectMin, ReconnectMax time.Duration
+	// MaxUnsettledTxs and MaxUnsettledBytes bound the tail behind the
+	// watermark: transactions read and not yet confirmable, and the WAL
+	// from the watermark to the newest of them. At either bound the
+	// pipeline stops reading the WAL until the watermark moves. Without
+	// it, one message held on one key (a dead-letter stream that is
+	// missing, a per-subject limit with discard new) lets everything
+	// behind it be published while nothing is confirmed, and the tracker,
+	// the WAL the slot retains and what a restart re-sends (perhaps after
+	// the duplicate window) grow without limit. Defaults 100,000 and 1 GiB.
+	MaxUnsettledTxs   int
+	MaxUnsettledBytes int64
+	// StallWarning is how long the watermark may stand still with messages
+	// unsettled before the relay logs the message holding it and reports
+	// it in WatermarkStall. Default 1m.
+	StallWarning time.Duration
 }
+
+// Defaults of the bounds on the unsettled tail.
+const (
+	DefaultMaxUnsettledTxs   = 100_000
+	DefaultMaxUnsettledBytes = 1 << 30
+	DefaultStallWarning      = time.Minute
+)
 
 // Relay streams an outbox to JetStream.
 type Relay struct {
@@ -65,6 +87,10 @@ type Relay struct {
 	tracker atomic.Pointer[publisher.Tracker]
 	ready   func(bool)
 	durable atomic.Int32 // 1 when the event stream's acks are durable, 0 when not, -1 unknown
+	// paused is set while the pipeline waits for the unsettled tail to
+	// shrink below its bounds; stall is the watcher's latest verdict.
+	paused atomic.Bool
+	stall  atomic.Pointer[Stall]
 }
 
 // Option configures a Relay.
@@ -92,6 +118,15 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	}
 	if len(cfg.MessagePrefixes) > 0 {
 		cfg.Replication.Messages = true
+	}
+	if cfg.MaxUnsettledTxs <= 0 {
+		cfg.MaxUnsettledTxs = DefaultMaxUnsettledTxs
+	}
+	if cfg.MaxUnsettledBytes <= 0 {
+		cfg.MaxUnsettledBytes = DefaultMaxUnsettledBytes
+	}
+	if cfg.StallWarning <= 0 {
+		cfg.StallWarning = DefaultStallWarning
 	}
 	r := &Relay{cfg: cfg, nc: nc, log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
 	r.durable.Store(-1)
@@ -194,6 +229,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	if r.batch != nil {
 		g.Go(func() error { return r.batch.Run(pubCtx) })
 	}
+	g.Go(func() error { r.watchStall(pubCtx); return nil })
 	err := r.stream(ctx)
 	stopPub()
 	_ = g.Wait()
@@ -338,6 +374,8 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	if err != nil {
 		return false, err
 	}
+	// The unsettled WAL is measured from here, not from 0/0.
+	tracker.Raise(st.StartLSN())
 	r.ready(true)
 	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
 	err = p.run(ctx)

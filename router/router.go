@@ -238,6 +238,11 @@ var fixedHdrLen = hdrOverhead +
 	hdrLineLen(contract.CommitLSN, 0) + hdrLineLen(contract.CommitTime, 0) +
 	hdrLineLen(contract.Table, 0) + hdrLineLen(contract.ContentType, len(contract.JSONContentType))
 
+// MaxHeaderBytes is the largest header block JetStream stores: a longer
+// one is refused for good (error 10097, "header size exceeds maximum
+// allowed of 64k"), even when the message is within max_payload.
+const MaxHeaderBytes = 1<<16 - 1
+
 // Offsets of the parts of Route's scratch buffer, which becomes one string.
 const (
 	partSubject = iota
@@ -379,6 +384,17 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 			Subject: string(rule.tmpl.render(nil, &phv)),
 			Reason: fmt.Sprintf("the message would be %d bytes (payload %d + headers %d), over the NATS max payload %d (make the event smaller or raise max_payload)",
 				total, len(payload), hdrLen, r.maxPayload),
+		}
+	}
+	if hdrLen > MaxHeaderBytes {
+		// Checked here, not left to the broker: a message it refuses
+		// would hold its key (and, in a batch, the whole stream) until it
+		// is dead-lettered.
+		return nil, &RouteError{
+			Table: rule.qualified, Class: ClassHeaderTooLarge, EventID: rd.eventIDString(),
+			Subject: string(rule.tmpl.render(nil, &phv)),
+			Reason: fmt.Sprintf("the headers would be %d bytes, over JetStream's limit of %d (shorten the event type, event id or mapped header columns)",
+				hdrLen, MaxHeaderBytes),
 		}
 	}
 

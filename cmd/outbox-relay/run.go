@@ -81,6 +81,24 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 			return 0
 		},
 		StreamDurable: func() float64 { return float64(rl.StreamDurable()) },
+		UnsettledTxs: func() float64 {
+			txs, _ := rl.Tracker().Unsettled()
+			return float64(txs)
+		},
+		UnsettledWALBytes: func() float64 {
+			_, b := rl.Tracker().Unsettled()
+			return float64(b)
+		},
+		IntakePaused: func() float64 {
+			if rl.IntakePaused() {
+				return 1
+			}
+			return 0
+		},
+		Stall: func() metrics.Stall {
+			st := rl.WatermarkStall()
+			return metrics.Stall{Seconds: st.For.Seconds(), Key: st.Blocker.Key, Subject: st.Blocker.Subject}
+		},
 	})
 	rl, err = relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(ready.Store))
 	if err != nil {
