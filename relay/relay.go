@@ -91,6 +91,8 @@ type Relay struct {
 	// shrink below its bounds; stall is the watcher's latest verdict.
 	paused atomic.Bool
 	stall  atomic.Pointer[Stall]
+	// backfillIncomplete is set when the slot's backfill was interrupted.
+	backfillIncomplete atomic.Bool
 }
 
 // Option configures a Relay.
@@ -329,7 +331,7 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 		attempt++
 		wait := backoff(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt)
-		if errors.Is(err, replication.ErrSlotInUse) {
+		if errors.Is(err, replication.ErrSlotInUse) || errors.Is(err, replication.ErrBackfillInProgress) {
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
 			r.log.Info("slot in use by another instance; standing by", zap.Duration("retry_in", wait), zap.Error(err))
@@ -344,6 +346,23 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 	}
 }
+
+// open starts streaming from the slot once no backfill of it is running or
+// unfinished: a standby must not overtake a backfill (the walsender lets go
+// of a new slot while its snapshot is still being published), and nobody
+// may stream past an interrupted one.
+func (r *Relay) open(ctx context.Context, tracker *publisher.Tracker) (*replication.Stream, error) {
+	_, err := replication.CheckBackfill(ctx, r.cfg.Replication)
+	r.backfillIncomplete.Store(errors.Is(err, replication.ErrBackfillIncomplete))
+	if err != nil {
+		return nil, err
+	}
+	return replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
+}
+
+// BackfillIncomplete reports whether the relay found the slot's backfill
+// interrupted (and so refuses to stream from it).
+func (r *Relay) BackfillIncomplete() bool { return r.backfillIncomplete.Load() }
 
 func backoff(minD, maxD time.Duration, attempt int) time.Duration {
 	d := minD
@@ -369,7 +388,7 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 		openTimeout = 30 * time.Second
 	}
 	octx, cancel := context.WithTimeout(ctx, openTimeout)
-	st, err := replication.Open(octx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
+	st, err := r.open(octx, tracker)
 	cancel()
 	if err != nil {
 		return false, err

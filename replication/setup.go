@@ -106,7 +106,9 @@ func DropSlot(ctx context.Context, cfg Config) (bool, error) {
 	if _, err := conn.Exec(ctx, "SELECT pg_drop_replication_slot($1)", cfg.Slot); err != nil {
 		return false, fmt.Errorf("drop slot %q: %w", cfg.Slot, err)
 	}
-	return true, nil
+	// A record of an interrupted backfill belonged to the dropped slot; a
+	// slot created later without a backfill must not be refused for it.
+	return true, forgetBackfill(ctx, conn, cfg)
 }
 
 // Status reads the slot's row of pg_replication_slots.

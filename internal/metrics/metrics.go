@@ -37,6 +37,9 @@ type Gauges struct {
 	// unsettled (0 when it moves) and, once the relay has named it, the
 	// message holding it.
 	Stall func() Stall
+	// BackfillIncomplete is 1 when the relay found the slot's backfill
+	// interrupted and refuses to stream from it.
+	BackfillIncomplete func() float64
 }
 
 // Stall is the watermark standing still behind one message.
@@ -90,6 +93,7 @@ func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
 	gauge("outbox_relay_unsettled_transactions", "Transactions read from the WAL and not yet confirmable: published behind a message not yet acknowledged.", g.UnsettledTxs)
 	gauge("outbox_relay_unsettled_wal_bytes", "WAL bytes from the confirmed position to the newest transaction read: what a restart decodes and re-sends.", g.UnsettledWALBytes)
 	gauge("outbox_relay_intake_paused", "1 while the relay stopped reading the WAL because the unsettled transactions or WAL bytes reached nats.max_unsettled_transactions or nats.max_unsettled_wal_bytes.", g.IntakePaused)
+	gauge("outbox_relay_backfill_incomplete", "1 when the slot's backfill was interrupted: the relay refuses to stream from the slot until `outbox-relay setup` backfills again.", g.BackfillIncomplete)
 	if g.Stall != nil {
 		reg.MustRegister(stallCollector(g.Stall))
 	}
