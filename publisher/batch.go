@@ -465,6 +465,12 @@ func (b *Batch) onReply(msg *nats.Msg) {
 			// it is unknown here): no final answer comes.
 			b.finish(b.acked)
 		}
+	case (r.Batch != "" || r.Stream != "") && r.Stream != b.stream:
+		// Not the stream's answer: nothing is known to be stored.
+		b.log.Warn("bad batch ack: the answer names another stream; failing the batch (is something other than JetStream answering on the subjects?)",
+			zap.String("want_stream", b.stream), zap.String("acked_by_stream", r.Stream), zap.String("batch", r.Batch))
+		b.failBatch(&PublishError{Subject: b.subjectAt(seq), Class: "bad_ack", Err: fmt.Errorf("%w: batch answer from stream %q, want %q", ErrTransient, r.Stream, b.stream)})
+		b.finish(b.acked)
 	case r.Batch != "" && (r.Batch != b.id || r.Count > b.seq):
 		b.failBatch(fmt.Errorf("%w: batch %s committed with %d messages, %d sent in batch %s", ErrTransient, r.Batch, r.Count, b.seq, b.id))
 		b.finish(b.acked)

@@ -128,6 +128,16 @@ func WithStreamLookup(f func(ctx context.Context, subject string) error) Option 
 	return func(p *Publisher) { p.lookup = f }
 }
 
+// WithExpectedStream sets which stream must store a message, by its
+// subject (default: any stream). An answer that looks like an ack but
+// names another stream is not an ack: a core NATS subscriber on the
+// subject answering in JetStream's shape, or a stream other than the one
+// meant. It is logged with what it claimed and the message is retried, so
+// it is never settled as stored.
+func WithExpectedStream(f func(subject string) string) Option {
+	return func(p *Publisher) { p.expect = f }
+}
+
 // pending is one message on its way: in flight, waiting to retry, or queued
 // behind its key.
 type pending struct {
@@ -168,6 +178,7 @@ type Publisher struct {
 	log    *zap.Logger
 	obs    Observer
 	lookup func(ctx context.Context, subject string) error
+	expect func(subject string) string
 
 	prefix string // reply subject prefix
 	sub    *nats.Subscription
@@ -415,6 +426,15 @@ func (p *Publisher) onReply(msg *nats.Msg) {
 	if pd.ack.Stream == "" {
 		p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: ack without stream", ErrTransient)})
 		return
+	}
+	if p.expect != nil {
+		if want := p.expect(subject); want != "" && pd.ack.Stream != want {
+			p.log.Warn("bad ack: the answer names another stream than the one meant to store the message; retrying (is something other than JetStream answering on the subject?)",
+				zap.String("subject", subject), zap.String("want_stream", want), zap.String("acked_by_stream", pd.ack.Stream),
+				zap.Uint64("acked_seq", pd.ack.Sequence), zap.String("acked_domain", pd.ack.Domain), zap.Int("attempts", pd.attempts))
+			p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: ack from stream %q, want %q", ErrTransient, pd.ack.Stream, want)})
+			return
+		}
 	}
 	p.obs.Published(subject, pd.ack.Duplicate, time.Since(pd.first))
 	p.settle(pd, Result{Ack: &pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})

@@ -78,7 +78,8 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 	if err != nil {
 		return rep, err
 	}
-	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(log.Named("publisher")), publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)))
+	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(log.Named("publisher")), publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)),
+		publisher.WithExpectedStream(expectedStream(cfg)))
 	if err != nil {
 		return rep, err
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -146,7 +147,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	}
 	r.js = js
 	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(r.log.Named("publisher")), publisher.WithObserver(r.obs),
-		publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)))
+		publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)), publisher.WithExpectedStream(expectedStream(cfg)))
 	if err != nil {
 		return nil, err
 	}
@@ -189,6 +190,23 @@ func (r *Relay) InFlight() int {
 func (r *Relay) Batched() bool {
 	_, ok := r.eventPublisher().(*publisher.Batch)
 	return ok
+}
+
+// expectedStream maps a subject to the stream meant to store it: the
+// dead-letter stream for dead-letter subjects, the event stream otherwise.
+// An ack from any other stream is not taken as one.
+func expectedStream(cfg Config) func(subject string) string {
+	prefix := cfg.Router.DeadLetterSubject
+	if prefix == "" {
+		prefix = router.DefaultDeadLetterSubject
+	}
+	prefix += "."
+	return func(subject string) string {
+		if strings.HasPrefix(subject, prefix) {
+			return cfg.DeadLetterStream.Name
+		}
+		return cfg.Stream.Name
+	}
 }
 
 // streamLookup tells a subject bound to no stream (a permanent rejection:
