@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -58,6 +59,11 @@ type Config struct {
 	// unsettled before the relay logs the message holding it and reports
 	// it in WatermarkStall. Default 1m.
 	StallWarning time.Duration
+	// PublicationCheck is how often the publication is checked while
+	// streaming (replication.CheckPublication; it is also checked before
+	// every session starts). A wrong one makes the relay not ready until
+	// it is fixed. Default 1m.
+	PublicationCheck time.Duration
 }
 
 // Defaults of the bounds on the unsettled tail.
@@ -65,6 +71,7 @@ const (
 	DefaultMaxUnsettledTxs   = 100_000
 	DefaultMaxUnsettledBytes = 1 << 30
 	DefaultStallWarning      = time.Minute
+	DefaultPublicationCheck  = time.Minute
 )
 
 // Relay streams an outbox to JetStream.
@@ -94,6 +101,12 @@ type Relay struct {
 	stall  atomic.Pointer[Stall]
 	// backfillIncomplete is set when the slot's backfill was interrupted.
 	backfillIncomplete atomic.Bool
+	// streaming is set while a replication session runs; pubProblem holds
+	// what the last publication check found wrong (nil when none). The
+	// relay is ready when it streams with a right publication.
+	streaming  atomic.Bool
+	pubProblem atomic.Pointer[error]
+	readyMu    sync.Mutex
 }
 
 // Option configures a Relay.
@@ -130,6 +143,9 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	}
 	if cfg.StallWarning <= 0 {
 		cfg.StallWarning = DefaultStallWarning
+	}
+	if cfg.PublicationCheck <= 0 {
+		cfg.PublicationCheck = DefaultPublicationCheck
 	}
 	r := &Relay{cfg: cfg, nc: nc, log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
 	r.durable.Store(-1)
@@ -250,6 +266,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		g.Go(func() error { return r.batch.Run(pubCtx) })
 	}
 	g.Go(func() error { r.watchStall(pubCtx); return nil })
+	g.Go(func() error { r.watchPublication(pubCtx); return nil })
 	err := r.stream(ctx)
 	stopPub()
 	_ = g.Wait()
@@ -315,7 +332,8 @@ func (r *Relay) stream(ctx context.Context) error {
 	var orphan uint32 // our walsender after we declared its connection dead
 	for {
 		streamed, err := r.streamOnce(ctx, &orphan)
-		r.ready(false)
+		r.streaming.Store(false)
+		r.setReady()
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -370,6 +388,13 @@ func (r *Relay) stream(ctx context.Context) error {
 // of a new slot while its snapshot is still being published), and nobody
 // may stream past an interrupted one.
 func (r *Relay) open(ctx context.Context, tracker *publisher.Tracker) (*replication.Stream, error) {
+	// Whatever postgres.auto_setup says: a table missing from the
+	// publication would be relayed as nothing, the slot confirming past it.
+	// A missing publication is left to Open, which names a missing slot
+	// first: setup creates both.
+	if err := r.checkPublication(ctx); err != nil && !errors.Is(err, replication.ErrPublicationMissing) {
+		return nil, err
+	}
 	_, err := replication.CheckBackfill(ctx, r.cfg.Replication)
 	r.backfillIncomplete.Store(errors.Is(err, replication.ErrBackfillIncomplete))
 	if err != nil {
@@ -413,7 +438,8 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	}
 	// The unsettled WAL is measured from here, not from 0/0.
 	tracker.Raise(st.StartLSN())
-	r.ready(true)
+	r.streaming.Store(true)
+	r.setReady()
 	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
 	err = p.run(ctx)
 	if ctx.Err() != nil {

@@ -27,6 +27,11 @@ var (
 	// ErrPublicationMissing means the publication does not exist and the
 	// relay was told not to create it.
 	ErrPublicationMissing = errors.New("publication does not exist")
+	// ErrPublicationMismatch means the publication does not carry the
+	// outbox as the relay needs: a table missing, updates or deletes
+	// published, a partitioned table not published through its root, a row
+	// filter.
+	ErrPublicationMismatch = errors.New("publication does not publish the outbox as the relay needs")
 	// ErrTableMissing means a configured outbox table does not exist.
 	ErrTableMissing = errors.New("outbox table does not exist")
 	// ErrServerSilent means nothing arrived from the server within the
@@ -76,7 +81,7 @@ func actionable(err error, hint string, detailFormat string, args ...any) error 
 // IsPermanent reports whether err needs an operator rather than a
 // reconnect: bad settings, a lost or foreign slot, an undecodable stream.
 func IsPermanent(err error) bool {
-	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrTableMissing, ErrProtocol, ErrFailoverUnsupported, ErrBackfillIncomplete} {
+	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrPublicationMismatch, ErrTableMissing, ErrProtocol, ErrFailoverUnsupported, ErrBackfillIncomplete} {
 		if errors.Is(err, p) {
 			return true
 		}

@@ -224,6 +224,9 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 		if st.WALStatus == "lost" {
 			rep.Problems = append(rep.Problems, "slot is lost (wal_status = 'lost'): events were lost; see the README's recovery runbook")
 		}
+		if err := replication.CheckPublication(ctx, cfg.Replication()); err != nil {
+			rep.Problems = append(rep.Problems, "postgres: "+err.Error())
+		}
 		if bf, err := replication.ReadBackfillState(ctx, cfg.Replication()); err != nil {
 			rep.Problems = append(rep.Problems, "postgres: "+err.Error())
 		} else if st.Exists && bf.Incomplete() {

@@ -95,6 +95,12 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 			}
 			return 0
 		},
+		PublicationWrong: func() float64 {
+			if rl.PublicationProblem() != nil {
+				return 1
+			}
+			return 0
+		},
 		BackfillIncomplete: func() float64 {
 			if rl.BackfillIncomplete() {
 				return 1

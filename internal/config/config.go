@@ -96,6 +96,9 @@ type Postgres struct {
 	ReceiveTimeout time.Duration `yaml:"receive_timeout"`
 	// FailoverSlot creates a PostgreSQL 17 failover slot.
 	FailoverSlot bool `yaml:"failover_slot"`
+	// PublicationCheck is how often the publication is checked while the
+	// relay streams (it is also checked before every session starts).
+	PublicationCheck time.Duration `yaml:"publication_check_interval"`
 	// Backfill publishes the rows already in the outbox (publish_state =
 	// 'PENDING') when the slot is created, from the slot's exported
 	// snapshot: a first install or a cut-over from a polling relay loses
@@ -165,12 +168,13 @@ type Log struct {
 func Default() Config {
 	return Config{
 		Postgres: Postgres{
-			Slot:           "outbox_relay",
-			Publication:    "outbox_relay",
-			StatusInterval: time.Second,
-			AutoSetup:      true,
-			ReceiveTimeout: 30 * time.Second,
-			Backfill:       true,
+			Slot:             "outbox_relay",
+			Publication:      "outbox_relay",
+			StatusInterval:   time.Second,
+			AutoSetup:        true,
+			ReceiveTimeout:   30 * time.Second,
+			Backfill:         true,
+			PublicationCheck: relay.DefaultPublicationCheck,
 		},
 		NATS: NATS{
 			URL:                      "nats://127.0.0.1:4222",
@@ -280,6 +284,9 @@ func (c *Config) Validate() error {
 	}
 	if c.NATS.MaxUnsettledWALBytes < 1<<20 {
 		bad("nats.max_unsettled_wal_bytes", "%d is too small: use at least 1048576 (default %d)", c.NATS.MaxUnsettledWALBytes, relay.DefaultMaxUnsettledBytes)
+	}
+	if c.Postgres.PublicationCheck < time.Second {
+		bad("postgres.publication_check_interval", "%s is too short: use at least 1s (default %s)", c.Postgres.PublicationCheck, relay.DefaultPublicationCheck)
 	}
 	if c.NATS.StallWarning < time.Second {
 		bad("nats.stall_warning", "%s is too short: use at least 1s (default %s)", c.NATS.StallWarning, relay.DefaultStallWarning)

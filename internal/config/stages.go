@@ -79,6 +79,7 @@ func (c *Config) Relay() relay.Config {
 		MaxUnsettledTxs:   c.NATS.MaxUnsettledTransactions,
 		MaxUnsettledBytes: int64(c.NATS.MaxUnsettledWALBytes),
 		StallWarning:      c.NATS.StallWarning,
+		PublicationCheck:  c.Postgres.PublicationCheck,
 	}
 }
 

@@ -40,6 +40,9 @@ type Gauges struct {
 	// BackfillIncomplete is 1 when the relay found the slot's backfill
 	// interrupted and refuses to stream from it.
 	BackfillIncomplete func() float64
+	// PublicationWrong is 1 when the last publication check found a table
+	// missing or a wrong setting.
+	PublicationWrong func() float64
 }
 
 // Stall is the watermark standing still behind one message.
@@ -94,6 +97,7 @@ func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
 	gauge("outbox_relay_unsettled_wal_bytes", "WAL bytes from the confirmed position to the newest transaction read: what a restart decodes and re-sends.", g.UnsettledWALBytes)
 	gauge("outbox_relay_intake_paused", "1 while the relay stopped reading the WAL because the unsettled transactions or WAL bytes reached nats.max_unsettled_transactions or nats.max_unsettled_wal_bytes.", g.IntakePaused)
 	gauge("outbox_relay_backfill_incomplete", "1 when the slot's backfill was interrupted: the relay refuses to stream from the slot until `outbox-relay setup` backfills again.", g.BackfillIncomplete)
+	gauge("outbox_relay_publication_wrong", "1 when the publication lacks a configured table, publishes updates or deletes, sends a partitioned table by partition or filters rows: the relay is not ready; its log names the ALTER PUBLICATION to run.", g.PublicationWrong)
 	if g.Stall != nil {
 		reg.MustRegister(stallCollector(g.Stall))
 	}
