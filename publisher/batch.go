@@ -725,11 +725,14 @@ func (b *Batch) flushLoop(ctx context.Context) {
 	}
 }
 
-// commitIdle commits the open batch if all it holds is sent and some of it
-// is unacknowledged.
+// commitIdle commits the open batch if all it holds is sent. Even a batch
+// whose messages flow acks all confirmed is committed: the server abandons
+// a batch that receives nothing for its max batch timeout (10 s by
+// default), and the next message would find it gone ("batch unknown",
+// 10208) and fail.
 func (b *Batch) commitIdle() {
 	b.mu.Lock()
-	need := b.state == batchOpen && b.seq > b.acked && b.head+b.sent == len(b.queue)
+	need := b.state == batchOpen && b.seq > 0 && b.head+b.sent == len(b.queue)
 	b.mu.Unlock()
 	if need {
 		b.commit()

@@ -8,9 +8,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
@@ -44,7 +46,14 @@ func (f *batchFixture) DeadLettered(string) {}
 
 func newBatchFixture(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Config) *batchFixture {
 	t.Helper()
-	nc := connectNATS(t)
+	return newBatchFixtureWith(t, scfg, cfg, publisher.BatchConfig{})
+}
+
+// newBatchFixtureWith is newBatchFixture with batch settings (Stream is
+// scfg's) and options for its NATS server.
+func newBatchFixtureWith(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Config, bcfg publisher.BatchConfig, opts ...testenv.NATSOption) *batchFixture {
+	t.Helper()
+	nc := connectNATS(t, opts...)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
@@ -61,7 +70,8 @@ func newBatchFixture(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Co
 		t.Fatal(err)
 	}
 	f := &batchFixture{t: t, nc: nc, js: js, keyed: keyed, runs: make(chan error, 2), results: map[int]publisher.Result{}}
-	b, err := publisher.NewBatch(nc, keyed, cfg, publisher.BatchConfig{Stream: scfg.Name}, publisher.WithObserver(f))
+	bcfg.Stream = scfg.Name
+	b, err := publisher.NewBatch(nc, keyed, cfg, bcfg, publisher.WithObserver(f))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,6 +258,40 @@ func TestBatchIdleCommit(t *testing.T) {
 	defer f.mu.Unlock()
 	if f.retried != 0 {
 		t.Fatalf("%d batches failed", f.retried)
+	}
+}
+
+// Likely case of issue 16: a batch left open whose messages were all
+// acknowledged by flow acks was never committed; the server abandons an
+// uncommitted batch after its max batch timeout (10 s by default), and the
+// next message then failed with "batch unknown" (10208): a warning and a
+// retry per lull. The idle commit now ends such a batch too. Flow acks for
+// every message and a long idle interval make every open batch end fully
+// flow-acknowledged; the server here abandons batches after 300 ms.
+func TestBatchCommittedAfterFlowAcks(t *testing.T) {
+	f := newBatchFixtureWith(t, batchStream("B"), publisher.Config{}, publisher.BatchConfig{AckEvery: 1, IdleCommit: 50 * time.Millisecond},
+		func(o *server.Options) { o.JetStreamLimits.MaxBatchTimeout = 300 * time.Millisecond })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	n := 0
+	for burst := 0; burst < 3; burst++ {
+		for range 300 { // more than a short batch queues behind the first
+			f.publish(ctx, n, "k", []byte("x"))
+			n++
+		}
+		f.drain(ctx)
+		// Longer than the server keeps an uncommitted batch: a measured
+		// wait for the server's timer, not synchronisation.
+		time.Sleep(600 * time.Millisecond)
+	}
+	f.publish(ctx, n, "k", []byte("x"))
+	n++
+	f.drain(ctx)
+	checkInOrder(t, f.stored(ctx, "B"), n, nil)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.retried != 0 {
+		t.Fatalf("%d batches failed after lulls", f.retried)
 	}
 }
 

@@ -14,13 +14,13 @@ import (
 )
 
 // connectNATS starts a NATS server of the test's own and connects to it.
-func connectNATS(t *testing.T) *nats.Conn {
+func connectNATS(t *testing.T, opts ...testenv.NATSOption) *nats.Conn {
 	t.Helper()
 	if testing.Short() {
 		t.Skip("needs a NATS server")
 	}
 	t.Parallel()
-	srv, err := testenv.StartNATS()
+	srv, err := testenv.StartNATS(opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
