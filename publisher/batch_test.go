@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -292,6 +293,64 @@ func TestBatchCommittedAfterFlowAcks(t *testing.T) {
 	defer f.mu.Unlock()
 	if f.retried != 0 {
 		t.Fatalf("%d batches failed after lulls", f.retried)
+	}
+}
+
+// Likely case of issue 16: after a batch that ended without its final
+// answer, its messages may still be proposals on the stream's leader; a new
+// batch reaching that leader would have them skipped as duplicates "in
+// process" (10158) and counted as stored, though the leader may yet lose
+// them. Every message the unanswered batch sent goes alone through the
+// per-key publisher before batching resumes. A core NATS subscriber stands
+// in for the stream: it never answers batch messages and acknowledges lone
+// publishes.
+func TestBatchUnansweredGoesAlone(t *testing.T) {
+	scfg := batchStream("B")
+	scfg.Subjects = []string{"unused.>"} // only the stand-in answers on bt.>
+	f := newBatchFixtureWith(t, scfg, publisher.Config{AckTimeout: 100 * time.Millisecond, RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond}, publisher.BatchConfig{})
+	var mu sync.Mutex
+	var batched, alone []string
+	var seq uint64
+	if _, err := f.nc.Subscribe("bt.>", func(m *nats.Msg) {
+		mu.Lock()
+		defer mu.Unlock()
+		if strings.HasSuffix(m.Reply, ".$FI") {
+			if len(m.Data) > 0 {
+				batched = append(batched, m.Header.Get("Seq"))
+			}
+			return // silent: the batch ends unanswered
+		}
+		seq++
+		alone = append(alone, m.Header.Get("Seq"))
+		_ = m.Respond([]byte(`{"stream":"B","seq":` + strconv.FormatUint(seq, 10) + `}`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const n = 50
+	for i := range n {
+		f.publish(ctx, i, "k", []byte("x"))
+	}
+	f.drain(ctx)
+	mu.Lock()
+	defer mu.Unlock()
+	// Each message at most once in a batch: the first batch, then the one
+	// formed behind its first message; after that every message goes alone.
+	seen := map[string]bool{}
+	for _, s := range batched {
+		if seen[s] {
+			t.Fatalf("message %s sent in a batch again after an unanswered batch (%d batch sends)", s, len(batched))
+		}
+		seen[s] = true
+	}
+	for i, s := range alone {
+		if s != strconv.Itoa(i) {
+			t.Fatalf("lone publishes out of order: %v", alone)
+		}
+	}
+	if len(alone) != n {
+		t.Fatalf("%d lone publishes, want %d", len(alone), n)
 	}
 }
 
