@@ -79,26 +79,47 @@ func (g *BackfillGuard) State(ctx context.Context) (BackfillState, error) {
 // Start records that a backfill of the slot begins, before the slot is
 // created: a crash at any later point leaves the record unfinished.
 func (g *BackfillGuard) Start(ctx context.Context) error {
+	table := g.table.Sanitize()
 	create := fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
 	slot_name name PRIMARY KEY,
 	started_at timestamptz NOT NULL,
 	consistent_point pg_lsn,
 	finished_at timestamptz
-)`, g.table.Sanitize())
-	if _, err := g.conn.Exec(ctx, create); err != nil {
-		return fmt.Errorf("create %s: %w", g.table.Sanitize(), err)
+)`, table)
+	var exists bool
+	if err := g.conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", table).Scan(&exists); err != nil {
+		return fmt.Errorf("look up %s: %w", table, err)
 	}
-	// Streaming roles read it to refuse a slot whose backfill did not
-	// finish; it holds slot names and positions only.
-	if _, err := g.conn.Exec(ctx, "GRANT SELECT ON "+g.table.Sanitize()+" TO PUBLIC"); err != nil {
-		return fmt.Errorf("grant SELECT on %s: %w", g.table.Sanitize(), err)
+	if !exists {
+		if _, err := g.conn.Exec(ctx, create); err != nil {
+			return backfillStateError(err, "create "+table, create+"; GRANT SELECT ON "+table+" TO PUBLIC")
+		}
+		// Streaming roles read it to refuse a slot whose backfill did not
+		// finish; it holds slot names and positions only.
+		if _, err := g.conn.Exec(ctx, "GRANT SELECT ON "+table+" TO PUBLIC"); err != nil {
+			return fmt.Errorf("grant SELECT on %s: %w", table, err)
+		}
 	}
-	_, err := g.conn.Exec(ctx, "INSERT INTO "+g.table.Sanitize()+` (slot_name, started_at) VALUES ($1, now())
+	_, err := g.conn.Exec(ctx, "INSERT INTO "+table+` (slot_name, started_at) VALUES ($1, now())
 ON CONFLICT (slot_name) DO UPDATE SET started_at = now(), consistent_point = NULL, finished_at = NULL`, g.cfg.Slot)
 	if err != nil {
-		return fmt.Errorf("record the backfill of slot %q: %w", g.cfg.Slot, err)
+		var user string
+		_ = g.conn.QueryRow(ctx, "SELECT current_user").Scan(&user)
+		return backfillStateError(err, fmt.Sprintf("record the backfill of slot %q", g.cfg.Slot),
+			"GRANT SELECT, INSERT, UPDATE, DELETE ON "+table+" TO "+pgx.Identifier{user}.Sanitize())
 	}
 	return nil
+}
+
+// backfillStateError explains a refused write to the state table: the role
+// that backfills must be able to record it, or the backfill cannot be
+// guarded.
+func backfillStateError(err error, what, fix string) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
+		return fmt.Errorf("%s: %w (a backfill is recorded so that an interrupted one is never streamed past: run `outbox-relay setup` as the outbox's owner, or as it run: %s)", what, err, fix)
+	}
+	return fmt.Errorf("%s: %w", what, err)
 }
 
 // Created records the new slot's consistent point.
