@@ -147,11 +147,13 @@ func (g *BackfillGuard) Forget(ctx context.Context) error {
 
 func forgetBackfill(ctx context.Context, conn *pgx.Conn, cfg Config) error {
 	table := backfillTable(cfg)
-	_, err := conn.Exec(ctx, "DELETE FROM "+table.Sanitize()+" WHERE slot_name = $1", cfg.Slot)
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
-		return nil
+	// A finished record is harmless and stays: a role that may only read
+	// the table (the streaming one) can then still drop its slot.
+	st, err := readBackfillState(ctx, conn, table, cfg.Slot)
+	if err != nil || !st.Incomplete() {
+		return err
 	}
+	_, err = conn.Exec(ctx, "DELETE FROM "+table.Sanitize()+" WHERE slot_name = $1", cfg.Slot)
 	if err != nil {
 		return fmt.Errorf("forget the backfill record of slot %q (DELETE FROM %s WHERE slot_name = '%s' as its owner): %w", cfg.Slot, table.Sanitize(), cfg.Slot, err)
 	}
