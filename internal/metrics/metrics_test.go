@@ -126,7 +126,7 @@ func TestWatermarkStall(t *testing.T) {
 	got := gather(t, reg)
 	expect(t, got, map[string]float64{
 		"outbox_relay_watermark_stalled_seconds{aggregate_id=o-42,aggregate_type=order,subject=outbox.order.o-42}": 90,
-		"outbox_relay_watermark_stalled_seconds{aggregate_id=,aggregate_type=,subject=}":                         absent,
+		"outbox_relay_watermark_stalled_seconds{aggregate_id=,aggregate_type=,subject=}":                           absent,
 	})
 	st = Stall{Seconds: 1, Key: "t\x00" + strings.Repeat("é", 100) + "\xff"}
 	for k := range gather(t, reg) {
