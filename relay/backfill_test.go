@@ -64,7 +64,7 @@ func TestBackfillInterrupted(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t, "")
 	f.Cfg.Publisher.MaxInFlight = 1 // slow enough to stop half-way
-	const before = 300
+	const before = 3000
 	f.insertVersions(ctx, "agg", 1, before)
 	bctx, cancel := context.WithCancel(ctx)
 	wait := f.backfillAsync(bctx)
