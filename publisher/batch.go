@@ -778,6 +778,19 @@ func (b *Batch) commitIdle() {
 	}
 }
 
+// Oldest returns the oldest unsettled message of the batch publisher, and
+// false when there is none; Attempts counts the batches that failed in a
+// row. It is the one holding the watermark when events are batched.
+func (b *Batch) Oldest() (Stuck, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.head == len(b.queue) {
+		return Stuck{}, false
+	}
+	pd := b.queue[b.head]
+	return Stuck{Key: pd.m.Key, Subject: pd.m.Subject, Since: pd.first, Attempts: b.failures}, true
+}
+
 // Close unsubscribes from acks. Unsettled messages stay unsettled: the
 // watermark never passes them, so they are re-sent after a restart.
 func (b *Batch) Close() error {

@@ -134,6 +134,15 @@ func (t *Tracker) Unsettled() (txs int, walBytes uint64) {
 	return len(t.txs) - t.head, walBytes
 }
 
+// WaitingForAcks reports whether the oldest unsettled transaction is
+// committed: the watermark then waits for acks, not for the rest of a
+// transaction still being read.
+func (t *Tracker) WaitingForAcks() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.head < len(t.txs) && t.txs[t.head].committed
+}
+
 // Raise moves the watermark up to lsn if it is behind it: the position
 // the slot had already confirmed when streaming started, which a tracker
 // made before the stream was opened does not know.

@@ -129,7 +129,13 @@ func TestTrackerUnsettled(t *testing.T) {
 	}
 	stuck := tr.Begin(time.Time{})
 	stuck.Add()
+	if tr.WaitingForAcks() {
+		t.Fatal("waiting for acks while the oldest transaction is still being read")
+	}
 	stuck.Commit(1100)
+	if !tr.WaitingForAcks() {
+		t.Fatal("not waiting for acks with a committed transaction unsettled")
+	}
 	for i := range 3 {
 		tx := tr.Begin(time.Time{})
 		tx.Add()

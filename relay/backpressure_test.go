@@ -16,19 +16,30 @@ import (
 // so the unsettled transactions, the retained WAL and the re-sends after a
 // restart grew without limit. Intake stops at MaxUnsettledTxs, the message
 // holding the watermark is named, and everything flows once it is stored.
+// In batches the stuck message stops the others anyway; the stall is named
+// all the same.
 func TestRelayBoundsUnsettledTail(t *testing.T) {
 	t.Parallel()
+	for _, mode := range []string{"off", "on"} {
+		t.Run("batch_publish "+mode, func(t *testing.T) {
+			t.Parallel()
+			boundUnsettledTail(t, mode)
+		})
+	}
+}
+
+func boundUnsettledTail(t *testing.T, mode string) {
 	ctx := context.Background()
 	f := newFixture(t, "")
 	const bound = 50
-	f.Cfg.BatchPublish = "off"
+	f.Cfg.BatchPublish = mode
 	f.Cfg.MaxUnsettledTxs = bound
 	f.Cfg.StallWarning = time.Second
 	// One message per subject, new ones refused: the second version of an
 	// aggregate is retried until the limit is lifted.
 	f.Cfg.CreateStreams = false
 	sc := jetstream.StreamConfig{Name: f.Stream, Subjects: f.Cfg.Stream.Subjects, Duplicates: 2 * time.Minute,
-		MaxMsgsPerSubject: 1, Discard: jetstream.DiscardNew, DiscardNewPerSubject: true, MaxMsgs: -1, MaxBytes: -1}
+		MaxMsgsPerSubject: 1, Discard: jetstream.DiscardNew, DiscardNewPerSubject: true, MaxMsgs: -1, MaxBytes: -1, AllowBatchPublish: true}
 	if _, err := f.JS.CreateStream(ctx, sc); err != nil {
 		t.Fatal(err)
 	}

@@ -14,15 +14,15 @@ type Stall struct {
 	// For is how long the watermark has not moved.
 	For time.Duration
 	// Blocker is the oldest unsettled message, the one holding the
-	// watermark; Known is false when the per-aggregate publisher holds
-	// none (the messages are in a batch still being answered).
+	// watermark; Known is false when no publisher holds one.
 	Blocker publisher.Stuck
 	Known   bool
 }
 
-// WatermarkStall returns how long the watermark has stood still with
-// messages unsettled (zero while it moves or nothing is pending), and what
-// holds it once that exceeds StallWarning.
+// WatermarkStall returns how long the watermark has stood still waiting for
+// acks (zero while it moves, while nothing is pending, or while the oldest
+// transaction is still being read), and what holds it once that exceeds
+// StallWarning.
 func (r *Relay) WatermarkStall() Stall {
 	if s := r.stall.Load(); s != nil {
 		return *s
@@ -33,6 +33,18 @@ func (r *Relay) WatermarkStall() Stall {
 // IntakePaused reports whether the pipeline stopped reading the WAL
 // because the unsettled tail reached MaxUnsettledTxs or MaxUnsettledBytes.
 func (r *Relay) IntakePaused() bool { return r.paused.Load() }
+
+// oldest returns the oldest unsettled message of either publisher: handed
+// over in commit order, it is the one holding the watermark.
+func (r *Relay) oldest() (publisher.Stuck, bool) {
+	st, ok := r.pub.Oldest()
+	if r.Batched() {
+		if bst, bok := r.batch.Oldest(); bok && (!ok || bst.Since.Before(st.Since)) {
+			return bst, true
+		}
+	}
+	return st, ok
+}
 
 // stallSample is how often watchStall looks at the watermark.
 const stallSample = time.Second
@@ -56,14 +68,14 @@ func (r *Relay) watchStall(ctx context.Context) {
 			tr := r.Tracker()
 			c := tr.Confirmed()
 			txs, walBytes := tr.Unsettled()
-			if c != last || txs == 0 {
+			if c != last || txs == 0 || !tr.WaitingForAcks() {
 				last, since = c, now
 				r.stall.Store(&Stall{})
 				continue
 			}
 			st := Stall{For: now.Sub(since)}
 			if st.For >= r.cfg.StallWarning {
-				st.Blocker, st.Known = r.pub.Oldest()
+				st.Blocker, st.Known = r.oldest()
 				if now.Sub(lastWarn) >= r.cfg.StallWarning {
 					lastWarn = now
 					r.log.Warn("watermark stuck: nothing is confirmed to PostgreSQL until the message holding it is stored or dead-lettered",
