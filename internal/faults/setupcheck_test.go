@@ -80,3 +80,33 @@ func TestPublicationMissingTable(t *testing.T) {
 		t.Fatalf("status after the fix: exit %d\n%s", code, out)
 	}
 }
+
+// Issue 16, case 4, end to end: the first deploy of an HA pair, both with
+// auto_setup and backfill. The first instance backfills a hot aggregate
+// one message at a time; the second starts meanwhile, and later versions
+// of that aggregate are written. The second waits for the backfill (its
+// lock), so every version is stored once, in order. Before, it streamed
+// the later versions ahead of the backfill.
+func TestHAFirstDeployBackfill(t *testing.T) {
+	t.Parallel()
+	env := testenv.Get(t)
+	s := newScenario(t, env.PG, env.NATS.URL)
+	ctx := context.Background()
+	if _, err := replication.DropSlot(ctx, replication.Config{URL: s.db.URL, Slot: s.name, Publication: s.name, Tables: []string{"public.outbox"}}); err != nil {
+		t.Fatal(err)
+	}
+	insert := func(from, to int) {
+		s.exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload)
+			SELECT gen_random_uuid(), 'registration', 'hot', g, 'T', jsonb_build_object('n', g) FROM generate_series($1::int, $2::int) g`, from, to)
+	}
+	const before = 10000
+	insert(1, before)
+	s.set("nats.max_in_flight", 1)
+	s.startRelay() // the first instance: creates the slot and backfills
+	s.waitCount(s.stream, 100, 60*time.Second)
+	insert(before+1, before+10)
+	s.startRelay() // the second instance, while the backfill runs
+	s.sample()
+	o := s.verify(2 * time.Minute)
+	s.mustHold("HA first deploy during the backfill", o, 0, "the second instance waits for the backfill lock")
+}
