@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/replication"
@@ -33,7 +34,13 @@ func TestBackfillGuard(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = g.Close(ctx) // the backfill dies
-	if _, err := replication.CheckBackfill(ctx, cfg); !errors.Is(err, replication.ErrBackfillIncomplete) || !replication.IsPermanent(err) {
+	// The server releases the lock once it sees the connection gone.
+	var err2 error
+	testenv.WaitFor(10*time.Second, func() bool {
+		_, err2 = replication.CheckBackfill(ctx, cfg)
+		return !errors.Is(err2, replication.ErrBackfillInProgress)
+	})
+	if err := err2; !errors.Is(err, replication.ErrBackfillIncomplete) || !replication.IsPermanent(err) {
 		t.Fatalf("after the backfill died: %v, want ErrBackfillIncomplete (permanent)", err)
 	}
 	if dropped, err := replication.DropSlot(ctx, cfg); err != nil || !dropped {
