@@ -88,12 +88,16 @@ type Batch struct {
 	// for a batch committed after a lull.
 	commitAt uint64
 	// failed is the first failure reported in the current batch.
-	failed   error
-	lastAck  time.Time // last ack of the current batch, or its start
-	endBy    time.Time // deadline for the final answer once ending
-	iso      Message   // the message isolated after a failure, with Done = isoDone
-	isoSent  bool      // iso is with the per-key publisher
-	isoDone  func(Result)
+	failed  error
+	lastAck time.Time // last ack of the current batch, or its start
+	endBy   time.Time // deadline for the final answer once ending
+	iso     Message   // the message isolated after a failure, with Done = isoDone
+	isoSent bool      // iso is with the per-key publisher
+	isoDone func(Result)
+	// isoRest counts the messages still to go alone after iso, the rest of
+	// a batch that ended without its final answer (finishUnanswered sets
+	// it to -1 for finish to fill in).
+	isoRest  int
 	failures int // consecutive failed batches, for logging
 
 	lastSend  atomic.Int64 // counts sends, so the flusher sees a lull
@@ -381,7 +385,7 @@ func (b *Batch) commit() {
 	b.mu.Lock()
 	if b.id == id && b.state == batchEnding {
 		b.failBatch(fmt.Errorf("commit batch: %w", err))
-		b.finish(b.acked)
+		b.finishUnanswered()
 	}
 	b.mu.Unlock()
 	b.afterFinish()
@@ -465,9 +469,15 @@ func (b *Batch) onReply(msg *nats.Msg) {
 			// it is unknown here): no final answer comes.
 			b.finish(b.acked)
 		}
+	case (r.Batch != "" || r.Stream != "") && r.Stream != b.stream:
+		// Not the stream's answer: nothing is known to be stored.
+		b.log.Warn("bad batch ack: the answer names another stream; failing the batch (is something other than JetStream answering on the subjects?)",
+			zap.String("want_stream", b.stream), zap.String("acked_by_stream", r.Stream), zap.String("batch", r.Batch))
+		b.failBatch(&PublishError{Subject: b.subjectAt(seq), Class: "bad_ack", Err: fmt.Errorf("%w: batch answer from stream %q, want %q", ErrTransient, r.Stream, b.stream)})
+		b.finishUnanswered()
 	case r.Batch != "" && (r.Batch != b.id || r.Count > b.seq):
 		b.failBatch(fmt.Errorf("%w: batch %s committed with %d messages, %d sent in batch %s", ErrTransient, r.Batch, r.Count, b.seq, b.id))
-		b.finish(b.acked)
+		b.finishUnanswered()
 	case r.Batch != "":
 		// The batch's final PubAck: Count messages are stored.
 		b.finish(r.Count)
@@ -545,10 +555,30 @@ func (b *Batch) settleLocked(pd *bpending, res Result) {
 	}
 }
 
+// finishUnanswered ends the current batch without its final answer (no
+// answer in time, or none to trust), with what flow acks confirmed; b.mu is
+// held. Every message it sent beyond that then goes alone through the
+// per-key publisher before batching resumes: the server may still hold
+// them as proposals not yet committed, and a new batch reaching the same
+// leader would skip each as a duplicate "in process" (10158) and count it
+// as stored, though the leader may yet lose it. A lone publish of such a
+// message is answered with that error instead, and retried until the
+// proposal is stored (a duplicate ack) or lost (stored anew).
+func (b *Batch) finishUnanswered() {
+	b.isoRest = -1
+	b.finish(b.acked)
+}
+
 // finish ends the current batch with its first n messages stored: the rest
 // are sent again; b.mu is held.
 func (b *Batch) finish(n uint64) {
 	b.ack(n)
+	unanswered := b.isoRest < 0
+	b.isoRest = 0
+	if unanswered && b.sent > 1 {
+		// The first goes as iso; these follow it alone.
+		b.isoRest = b.sent - 1
+	}
 	for i := b.head; i < b.head+b.sent; i++ {
 		b.queue[i].bseq = 0
 	}
@@ -569,6 +599,12 @@ func (b *Batch) finish(n uint64) {
 		b.state = batchIdle
 		return
 	}
+	b.isolate()
+}
+
+// isolate hands the first queued message to the per-key publisher next;
+// b.mu is held.
+func (b *Batch) isolate() {
 	b.state = batchIsolating
 	b.isoSent = false
 	pd := b.queue[b.head]
@@ -643,6 +679,15 @@ func (b *Batch) isolatedSettled(res Result) {
 	b.isoSent = false
 	b.iso = Message{}
 	b.settleLocked(pd, res)
+	if b.isoRest > 0 && b.head < len(b.queue) && b.closed == nil {
+		// The rest of a batch that ended unanswered goes alone too.
+		b.isoRest--
+		b.isolate()
+		b.mu.Unlock()
+		b.sendIsolated()
+		return
+	}
+	b.isoRest = 0
 	b.mu.Unlock()
 	b.pump()
 }
@@ -674,7 +719,7 @@ func (b *Batch) tick() error {
 		// Ask for the count; a silent server gets endBy.
 	case b.state == batchEnding && now.After(b.endBy):
 		b.failBatch(&PublishError{Subject: b.stream, Class: "timeout", Err: fmt.Errorf("%w: no final batch answer", ErrTransient)})
-		b.finish(b.acked)
+		b.finishUnanswered()
 	}
 	b.mu.Unlock()
 	b.commitIfFailed()
@@ -719,15 +764,31 @@ func (b *Batch) flushLoop(ctx context.Context) {
 	}
 }
 
-// commitIdle commits the open batch if all it holds is sent and some of it
-// is unacknowledged.
+// commitIdle commits the open batch if all it holds is sent. Even a batch
+// whose messages flow acks all confirmed is committed: the server abandons
+// a batch that receives nothing for its max batch timeout (10 s by
+// default), and the next message would find it gone ("batch unknown",
+// 10208) and fail.
 func (b *Batch) commitIdle() {
 	b.mu.Lock()
-	need := b.state == batchOpen && b.seq > b.acked && b.head+b.sent == len(b.queue)
+	need := b.state == batchOpen && b.seq > 0 && b.head+b.sent == len(b.queue)
 	b.mu.Unlock()
 	if need {
 		b.commit()
 	}
+}
+
+// Oldest returns the oldest unsettled message of the batch publisher, and
+// false when there is none; Attempts counts the batches that failed in a
+// row. It is the one holding the watermark when events are batched.
+func (b *Batch) Oldest() (Stuck, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.head == len(b.queue) {
+		return Stuck{}, false
+	}
+	pd := b.queue[b.head]
+	return Stuck{Key: pd.m.Key, Subject: pd.m.Subject, Since: pd.first, Attempts: b.failures}, true
 }
 
 // Close unsubscribes from acks. Unsettled messages stay unsettled: the

@@ -4,13 +4,16 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
@@ -44,7 +47,14 @@ func (f *batchFixture) DeadLettered(string) {}
 
 func newBatchFixture(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Config) *batchFixture {
 	t.Helper()
-	nc := connectNATS(t)
+	return newBatchFixtureWith(t, scfg, cfg, publisher.BatchConfig{})
+}
+
+// newBatchFixtureWith is newBatchFixture with batch settings (Stream is
+// scfg's) and options for its NATS server.
+func newBatchFixtureWith(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Config, bcfg publisher.BatchConfig, opts ...testenv.NATSOption) *batchFixture {
+	t.Helper()
+	nc := connectNATS(t, opts...)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
@@ -61,7 +71,8 @@ func newBatchFixture(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Co
 		t.Fatal(err)
 	}
 	f := &batchFixture{t: t, nc: nc, js: js, keyed: keyed, runs: make(chan error, 2), results: map[int]publisher.Result{}}
-	b, err := publisher.NewBatch(nc, keyed, cfg, publisher.BatchConfig{Stream: scfg.Name}, publisher.WithObserver(f))
+	bcfg.Stream = scfg.Name
+	b, err := publisher.NewBatch(nc, keyed, cfg, bcfg, publisher.WithObserver(f))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,6 +259,100 @@ func TestBatchIdleCommit(t *testing.T) {
 	defer f.mu.Unlock()
 	if f.retried != 0 {
 		t.Fatalf("%d batches failed", f.retried)
+	}
+}
+
+// Likely case of issue 16: a batch left open whose messages were all
+// acknowledged by flow acks was never committed; the server abandons an
+// uncommitted batch after its max batch timeout (10 s by default), and the
+// next message then failed with "batch unknown" (10208): a warning and a
+// retry per lull. The idle commit now ends such a batch too. Flow acks for
+// every message and a long idle interval make every open batch end fully
+// flow-acknowledged; the server here abandons batches after 300 ms.
+func TestBatchCommittedAfterFlowAcks(t *testing.T) {
+	f := newBatchFixtureWith(t, batchStream("B"), publisher.Config{}, publisher.BatchConfig{AckEvery: 1, IdleCommit: 50 * time.Millisecond},
+		func(o *server.Options) { o.JetStreamLimits.MaxBatchTimeout = 300 * time.Millisecond })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	n := 0
+	for burst := 0; burst < 3; burst++ {
+		for range 300 { // more than a short batch queues behind the first
+			f.publish(ctx, n, "k", []byte("x"))
+			n++
+		}
+		f.drain(ctx)
+		// Longer than the server keeps an uncommitted batch: a measured
+		// wait for the server's timer, not synchronisation.
+		time.Sleep(600 * time.Millisecond)
+	}
+	f.publish(ctx, n, "k", []byte("x"))
+	n++
+	f.drain(ctx)
+	checkInOrder(t, f.stored(ctx, "B"), n, nil)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.retried != 0 {
+		t.Fatalf("%d batches failed after lulls", f.retried)
+	}
+}
+
+// Likely case of issue 16: after a batch that ended without its final
+// answer, its messages may still be proposals on the stream's leader; a new
+// batch reaching that leader would have them skipped as duplicates "in
+// process" (10158) and counted as stored, though the leader may yet lose
+// them. Every message the unanswered batch sent goes alone through the
+// per-key publisher before batching resumes. A core NATS subscriber stands
+// in for the stream: it never answers batch messages and acknowledges lone
+// publishes.
+func TestBatchUnansweredGoesAlone(t *testing.T) {
+	scfg := batchStream("B")
+	scfg.Subjects = []string{"unused.>"} // only the stand-in answers on bt.>
+	f := newBatchFixtureWith(t, scfg, publisher.Config{AckTimeout: 250 * time.Millisecond, RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond}, publisher.BatchConfig{})
+	var mu sync.Mutex
+	var batched, alone []string
+	var seq uint64
+	if _, err := f.nc.Subscribe("bt.>", func(m *nats.Msg) {
+		mu.Lock()
+		defer mu.Unlock()
+		if strings.HasSuffix(m.Reply, ".$FI") {
+			if len(m.Data) > 0 {
+				batched = append(batched, m.Header.Get("Seq"))
+			}
+			return // silent: the batch ends unanswered
+		}
+		seq++
+		if id := m.Header.Get("Seq"); len(alone) == 0 || alone[len(alone)-1] != id {
+			alone = append(alone, id) // a retry after a slow answer counts once
+		}
+		_ = m.Respond([]byte(`{"stream":"B","seq":` + strconv.FormatUint(seq, 10) + `}`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const n = 50
+	for i := range n {
+		f.publish(ctx, i, "k", []byte("x"))
+	}
+	f.drain(ctx)
+	mu.Lock()
+	defer mu.Unlock()
+	// Each message at most once in a batch: the first batch, then the one
+	// formed behind its first message; after that every message goes alone.
+	seen := map[string]bool{}
+	for _, s := range batched {
+		if seen[s] {
+			t.Fatalf("message %s sent in a batch again after an unanswered batch (%d batch sends)", s, len(batched))
+		}
+		seen[s] = true
+	}
+	for i, s := range alone {
+		if s != strconv.Itoa(i) {
+			t.Fatalf("lone publishes out of order: %v", alone)
+		}
+	}
+	if len(alone) != n {
+		t.Fatalf("%d lone publishes, want %d", len(alone), n)
 	}
 }
 

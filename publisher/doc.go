@@ -37,14 +37,19 @@
 // Transient failures (timeouts, no responders, stream unavailable or full,
 // reconnects) are retried forever with capped exponential backoff and
 // jitter: the watermark stops, nothing is skipped. Permanent rejections (the
-// message exceeds the stream's size limit, or its subject is bound to no
-// stream) go to the dead-letter stream through Message.DeadLetter and count
-// as settled once the dead-letter record is acked.
+// message exceeds the stream's size limit or the 64 KiB header limit, or
+// its subject is bound to no stream) go to the dead-letter stream through
+// Message.DeadLetter and count as settled once the dead-letter record is
+// acked. An ack counts only when it names the stream meant to store the
+// message (WithExpectedStream): an answer in JetStream's shape from
+// anything else is retried as a bad ack.
 //
 // # Watermark
 //
 // [Tracker] keeps transactions in commit order; a transaction's end LSN
 // becomes confirmable when it and every earlier transaction are settled.
+// Its Unsettled tail is what the relay bounds: per key, one stuck message
+// lets later ones settle while the watermark stands still.
 //
 // See https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication.
 package publisher

@@ -56,12 +56,15 @@ func IsTransient(err error) bool { return errors.Is(err, ErrTransient) }
 const (
 	errCodeMessageTooLarge = 10054 // stream max_msg_size exceeded
 	errCodeStreamMismatch  = 10060 // expected stream does not match
+	errCodeHeaderTooLarge  = 10097 // header block over 64 KiB
 )
 
 func classifyAPIError(subject string, api *jetstream.APIError) *PublishError {
 	switch api.ErrorCode {
 	case errCodeMessageTooLarge:
 		return &PublishError{Subject: subject, Class: "too_large", API: api, Err: ErrRejected}
+	case errCodeHeaderTooLarge:
+		return &PublishError{Subject: subject, Class: "header_too_large", API: api, Err: ErrRejected}
 	case errCodeStreamMismatch:
 		return &PublishError{Subject: subject, Class: "stream_mismatch", API: api, Err: ErrRejected}
 	}

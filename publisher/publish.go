@@ -128,6 +128,16 @@ func WithStreamLookup(f func(ctx context.Context, subject string) error) Option 
 	return func(p *Publisher) { p.lookup = f }
 }
 
+// WithExpectedStream sets which stream must store a message, by its
+// subject (default: any stream). An answer that looks like an ack but
+// names another stream is not an ack: a core NATS subscriber on the
+// subject answering in JetStream's shape, or a stream other than the one
+// meant. It is logged with what it claimed and the message is retried, so
+// it is never settled as stored.
+func WithExpectedStream(f func(subject string) string) Option {
+	return func(p *Publisher) { p.expect = f }
+}
+
 // pending is one message on its way: in flight, waiting to retry, or queued
 // behind its key.
 type pending struct {
@@ -168,6 +178,7 @@ type Publisher struct {
 	log    *zap.Logger
 	obs    Observer
 	lookup func(ctx context.Context, subject string) error
+	expect func(subject string) string
 
 	prefix string // reply subject prefix
 	sub    *nats.Subscription
@@ -416,6 +427,15 @@ func (p *Publisher) onReply(msg *nats.Msg) {
 		p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: ack without stream", ErrTransient)})
 		return
 	}
+	if p.expect != nil {
+		if want := p.expect(subject); want != "" && pd.ack.Stream != want {
+			p.log.Warn("bad ack: the answer names another stream than the one meant to store the message; retrying (is something other than JetStream answering on the subject?)",
+				zap.String("subject", subject), zap.String("want_stream", want), zap.String("acked_by_stream", pd.ack.Stream),
+				zap.Uint64("acked_seq", pd.ack.Sequence), zap.String("acked_domain", pd.ack.Domain), zap.Int("attempts", pd.attempts))
+			p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: ack from stream %q, want %q", ErrTransient, pd.ack.Stream, want)})
+			return
+		}
+	}
 	p.obs.Published(subject, pd.ack.Duplicate, time.Since(pd.first))
 	p.settle(pd, Result{Ack: &pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
 }
@@ -600,6 +620,43 @@ func (p *Publisher) checkNoStream(ctx context.Context, pd *pending) {
 			p.send(pd)
 		}
 	}()
+}
+
+// Stuck describes the oldest unsettled message of a publisher: with
+// messages handed over in commit order, it is the one holding the
+// watermark.
+type Stuck struct {
+	Key      string // the message's ordering key, "" for a dead-letter record
+	Subject  string // the subject of its current attempt
+	Since    time.Time
+	Attempts int
+}
+
+// Oldest returns the oldest message in flight or waiting to retry, and
+// false when there is none. It walks the window (at most MaxInFlight
+// messages): call it on a timer, not per message.
+func (p *Publisher) Oldest() (Stuck, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var old *pending
+	consider := func(pd *pending) {
+		if old == nil || pd.first.Before(old.first) {
+			old = pd
+		}
+	}
+	for _, pd := range p.inflight {
+		consider(pd)
+	}
+	for _, pd := range p.retries {
+		consider(pd)
+	}
+	for pd := range p.checking {
+		consider(pd)
+	}
+	if old == nil {
+		return Stuck{}, false
+	}
+	return Stuck{Key: old.m.Key, Subject: old.cur.Subject, Since: old.first, Attempts: old.attempts}, true
 }
 
 // Close unsubscribes from acks. Unsettled messages stay unsettled: the

@@ -14,13 +14,13 @@ import (
 )
 
 // connectNATS starts a NATS server of the test's own and connects to it.
-func connectNATS(t *testing.T) *nats.Conn {
+func connectNATS(t *testing.T, opts ...testenv.NATSOption) *nats.Conn {
 	t.Helper()
 	if testing.Short() {
 		t.Skip("needs a NATS server")
 	}
 	t.Parallel()
-	srv, err := testenv.StartNATS()
+	srv, err := testenv.StartNATS(opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -31,6 +31,17 @@ func connectNATS(t *testing.T) *nats.Conn {
 	}
 	t.Cleanup(nc.Close)
 	return nc
+}
+
+// runPublisher runs p until the test ends and returns the context to
+// publish with.
+func runPublisher(t *testing.T, p *publisher.Publisher) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done; _ = p.Close() })
+	return ctx
 }
 
 // TestAckTimeoutRetry answers a publish only on its second attempt and then
@@ -49,10 +60,7 @@ func TestAckTimeoutRetry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done; _ = p.Close() })
+	ctx := runPublisher(t, p)
 
 	var settled atomic.Int32
 	// The ack is read inside Done: the publisher reuses it afterwards.
@@ -200,5 +208,49 @@ func TestPublishConcurrentProducers(t *testing.T) {
 		if err := <-errs; err != nil {
 			t.Fatalf("a producer: %v (%d of %d settled)", err, settled.Load(), producers*each)
 		}
+	}
+}
+
+// Regression (issue 16, case 5): an answer shaped like a JetStream ack but
+// from something other than the stream meant to store the message (here a
+// core NATS subscriber on a subject bound to no stream) was taken as
+// stored. It is a bad ack: retried, never settled, until the right stream
+// answers.
+func TestAckFromAnotherStreamIsNotAnAck(t *testing.T) {
+	nc := connectNATS(t)
+	var attempts atomic.Int32
+	if _, err := nc.Subscribe("fake.>", func(m *nats.Msg) {
+		stream := "FAKE"
+		if attempts.Add(1) >= 4 {
+			stream = "REAL"
+		}
+		_ = m.Respond([]byte(`{"stream":"` + stream + `","seq":1}`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := publisher.New(nc, publisher.Config{AckTimeout: time.Second, RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond},
+		publisher.WithStreamLookup(func(context.Context, string) error { return nil }),
+		publisher.WithExpectedStream(func(string) string { return "REAL" }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := runPublisher(t, p)
+
+	settled := make(chan publisher.Result, 1)
+	var stream string
+	m := &publisher.Message{Subject: "fake.a", Key: "a", Data: []byte("x"), Done: func(r publisher.Result) {
+		stream = r.Ack.Stream
+		settled <- r
+	}}
+	if err := p.Publish(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-settled:
+		if got := attempts.Load(); r.Attempts != 4 || got != 4 || stream != "REAL" {
+			t.Fatalf("settled after %d attempts (%d answered) by stream %q; want the 4th, by REAL", r.Attempts, got, stream)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatalf("never settled; %d attempts", attempts.Load())
 	}
 }

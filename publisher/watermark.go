@@ -22,6 +22,12 @@ type Tracker struct {
 	head      int
 	confirmed atomic.Uint64
 	settled   atomic.Uint64 // transactions settled, for metrics and tests
+	// lastEnd is the newest committed transaction's end LSN: the WAL from
+	// confirmed to it is what a restart would decode and re-send.
+	lastEnd LSN
+	// advanced is signalled when the watermark moves, for a pipeline that
+	// waits for the unsettled tail to shrink.
+	advanced chan struct{}
 }
 
 // Tx is one transaction's share of the watermark.
@@ -36,7 +42,7 @@ type Tx struct {
 // NewTracker returns a tracker whose watermark starts at start (the slot's
 // confirmed position).
 func NewTracker(start LSN) *Tracker {
-	t := &Tracker{}
+	t := &Tracker{advanced: make(chan struct{}, 1)}
 	t.confirmed.Store(uint64(start))
 	return t
 }
@@ -77,11 +83,21 @@ func (tx *Tx) Commit(end LSN) {
 	t.mu.Lock()
 	tx.committed = true
 	tx.end = end
+	t.lastEnd = max(t.lastEnd, end)
 	t.advanceLocked()
 	t.mu.Unlock()
 }
 
 func (t *Tracker) advanceLocked() {
+	head := t.head
+	defer func() {
+		if t.head != head {
+			select {
+			case t.advanced <- struct{}{}:
+			default:
+			}
+		}
+	}()
 	for t.head < len(t.txs) {
 		tx := t.txs[t.head]
 		if !tx.committed || tx.pending > 0 {
@@ -100,9 +116,47 @@ func (t *Tracker) advanceLocked() {
 		n := copy(t.txs, t.txs[t.head:])
 		clear(t.txs[n:])
 		t.txs = t.txs[:n]
-		t.head = 0
+		t.head, head = 0, -1
 	}
 }
+
+// Unsettled returns the number of transactions begun and not yet confirmed,
+// and the WAL bytes from the watermark to the newest committed
+// transaction's end. Both grow without limit while one message holds the
+// watermark and everything behind it is published: a restart decodes and
+// re-sends that WAL, and the slot retains it.
+func (t *Tracker) Unsettled() (txs int, walBytes uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if c := LSN(t.confirmed.Load()); t.lastEnd > c {
+		walBytes = uint64(t.lastEnd - c)
+	}
+	return len(t.txs) - t.head, walBytes
+}
+
+// WaitingForAcks reports whether the oldest unsettled transaction is
+// committed: the watermark then waits for acks, not for the rest of a
+// transaction still being read.
+func (t *Tracker) WaitingForAcks() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.head < len(t.txs) && t.txs[t.head].committed
+}
+
+// Raise moves the watermark up to lsn if it is behind it: the position
+// the slot had already confirmed when streaming started, which a tracker
+// made before the stream was opened does not know.
+func (t *Tracker) Raise(lsn LSN) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if uint64(lsn) > t.confirmed.Load() {
+		t.confirmed.Store(uint64(lsn))
+	}
+}
+
+// Advanced is signalled (capacity one, never closed) when the watermark
+// moves past a transaction.
+func (t *Tracker) Advanced() <-chan struct{} { return t.advanced }
 
 // Confirmed returns the end LSN of the newest transaction that, with every
 // earlier one, is settled.

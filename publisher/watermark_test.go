@@ -116,3 +116,47 @@ func BenchmarkTrackerOneRowTx(b *testing.B) {
 		tx.Settle()
 	}
 }
+
+// The unsettled tail (issue 16, case 2): transactions and WAL bytes behind
+// the watermark, measured from the start position, and the signal that
+// the watermark moved.
+func TestTrackerUnsettled(t *testing.T) {
+	tr := NewTracker(0)
+	tr.Raise(1000)
+	tr.Raise(10) // never backwards
+	if tr.Confirmed() != 1000 {
+		t.Fatalf("confirmed %s", tr.Confirmed())
+	}
+	stuck := tr.Begin(time.Time{})
+	stuck.Add()
+	if tr.WaitingForAcks() {
+		t.Fatal("waiting for acks while the oldest transaction is still being read")
+	}
+	stuck.Commit(1100)
+	if !tr.WaitingForAcks() {
+		t.Fatal("not waiting for acks with a committed transaction unsettled")
+	}
+	for i := range 3 {
+		tx := tr.Begin(time.Time{})
+		tx.Add()
+		tx.Settle()
+		tx.Commit(LSN(1200 + 100*i))
+	}
+	if txs, b := tr.Unsettled(); txs != 4 || b != 400 {
+		t.Fatalf("unsettled %d txs, %d bytes; want 4, 400", txs, b)
+	}
+	select {
+	case <-tr.Advanced():
+		t.Fatal("signalled while the watermark stood still")
+	default:
+	}
+	stuck.Settle()
+	select {
+	case <-tr.Advanced():
+	default:
+		t.Fatal("no signal when the watermark moved")
+	}
+	if txs, b := tr.Unsettled(); txs != 0 || b != 0 || tr.Confirmed() != 1400 {
+		t.Fatalf("unsettled %d txs, %d bytes, confirmed %s", txs, b, tr.Confirmed())
+	}
+}

@@ -51,9 +51,12 @@ const pendingColumn = "publish_state"
 // where the snapshot ends: no gap and no overlap. It is how a first install
 // or a cut-over from a polling relay publishes the rows already waiting.
 //
-// If Backfill fails half-way, drop the slot and run it again: rows
-// published twice are de-duplicated by their Nats-Msg-Id within the
-// stream's duplicate window.
+// The whole backfill holds the slot's backfill lock (a relay streaming from
+// the slot waits for it), and a record in the database says whether it
+// finished. When a backfill was interrupted, the next Backfill drops the
+// slot (if nothing was streamed from it) and starts again from a new
+// snapshot; rows published twice are de-duplicated by their Nats-Msg-Id
+// within the stream's duplicate window. Until then `run` refuses the slot.
 func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, progress Progress) (BackfillReport, error) {
 	var rep BackfillReport
 	if log == nil {
@@ -69,11 +72,13 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 	if _, err := ensureStreams(ctx, js, cfg, log); err != nil {
 		return rep, err
 	}
-	snap, err := replication.CreateSlotWithSnapshot(ctx, cfg.Replication)
-	if errors.Is(err, replication.ErrSlotExists) {
-		return rep, nil
-	}
+	guard, err := replication.LockBackfill(ctx, cfg.Replication)
 	if err != nil {
+		return rep, err
+	}
+	defer guard.Close(context.Background())
+	snap, err := createBackfillSlot(ctx, guard, cfg.Replication, log)
+	if snap == nil || err != nil {
 		return rep, err
 	}
 	defer snap.Close(context.Background())
@@ -84,7 +89,8 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 	if err != nil {
 		return rep, err
 	}
-	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(log.Named("publisher")), publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)))
+	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(log.Named("publisher")), publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)),
+		publisher.WithExpectedStream(expectedStream(cfg)))
 	if err != nil {
 		return rep, err
 	}
@@ -137,7 +143,51 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 	if err := pub.Drain(ctx); err != nil {
 		return rep, fmt.Errorf("backfill: wait for acks: %w", err)
 	}
-	return rep, nil
+	return rep, guard.Finish(ctx)
+}
+
+// createBackfillSlot creates the slot with its snapshot under the backfill
+// lock, recording the backfill before the slot exists so that a crash at
+// any later point leaves it marked unfinished. It returns nil (nothing to
+// backfill) when the slot exists after a finished backfill, or was
+// created without one. The slot of an interrupted backfill is dropped and
+// created anew, when nothing was streamed from it.
+func createBackfillSlot(ctx context.Context, guard *replication.BackfillGuard, cfg replication.Config, log *zap.Logger) (*replication.SnapshotSlot, error) {
+	st, err := guard.State(ctx)
+	if err != nil {
+		return nil, err
+	}
+	slot, err := replication.Status(ctx, cfg.URL, cfg.Slot)
+	if err != nil {
+		return nil, err
+	}
+	if slot.Exists {
+		if !st.Incomplete() {
+			return nil, nil
+		}
+		if err := guard.Restart(ctx, st); err != nil {
+			return nil, err
+		}
+		log.Warn("an earlier backfill of the slot did not finish: dropped the slot, backfilling again from a new snapshot",
+			zap.String("slot", cfg.Slot), zap.Time("interrupted_backfill_started_at", st.StartedAt), zap.Stringer("old_consistent_point", st.ConsistentPoint))
+	}
+	if err := guard.Start(ctx); err != nil {
+		return nil, err
+	}
+	snap, err := replication.CreateSlotWithSnapshot(ctx, cfg)
+	if errors.Is(err, replication.ErrSlotExists) {
+		// Created meanwhile without a backfill (setup with backfill off):
+		// there is nothing of ours to finish.
+		return nil, guard.Forget(ctx)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := guard.Created(ctx, snap.ConsistentPoint); err != nil {
+		snap.Close(context.Background())
+		return nil, err
+	}
+	return snap, nil
 }
 
 func tableConfig(c router.Config, table string) router.TableConfig {

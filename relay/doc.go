@@ -12,7 +12,17 @@
 // messages in the tracker from the publisher's goroutines, and the tracker's
 // watermark is what the next status update confirms.
 //
+// It also stops reading, at the start of a transaction, when the
+// transactions read but not yet confirmable (or the WAL from the watermark
+// to them) reach MaxUnsettledTxs (MaxUnsettledBytes), and names the message
+// holding the watermark once it stood still for StallWarning.
+//
+// Before every session it checks the publication (each table in it, inserts
+// only, partitioned tables through their root, no row filter; again every
+// PublicationCheck while streaming) and the slot's backfill (a standby waits
+// while another instance backfills; an interrupted backfill is refused).
 // Run reconnects after connection failures with capped backoff, waits while
 // another instance holds the slot (a hot standby), and stops with an error
-// for conditions that need an operator (a lost slot, wal_level, grants).
+// for conditions that need an operator (a lost slot, wal_level, grants, a
+// wrong publication, an interrupted backfill).
 package relay

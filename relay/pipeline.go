@@ -23,7 +23,10 @@ type pipeline struct {
 	tx     *publisher.Tx
 	commit router.CommitInfo
 	msgs   *messageRoutes
-	wait   *time.Timer // reused by publish: a context per wait allocated
+	wait   *time.Timer // reused by pause: a context per wait allocated
+	// pausedLog is when admitTx last warned; later pauses within
+	// StallWarning log at debug level.
+	pausedLog time.Time
 }
 
 // waitSlice is how long the loop waits for publish capacity before it sends
@@ -38,6 +41,9 @@ func (p *pipeline) run(ctx context.Context) error {
 		}
 		switch e := ev.(type) {
 		case *replication.Begin:
+			if err := p.admitTx(ctx); err != nil {
+				return err
+			}
 			p.tx = p.tracker.Begin(e.CommitTime)
 			p.commit = router.CommitInfo{LSN: e.FinalLSN, Time: e.CommitTime}
 		case *replication.Insert:
@@ -57,6 +63,45 @@ func (p *pipeline) run(ctx context.Context) error {
 			if err := p.message(ctx, e); err != nil {
 				return err
 			}
+		}
+	}
+}
+
+// admitTx waits, still answering the server, while the transactions behind
+// the watermark are at the bound (MaxUnsettledTxs, MaxUnsettledBytes).
+// Every transaction read so far is committed here, so what it waits for is
+// acks only: nothing it holds back is needed to make progress.
+func (p *pipeline) admitTx(ctx context.Context) error {
+	cfg := &p.r.cfg
+	// over reports whether the tail is at the bounds scaled by num/4:
+	// intake stops at the bounds and resumes below three quarters of them,
+	// so a tail that drains slowly does not pause and resume per
+	// transaction.
+	over := func(num int) (int, uint64, bool) {
+		txs, walBytes := p.tracker.Unsettled()
+		return txs, walBytes, txs >= cfg.MaxUnsettledTxs*num/4 || walBytes >= uint64(cfg.MaxUnsettledBytes)*uint64(num)/4
+	}
+	txs, walBytes, ok := over(4)
+	if !ok {
+		return nil
+	}
+	p.r.paused.Store(true)
+	defer p.r.paused.Store(false)
+	log := p.r.log.Debug
+	if time.Since(p.pausedLog) >= p.r.cfg.StallWarning {
+		log, p.pausedLog = p.r.log.Warn, time.Now()
+	}
+	log("intake paused: too much published behind the watermark; reading the WAL again once it moves",
+		zap.Int("unsettled_transactions", txs), zap.Int("max_unsettled_transactions", cfg.MaxUnsettledTxs),
+		zap.Uint64("unsettled_wal_bytes", walBytes), zap.Int64("max_unsettled_bytes", cfg.MaxUnsettledBytes),
+		zap.Stringer("confirmed_lsn", p.tracker.Confirmed()))
+	for {
+		if err := p.pause(ctx, p.tracker.Advanced()); err != nil {
+			return err
+		}
+		if _, _, ok := over(3); !ok {
+			p.r.log.Debug("intake resumed", zap.Stringer("confirmed_lsn", p.tracker.Confirmed()))
+			return nil
 		}
 	}
 }
@@ -164,24 +209,30 @@ func (p *pipeline) publish(ctx context.Context, pub eventPublisher, m *publisher
 		if ok {
 			return nil
 		}
-		if p.wait == nil {
-			p.wait = time.NewTimer(waitSlice)
-		} else {
-			p.wait.Reset(waitSlice)
-		}
-		select {
-		case <-pub.Space():
-		case <-p.wait.C:
-			// Only time to tell the server we are alive.
-		case <-ctx.Done():
-			p.wait.Stop()
-			return ctx.Err()
-		}
-		p.wait.Stop()
-		if err := p.st.Heartbeat(ctx); err != nil {
+		if err := p.pause(ctx, pub.Space()); err != nil {
 			return err
 		}
 	}
+}
+
+// pause waits for a signal on ch, at most waitSlice, then sends a status
+// update if one is due: the server hears from the relay while it waits.
+func (p *pipeline) pause(ctx context.Context, ch <-chan struct{}) error {
+	if p.wait == nil {
+		p.wait = time.NewTimer(waitSlice)
+	} else {
+		p.wait.Reset(waitSlice)
+	}
+	select {
+	case <-ch:
+	case <-p.wait.C:
+		// Only time to tell the server we are alive.
+	case <-ctx.Done():
+		p.wait.Stop()
+		return ctx.Err()
+	}
+	p.wait.Stop()
+	return p.st.Heartbeat(ctx)
 }
 
 func reasonClass(err error) string {

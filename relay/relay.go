@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -42,7 +44,35 @@ type Config struct {
 	// ReconnectMin and ReconnectMax bound the backoff between attempts to
 	// (re)start streaming. Defaults 500ms and 30s.
 	ReconnectMin, ReconnectMax time.Duration
+	// MaxUnsettledTxs and MaxUnsettledBytes bound the tail behind the
+	// watermark: transactions read and not yet confirmable, and the WAL
+	// from the watermark to the newest of them. At either bound the
+	// pipeline stops reading the WAL until the watermark moves. Without
+	// it, one message held on one key (a dead-letter stream that is
+	// missing, a per-subject limit with discard new) lets everything
+	// behind it be published while nothing is confirmed, and the tracker,
+	// the WAL the slot retains and what a restart re-sends (perhaps after
+	// the duplicate window) grow without limit. Defaults 100,000 and 1 GiB.
+	MaxUnsettledTxs   int
+	MaxUnsettledBytes int64
+	// StallWarning is how long the watermark may stand still with messages
+	// unsettled before the relay logs the message holding it and reports
+	// it in WatermarkStall. Default 1m.
+	StallWarning time.Duration
+	// PublicationCheck is how often the publication is checked while
+	// streaming (replication.CheckPublication; it is also checked before
+	// every session starts). A wrong one makes the relay not ready until
+	// it is fixed. Default 1m.
+	PublicationCheck time.Duration
 }
+
+// Defaults of the bounds on the unsettled tail.
+const (
+	DefaultMaxUnsettledTxs   = 100_000
+	DefaultMaxUnsettledBytes = 1 << 30
+	DefaultStallWarning      = time.Minute
+	DefaultPublicationCheck  = time.Minute
+)
 
 // Relay streams an outbox to JetStream.
 type Relay struct {
@@ -65,6 +95,18 @@ type Relay struct {
 	tracker atomic.Pointer[publisher.Tracker]
 	ready   func(bool)
 	durable atomic.Int32 // 1 when the event stream's acks are durable, 0 when not, -1 unknown
+	// paused is set while the pipeline waits for the unsettled tail to
+	// shrink below its bounds; stall is the watcher's latest verdict.
+	paused atomic.Bool
+	stall  atomic.Pointer[Stall]
+	// backfillIncomplete is set when the slot's backfill was interrupted.
+	backfillIncomplete atomic.Bool
+	// streaming is set while a replication session runs; pubProblem holds
+	// what the last publication check found wrong (nil when none). The
+	// relay is ready when it streams with a right publication.
+	streaming  atomic.Bool
+	pubProblem atomic.Pointer[error]
+	readyMu    sync.Mutex
 }
 
 // Option configures a Relay.
@@ -93,6 +135,18 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	if len(cfg.MessagePrefixes) > 0 {
 		cfg.Replication.Messages = true
 	}
+	if cfg.MaxUnsettledTxs <= 0 {
+		cfg.MaxUnsettledTxs = DefaultMaxUnsettledTxs
+	}
+	if cfg.MaxUnsettledBytes <= 0 {
+		cfg.MaxUnsettledBytes = DefaultMaxUnsettledBytes
+	}
+	if cfg.StallWarning <= 0 {
+		cfg.StallWarning = DefaultStallWarning
+	}
+	if cfg.PublicationCheck <= 0 {
+		cfg.PublicationCheck = DefaultPublicationCheck
+	}
 	r := &Relay{cfg: cfg, nc: nc, log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
 	r.durable.Store(-1)
 	for _, o := range opts {
@@ -109,7 +163,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	}
 	r.js = js
 	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(r.log.Named("publisher")), publisher.WithObserver(r.obs),
-		publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)))
+		publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)), publisher.WithExpectedStream(expectedStream(cfg)))
 	if err != nil {
 		return nil, err
 	}
@@ -154,6 +208,23 @@ func (r *Relay) Batched() bool {
 	return ok
 }
 
+// expectedStream maps a subject to the stream meant to store it: the
+// dead-letter stream for dead-letter subjects, the event stream otherwise.
+// An ack from any other stream is not taken as one.
+func expectedStream(cfg Config) func(subject string) string {
+	prefix := cfg.Router.DeadLetterSubject
+	if prefix == "" {
+		prefix = router.DefaultDeadLetterSubject
+	}
+	prefix += "."
+	return func(subject string) string {
+		if strings.HasPrefix(subject, prefix) {
+			return cfg.DeadLetterStream.Name
+		}
+		return cfg.Stream.Name
+	}
+}
+
 // streamLookup tells a subject bound to no stream (a permanent rejection:
 // dead-letter it) from a missing event stream (an outage: keep retrying and
 // say so). Only when the configured stream exists and still no stream
@@ -194,6 +265,8 @@ func (r *Relay) Run(ctx context.Context) error {
 	if r.batch != nil {
 		g.Go(func() error { return r.batch.Run(pubCtx) })
 	}
+	g.Go(func() error { r.watchStall(pubCtx); return nil })
+	g.Go(func() error { r.watchPublication(pubCtx); return nil })
 	err := r.stream(ctx)
 	stopPub()
 	_ = g.Wait()
@@ -260,7 +333,8 @@ func (r *Relay) stream(ctx context.Context) error {
 	var orphan uint32 // our walsender after we declared its connection dead
 	for {
 		streamed, err := r.streamOnce(ctx, &orphan)
-		r.ready(false)
+		r.streaming.Store(false)
+		r.setReady()
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -301,7 +375,7 @@ func (r *Relay) stream(ctx context.Context) error {
 			// after a promotion.
 			wait = min(wait, max(r.cfg.ReconnectMin, connectRetryMax))
 		}
-		if errors.Is(err, replication.ErrSlotInUse) {
+		if errors.Is(err, replication.ErrSlotInUse) || errors.Is(err, replication.ErrBackfillInProgress) {
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
 			r.log.Info("slot in use by another instance; standing by", zap.Duration("retry_in", wait), zap.Error(err))
@@ -320,6 +394,30 @@ func (r *Relay) stream(ctx context.Context) error {
 
 // connectRetryMax caps the wait after a failed connection attempt.
 const connectRetryMax = time.Second
+
+// open starts streaming from the slot once no backfill of it is running or
+// unfinished: a standby must not overtake a backfill (the walsender lets go
+// of a new slot while its snapshot is still being published), and nobody
+// may stream past an interrupted one.
+func (r *Relay) open(ctx context.Context, tracker *publisher.Tracker) (*replication.Stream, error) {
+	// Whatever postgres.auto_setup says: a table missing from the
+	// publication would be relayed as nothing, the slot confirming past it.
+	// A missing publication is left to Open, which names a missing slot
+	// first: setup creates both.
+	if err := r.checkPublication(ctx); err != nil && !errors.Is(err, replication.ErrPublicationMissing) {
+		return nil, err
+	}
+	_, err := replication.CheckBackfill(ctx, r.cfg.Replication)
+	r.backfillIncomplete.Store(errors.Is(err, replication.ErrBackfillIncomplete))
+	if err != nil {
+		return nil, err
+	}
+	return replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
+}
+
+// BackfillIncomplete reports whether the relay found the slot's backfill
+// interrupted (and so refuses to stream from it).
+func (r *Relay) BackfillIncomplete() bool { return r.backfillIncomplete.Load() }
 
 func backoff(minD, maxD time.Duration, attempt int) time.Duration {
 	d := minD
@@ -345,12 +443,15 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 		openTimeout = 30 * time.Second
 	}
 	octx, cancel := context.WithTimeout(ctx, openTimeout)
-	st, err := replication.Open(octx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
+	st, err := r.open(octx, tracker)
 	cancel()
 	if err != nil {
 		return false, err
 	}
-	r.ready(true)
+	// The unsettled WAL is measured from here, not from 0/0.
+	tracker.Raise(st.StartLSN())
+	r.streaming.Store(true)
+	r.setReady()
 	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
 	err = p.run(ctx)
 	if ctx.Err() != nil {

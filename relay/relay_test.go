@@ -36,6 +36,17 @@ func (f *fixture) start(ctx context.Context) (stop func() error) {
 	return stop
 }
 
+// relayTable creates table public.<name> with columns and relays it instead
+// of the seed's outbox.
+func (f *fixture) relayTable(ctx context.Context, name, columns string) {
+	f.T.Helper()
+	if _, err := f.DB.Pool.Exec(ctx, "CREATE TABLE "+name+" ("+columns+")"); err != nil {
+		f.T.Fatal(err)
+	}
+	f.Cfg.Replication.Tables = []string{"public." + name}
+	f.Cfg.Router.Tables[0].Table = "public." + name
+}
+
 func (f *fixture) slot(ctx context.Context) replication.SlotStatus {
 	f.T.Helper()
 	st, err := replication.Status(ctx, f.DB.URL, f.Cfg.Replication.Slot)
@@ -205,11 +216,7 @@ func TestRelayDeadLettersUnroutableRow(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	if _, err := f.DB.Pool.Exec(ctx, `CREATE TABLE loose_outbox (event_id uuid, aggregate_id text, aggregate_version bigint, event_type text, payload jsonb)`); err != nil {
-		t.Fatal(err)
-	}
-	f.Cfg.Replication.Tables = []string{"public.loose_outbox"}
-	f.Cfg.Router.Tables[0].Table = "public.loose_outbox"
+	f.relayTable(ctx, "loose_outbox", `event_id uuid, aggregate_id text, aggregate_version bigint, event_type text, payload jsonb`)
 	f.Setup(ctx)
 	f.start(ctx)
 	_, err := f.DB.Pool.Exec(ctx, `INSERT INTO loose_outbox VALUES

@@ -67,9 +67,15 @@ type Insert struct {
 	Relation *Relation
 	// Values has one entry per Relation column, in column order.
 	Values []Value
-	// LSN is the WAL position of the change; unique and stable across
-	// replays, it identifies the row in dead-letter records.
+	// LSN is the WAL position of the change. It is stable across replays
+	// but not unique: COPY writes many tuples in one WAL record
+	// (heap_multi_insert), and they all carry that record's LSN.
 	LSN LSN
+	// Ordinal is the row's position among the changes of its transaction
+	// that share LSN, 0 for the first. pgoutput sends a multi-insert
+	// record's tuples in the same order every time the WAL is decoded, so
+	// LSN and Ordinal together identify the row across replays.
+	Ordinal uint32
 	// Tx is the transaction the row belongs to.
 	Tx *Begin
 }

@@ -27,6 +27,11 @@ var (
 	// ErrPublicationMissing means the publication does not exist and the
 	// relay was told not to create it.
 	ErrPublicationMissing = errors.New("publication does not exist")
+	// ErrPublicationMismatch means the publication does not carry the
+	// outbox as the relay needs: a table missing, updates or deletes
+	// published, a partitioned table not published through its root, a row
+	// filter.
+	ErrPublicationMismatch = errors.New("publication does not publish the outbox as the relay needs")
 	// ErrTableMissing means a configured outbox table does not exist.
 	ErrTableMissing = errors.New("outbox table does not exist")
 	// ErrServerSilent means nothing arrived from the server within the
@@ -35,6 +40,14 @@ var (
 	// ErrFailoverUnsupported means failover slots were requested from a
 	// server older than PostgreSQL 17.
 	ErrFailoverUnsupported = errors.New("failover slots need PostgreSQL 17 or later")
+	// ErrBackfillIncomplete means a backfill from the slot's snapshot was
+	// interrupted: rows of the snapshot may never have been published, and
+	// streaming from the slot would skip them for good.
+	ErrBackfillIncomplete = errors.New("the backfill of the slot's snapshot did not finish")
+	// ErrBackfillInProgress means another process is backfilling from the
+	// slot's snapshot; streaming now would overtake it. Like ErrSlotInUse,
+	// it is a standby's state: wait and retry.
+	ErrBackfillInProgress = errors.New("another process is backfilling the slot")
 	// ErrProtocol reports a replication message the relay cannot decode or
 	// that breaks the protocol's rules; it is not retryable by reconnecting.
 	ErrProtocol = errors.New("replication protocol error")
@@ -82,8 +95,8 @@ func actionable(err error, hint string, detailFormat string, args ...any) error 
 // IsPermanent reports whether err needs an operator rather than a
 // reconnect: bad settings, a lost or foreign slot, an undecodable stream.
 func IsPermanent(err error) bool {
-	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrTableMissing, ErrProtocol, ErrFailoverUnsupported,
-		ErrVersionUnsupported, ErrStandbyDecoding} {
+	for _, p := range []error{ErrWalLevel, ErrNoReplicationRole, ErrSlotLost, ErrSlotMissing, ErrSlotMismatch, ErrPublicationMissing, ErrPublicationMismatch, ErrTableMissing, ErrProtocol, ErrFailoverUnsupported,
+		ErrVersionUnsupported, ErrStandbyDecoding, ErrBackfillIncomplete} {
 		if errors.Is(err, p) {
 			return true
 		}

@@ -62,6 +62,9 @@ func Setup(ctx context.Context, cfg Config) (*SetupReport, error) {
 	if err := ensurePublication(ctx, conn, cfg, rep, true); err != nil {
 		return nil, err
 	}
+	if err := checkPublication(ctx, conn, cfg); err != nil {
+		return nil, err
+	}
 	if err := ensureSlot(ctx, conn, cfg, rep, true); err != nil {
 		return nil, err
 	}
@@ -86,6 +89,9 @@ func Check(ctx context.Context, cfg Config) error {
 		return err
 	}
 	if err := ensurePublication(ctx, conn, cfg, &SetupReport{}, false); err != nil {
+		return err
+	}
+	if err := checkPublication(ctx, conn, cfg); err != nil {
 		return err
 	}
 	return ensureSlot(ctx, conn, cfg, &SetupReport{}, false)
@@ -119,7 +125,9 @@ func DropSlot(ctx context.Context, cfg Config) (bool, error) {
 	if _, err := conn.Exec(ctx, "SELECT pg_drop_replication_slot($1)", cfg.Slot); err != nil {
 		return false, fmt.Errorf("drop slot %q: %w", cfg.Slot, err)
 	}
-	return true, nil
+	// A record of an interrupted backfill belonged to the dropped slot; a
+	// slot created later without a backfill must not be refused for it.
+	return true, forgetBackfill(ctx, conn, cfg)
 }
 
 // checkSlotOwner fails with ErrSlotMismatch, naming the slot's owner, when
@@ -202,8 +210,9 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 		}
 		quoted = append(quoted, ident.Sanitize())
 	}
-	var exists, pubInsert bool
-	err := conn.QueryRow(ctx, "SELECT true, pubinsert FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&exists, &pubInsert)
+	// Its operations and options are checkPublication's to judge.
+	var exists bool
+	err := conn.QueryRow(ctx, "SELECT true FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&exists)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return fmt.Errorf("look up publication %q: %w", cfg.Publication, err)
 	}
@@ -212,20 +221,22 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 		if !create {
 			return actionable(ErrPublicationMissing, "run `outbox-relay setup`", "publication %q", cfg.Publication)
 		}
-		sql := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')", name, strings.Join(quoted, ", "))
+		// Through the root: a partitioned outbox's rows keep its name.
+		sql := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert', publish_via_partition_root = true)", name, strings.Join(quoted, ", "))
 		if _, err := conn.Exec(ctx, sql); err != nil {
 			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
 		}
 		rep.add("created publication %s for %s (publish = 'insert')", cfg.Publication, strings.Join(cfg.Tables, ", "))
 		return nil
 	}
-	if !pubInsert {
-		return actionable(ErrPublicationMissing, fmt.Sprintf("run ALTER PUBLICATION %s SET (publish = 'insert')", name), "publication %q does not publish inserts", cfg.Publication)
-	}
 	for i, t := range cfg.Tables {
 		ident := splitQualified(t)
 		var in bool
-		if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)", cfg.Publication, ident[0], ident[1]).Scan(&in); err != nil {
+		// A partitioned table published by partition is listed by its
+		// partitions in pg_publication_tables, and is a member all the same.
+		if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)
+	OR EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid WHERE p.pubname = $1 AND r.prrelid = to_regclass($4))`,
+			cfg.Publication, ident[0], ident[1], quoted[i]).Scan(&in); err != nil {
 			return fmt.Errorf("look up publication tables: %w", err)
 		}
 		if in {

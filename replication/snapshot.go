@@ -46,6 +46,9 @@ func CreateSlotWithSnapshot(ctx context.Context, cfg Config) (*SnapshotSlot, err
 	if err := ensurePublication(ctx, sql, cfg, &SetupReport{}, true); err != nil {
 		return nil, err
 	}
+	if err := checkPublication(ctx, sql, cfg); err != nil {
+		return nil, err
+	}
 	st, err := slotStatus(ctx, sql, cfg.Slot)
 	if err != nil {
 		return nil, err

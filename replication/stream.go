@@ -71,6 +71,10 @@ type Stream struct {
 	message   Message
 	truncate  Truncate
 	inTx      bool
+	// The LSN of the transaction's last change and how many changes before
+	// it shared that LSN: Insert.Ordinal.
+	lastChange LSN
+	sameLSN    uint32
 }
 
 // Open connects with replication=database, checks the slot and starts
@@ -280,6 +284,7 @@ func (s *Stream) decodeXLogData(b []byte) (any, error) {
 		}
 		s.begin = Begin{XID: s.rawBegin.XID, FinalLSN: LSN(s.rawBegin.FinalLSN), CommitTime: s.rawBegin.CommitTime}
 		s.inTx = true
+		s.lastChange, s.sameLSN = 0, 0
 		return &s.begin, nil
 	case pgoutput.TypeCommit:
 		if err := pgoutput.DecodeCommit(body, &s.rawCommit); err != nil {
@@ -314,7 +319,7 @@ func (s *Stream) decodeXLogData(b []byte) (any, error) {
 		for _, c := range s.rawInsert.Columns {
 			vals = append(vals, Value{Kind: valueKind(c.Kind), Data: c.Data})
 		}
-		s.insert = Insert{Relation: rel, Values: vals, LSN: walStart, Tx: &s.begin}
+		s.insert = Insert{Relation: rel, Values: vals, LSN: walStart, Ordinal: s.ordinal(walStart), Tx: &s.begin}
 		return &s.insert, nil
 	case pgoutput.TypeMessage:
 		if err := pgoutput.DecodeMessage(body, &s.rawMsg); err != nil {
@@ -344,6 +349,17 @@ func (s *Stream) decodeXLogData(b []byte) (any, error) {
 	default:
 		return nil, fmt.Errorf("%w: unknown pgoutput message type %q", ErrProtocol, typ)
 	}
+}
+
+// ordinal returns the position of a change at lsn among the transaction's
+// changes sharing that LSN.
+func (s *Stream) ordinal(lsn LSN) uint32 {
+	if lsn == s.lastChange {
+		s.sameLSN++
+	} else {
+		s.lastChange, s.sameLSN = lsn, 0
+	}
+	return s.sameLSN
 }
 
 func valueKind(k byte) ValueKind {

@@ -34,8 +34,13 @@ const (
 // concurrent use. The record goes to <dead_letter_subject>.<EscapeToken(
 // schema.table)> with these headers:
 //
-//   - Nats-Msg-Id: dlq:<schema.table>:<row LSN>, so re-sending the record
-//     after a relay restart is de-duplicated by the stream;
+//   - Nats-Msg-Id: dlq:<schema.table>:event:<event id> when the event id
+//     is known and fits a header, else dlq:<schema.table>:<row LSN>, with
+//     ":<ordinal>" appended for the second and later rows sharing that LSN
+//     (one COPY's rows share it). The id is unique per row and the same
+//     when the WAL is decoded again, so re-sending the record after a
+//     relay restart is de-duplicated by the stream and no two rows
+//     de-duplicate each other;
 //   - Outbox-Table, Outbox-DLQ-Reason (reason.Error(), cut to 1 KiB),
 //     Outbox-DLQ-Reason-Class (from a ReasonClasser in reason's chain, else
 //     rejected_by_broker), Outbox-DLQ-LSN (the row's LSN),
@@ -61,7 +66,7 @@ func (r *Router) DeadLetter(ins *replication.Insert, commit CommitInfo, reason e
 	rec.setReason(reason)
 	var rule *tableRule
 	if ins != nil {
-		rec.lsn = ins.LSN
+		rec.lsn, rec.ordinal = ins.LSN, ins.Ordinal
 		if rel := ins.Relation; rel != nil {
 			rec.table = rel.QualifiedName()
 			rule = r.rules[relKey{rel.Namespace, rel.Name}]
@@ -116,6 +121,7 @@ func (r *Router) DeadLetterMessage(m *Message, reason error) *Message {
 	rec := dlqRecord{
 		table:   m.Table,
 		lsn:     m.LSN,
+		ordinal: m.Ordinal,
 		commit:  m.Commit,
 		eventID: m.EventID,
 		subject: m.Subject,
@@ -140,6 +146,7 @@ func (r *Router) DeadLetterMessage(m *Message, reason error) *Message {
 type dlqRecord struct {
 	table   string
 	lsn     replication.LSN
+	ordinal uint32
 	commit  CommitInfo
 	reason  string
 	class   string
@@ -156,6 +163,26 @@ type dlqField struct {
 	val  []byte
 	null bool
 	note string // why a non-NULL value is shown as null
+}
+
+// headerEventID reports whether the event id is known and fits a header.
+func (rec *dlqRecord) headerEventID() bool {
+	return rec.eventID != "" && len(rec.eventID) <= maxDLQEventIDBytes && checkHeaderValue(rec.eventID) == ""
+}
+
+// msgID is the record's Nats-Msg-Id (see DeadLetter). The event id form and
+// the LSN form cannot meet: an LSN never starts with "event:".
+func (rec *dlqRecord) msgID(lsn string) string {
+	if rec.headerEventID() {
+		return "dlq:" + rec.table + ":event:" + rec.eventID
+	}
+	id := "dlq:" + rec.table + ":" + lsn
+	if rec.ordinal > 0 {
+		// Ordinal 0 keeps the id that earlier versions gave, so a record
+		// re-sent across an upgrade is still a duplicate.
+		id += ":" + strconv.FormatUint(uint64(rec.ordinal), 10)
+	}
+	return id
 }
 
 func (rec *dlqRecord) setReason(reason error) {
@@ -178,9 +205,8 @@ func (rec *dlqRecord) setReason(reason error) {
 func (r *Router) buildDLQ(rec *dlqRecord) *Message {
 	lsn := rec.lsn.String()
 	commitLSN, commitTime := formatCommit(rec.commit)
-	id := "dlq:" + rec.table + ":" + lsn
 	h := nats.Header{}
-	h.Set(contract.MsgID, id)
+	h.Set(contract.MsgID, rec.msgID(lsn))
 	h.Set(contract.Table, headerText(rec.table))
 	h.Set(contract.DLQReason, headerText(rec.reason))
 	h.Set(contract.DLQReasonClass, headerText(rec.class))
@@ -188,7 +214,7 @@ func (r *Router) buildDLQ(rec *dlqRecord) *Message {
 	h.Set(contract.CommitLSN, commitLSN)
 	h.Set(contract.CommitTime, commitTime)
 	h.Set(contract.ContentType, contract.JSONContentType)
-	if rec.eventID != "" && len(rec.eventID) <= maxDLQEventIDBytes && checkHeaderValue(rec.eventID) == "" {
+	if rec.headerEventID() {
 		h.Set(contract.EventID, rec.eventID)
 	}
 	room := r.maxPayload - headerSize(h)

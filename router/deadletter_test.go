@@ -88,7 +88,7 @@ func TestDeadLetterRouteError(t *testing.T) {
 		t.Fatalf("record = %+v", m)
 	}
 	checkHeaders(t, m.Header, nats.Header{
-		contract.MsgID:          {"dlq:public.outbox:0/16B3748"},
+		contract.MsgID:          {"dlq:public.outbox:event:" + testEventID},
 		contract.Table:          {"public.outbox"},
 		contract.DLQReason:      {err.Error()},
 		contract.DLQReasonClass: {ClassInvalidField},
@@ -228,6 +228,61 @@ func TestDeadLetterOddValues(t *testing.T) {
 	}
 }
 
+// Regression (issue 16, case 1): the rows of one COPY share one LSN, and a
+// dead-letter id made of the LSN alone let the stream keep the first record
+// and drop the rest as duplicates. Each row's id is its own, and the same
+// when the row is decoded again.
+func TestDeadLetterIDsUniquePerRow(t *testing.T) {
+	r := mustNew(t, seedConfig())
+	rel := newRelation(1, "public", "outbox", seedColumns...)
+	longID := strings.Repeat("i", maxDLQEventIDBytes+1)
+	tests := []struct {
+		name    string
+		eventID replication.Value
+		ordinal uint32
+		want    string
+	}{
+		{"event id", txt("e-1"), 0, "dlq:public.outbox:event:e-1"},
+		{"event id, later ordinal", txt("e-2"), 3, "dlq:public.outbox:event:e-2"},
+		{"NULL event id", null, 0, "dlq:public.outbox:0/16B3748"},
+		{"NULL event id, second row of the LSN", null, 1, "dlq:public.outbox:0/16B3748:1"},
+		{"NULL event id, fifth row of the LSN", null, 4, "dlq:public.outbox:0/16B3748:4"},
+		{"event id too long for a header", txt(longID), 2, "dlq:public.outbox:0/16B3748:2"},
+		{"event id not header-safe", txt("a\nb"), 1, "dlq:public.outbox:0/16B3748:1"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			row := seedRow()
+			row["event_id"] = tt.eventID
+			row["event_type"] = null
+			ins := newInsert(rel, row)
+			ins.Ordinal = tt.ordinal
+			_, err := r.Route(ins, testCommit)
+			if err == nil {
+				t.Fatal("Route accepted a NULL event type")
+			}
+			for i := 0; i < 2; i++ { // a replay gives the same id
+				if got := r.DeadLetter(ins, testCommit, err).Header.Get(contract.MsgID); got != tt.want {
+					t.Fatalf("id %q, want %q", got, tt.want)
+				}
+			}
+		})
+	}
+
+	// The broker-side path: a routed message rejected as too large.
+	row := seedRow()
+	row["event_id"] = txt(longID)
+	ins := newInsert(rel, row)
+	ins.Ordinal = 2
+	m, err := r.Route(ins, testCommit)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := r.DeadLetterMessage(m, classedError{}).Header.Get(contract.MsgID); got != "dlq:public.outbox:0/16B3748:2" {
+		t.Fatalf("broker-side id %q", got)
+	}
+}
+
 func TestDeadLetterMessage(t *testing.T) {
 	r := mustNew(t, seedConfig())
 	ins := newInsert(newRelation(1, "public", "outbox", seedColumns...), seedRow())
@@ -246,7 +301,7 @@ func TestDeadLetterMessage(t *testing.T) {
 		t.Fatalf("ids differ: %q vs %q", d.Header.Get(contract.MsgID), id)
 	}
 	checkHeaders(t, d.Header, nats.Header{
-		contract.MsgID:          {"dlq:public.outbox:0/16B3748"},
+		contract.MsgID:          {"dlq:public.outbox:event:" + testEventID},
 		contract.Table:          {"public.outbox"},
 		contract.DLQReason:      {reason.Error()},
 		contract.DLQReasonClass: {"broker_too_large"},

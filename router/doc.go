@@ -26,8 +26,11 @@
 //
 // A subject template such as "outbox.{aggregate_type}.{aggregate_id}" may
 // use {aggregate_type}, {aggregate_id}, {event_type}, {table} and {schema}
-// anywhere inside a token. Each substituted value is escaped so that it can
-// never change the subject's token structure:
+// anywhere inside a token; two placeholders share a token only with a byte
+// between them that escaping never produces (not a letter, digit, '_', '-'
+// or '~'; ':' or '+' will do), else two aggregates could get one subject.
+// Each substituted value is escaped so that it can never change the
+// subject's token structure:
 //
 //   - bytes in [A-Za-z0-9_-] are kept as they are;
 //   - every other byte becomes '~' and two upper-case hex digits: "." is

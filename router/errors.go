@@ -50,6 +50,10 @@ const (
 	ClassSubjectTooLong = "subject_too_long"
 	// ClassTooLarge: payload plus headers exceed the NATS max payload.
 	ClassTooLarge = "too_large"
+	// ClassHeaderTooLarge: the header block exceeds JetStream's limit of
+	// MaxHeaderBytes (error 10097), whatever max_payload allows: a long
+	// event type, event id or mapped extra column.
+	ClassHeaderTooLarge = "header_too_large"
 	// ClassUnknownTable: the row's table is not in the configuration.
 	ClassUnknownTable = "unknown_table"
 	// ClassRejectedByBroker: JetStream permanently refused the message.

@@ -32,9 +32,12 @@ type Message struct {
 	Key string
 	// Table is the row's schema-qualified table.
 	Table string
-	// LSN is the row's change LSN; DeadLetterMessage derives the record's
-	// de-duplication id from it.
-	LSN replication.LSN
+	// LSN and Ordinal are the row's change LSN and its position among the
+	// changes sharing it (replication.Insert); DeadLetterMessage derives
+	// the record's de-duplication id from them when the event id cannot
+	// serve.
+	LSN     replication.LSN
+	Ordinal uint32
 	// Commit is the commit of the transaction that inserted the row.
 	Commit CommitInfo
 	// HeaderLen is the encoded size of Header on the wire ("NATS/1.0"
@@ -235,6 +238,11 @@ var fixedHdrLen = hdrOverhead +
 	hdrLineLen(contract.CommitLSN, 0) + hdrLineLen(contract.CommitTime, 0) +
 	hdrLineLen(contract.Table, 0) + hdrLineLen(contract.ContentType, len(contract.JSONContentType))
 
+// MaxHeaderBytes is the largest header block JetStream stores: a longer
+// one is refused for good (error 10097, "header size exceeds maximum
+// allowed of 64k"), even when the message is within max_payload.
+const MaxHeaderBytes = 1<<16 - 1
+
 // Offsets of the parts of Route's scratch buffer, which becomes one string.
 const (
 	partSubject = iota
@@ -378,6 +386,17 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 				total, len(payload), hdrLen, r.maxPayload),
 		}
 	}
+	if hdrLen > MaxHeaderBytes {
+		// Checked here, not left to the broker: a message it refuses
+		// would hold its key (and, in a batch, the whole stream) until it
+		// is dead-lettered.
+		return nil, &RouteError{
+			Table: rule.qualified, Class: ClassHeaderTooLarge, EventID: rd.eventIDString(),
+			Subject: string(rule.tmpl.render(nil, &phv)),
+			Reason: fmt.Sprintf("the headers would be %d bytes, over JetStream's limit of %d (shorten the event type, event id or mapped header columns)",
+				hdrLen, MaxHeaderBytes),
+		}
+	}
 
 	// One scratch buffer becomes one string; every string field is a slice
 	// of it.
@@ -490,6 +509,7 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 		Key:       s[off[partKey]:off[partEventID]],
 		Table:     rule.qualified,
 		LSN:       ins.LSN,
+		Ordinal:   ins.Ordinal,
 		Commit:    commit,
 		HeaderLen: hdrLen,
 		vals:      vals,

@@ -389,6 +389,11 @@ func TestRouteErrors(t *testing.T) {
 		{name: "payload too large", cfg: seedConfig(), opts: []Option{WithMaxPayload(4096)}, edit: set("payload", txt(`"`+strings.Repeat("p", 4096)+`"`)), class: ClassTooLarge},
 		{name: "headers make it too large", cfg: Config{Tables: []TableConfig{{Table: "outbox", Headers: map[string]string{"publish_state": ""}}}},
 			opts: []Option{WithMaxPayload(4096)}, edit: set("publish_state", txt(long+long)), class: ClassTooLarge},
+		// Regression (issue 16, case 2): within max_payload, over JetStream's
+		// 64 KiB header limit.
+		{name: "headers over 64 KiB", cfg: seedConfig(), edit: set("event_type", txt(strings.Repeat("t", 70000))), class: ClassHeaderTooLarge},
+		{name: "extra header over 64 KiB", cfg: Config{Tables: []TableConfig{{Table: "outbox", Headers: map[string]string{"publish_state": ""}}}},
+			edit: set("publish_state", txt(strings.Repeat("s", MaxHeaderBytes))), class: ClassHeaderTooLarge},
 		{name: "unknown table", cfg: Config{Tables: []TableConfig{{Table: "other"}}}, class: ClassUnknownTable},
 	}
 	for _, tt := range tests {

@@ -72,13 +72,22 @@ func tmplErrorf(format string, args ...any) error {
 // inside a token ("evt-{event_type}"); every substituted value is escaped
 // with EscapeToken, so only the literal text decides the token structure,
 // and that is what parseTemplate checks: no empty tokens, no wildcards, no
-// whitespace, balanced braces, known placeholders.
+// whitespace, balanced braces, known placeholders, and two placeholders in
+// one token only with a separator no escaped value contains, so that
+// distinct values never render one subject.
 func parseTemplate(s string) (*template, error) {
 	if s == "" {
 		return nil, tmplErrorf("is empty (the default is %q)", DefaultSubject)
 	}
 	t := &template{}
 	var lit strings.Builder
+	// Two placeholders may share a token only with a byte between them that
+	// no escaped value contains (escaped values are made of [A-Za-z0-9_-]
+	// and '~'): "{aggregate_type}-{aggregate_id}" would give types "a-b"
+	// and "a" with ids "c" and "b-c" one subject, "{aggregate_type}:{aggregate_id}"
+	// cannot. prevPh is the placeholder earlier in the current token, and
+	// apart tells whether such a byte follows it.
+	prevPh, apart := phNone, false
 	for i := 0; i < len(s); i++ {
 		c := s[i]
 		switch {
@@ -101,6 +110,12 @@ func parseTemplate(s string) (*template, error) {
 				return nil, tmplErrorf("placeholders {%s} and {%s} touch: put a separator between them, e.g. {%s}.{%s}",
 					t.segs[len(t.segs)-1].phName(), name, t.segs[len(t.segs)-1].phName(), name)
 			}
+			if prevPh != phNone && !apart {
+				return nil, tmplErrorf("placeholders {%s} and {%s} share a token with only letters, digits, '_', '-' or '~' between them, which values contain too: two aggregates could get one subject; "+
+					"separate them with a byte such as ':' or '+' ({%s}:{%s}), or put each in a token of its own ({%s}.{%s})",
+					placeholderNames[prevPh], name, placeholderNames[prevPh], name, placeholderNames[prevPh], name)
+			}
+			prevPh, apart = ph, false
 			if lit.Len() > 0 {
 				t.segs = append(t.segs, segment{lit: lit.String()})
 				t.litLen += lit.Len()
@@ -115,6 +130,12 @@ func parseTemplate(s string) (*template, error) {
 		case c <= ' ' || c == 0x7F:
 			return nil, tmplErrorf("whitespace or control byte %q at offset %d: NATS subjects cannot contain it", c, i)
 		default:
+			switch {
+			case c == '.':
+				prevPh = phNone
+			case !safeByte[c] && c != '~':
+				apart = true
+			}
 			lit.WriteByte(c)
 		}
 	}

@@ -20,7 +20,13 @@ func TestParseTemplate(t *testing.T) {
 		{tmpl: "events.{schema}.{table}.{event_type}", subject: "events.public.outbox.Created", filter: "events.*.*.*"},
 		{tmpl: "evt-{event_type}.agg:{aggregate_id}", subject: "evt-Created.agg:o~2E42", filter: "*.*"},
 		{tmpl: "fixed.subject", subject: "fixed.subject", filter: "fixed.subject"},
-		{tmpl: "a.{aggregate_type}-{aggregate_id}", subject: "a.Order-o~2E42", filter: "a.*"},
+		{tmpl: "a.{aggregate_type}:{aggregate_id}", subject: "a.Order:o~2E42", filter: "a.*"},
+		{tmpl: "a.{aggregate_type}+x-{aggregate_id}.{event_type}-{table}", err: "share a token"},
+		// Regression (issue 16, likely case): types "a-b" and "a" with ids
+		// "c" and "b-c" rendered one subject.
+		{tmpl: "a.{aggregate_type}-{aggregate_id}", err: "share a token"},
+		{tmpl: "a.{aggregate_type}~{aggregate_id}", err: "share a token"},
+		{tmpl: "{schema}_{table}", err: "share a token"},
 		{tmpl: "", err: "is empty"},
 		{tmpl: "outbox.{aggregate}", err: "unknown placeholder {aggregate} (use {aggregate_type}"},
 		{tmpl: "outbox.{}", err: "empty placeholder"},
@@ -93,7 +99,7 @@ func subjectMatches(filter, subject string) bool {
 }
 
 func FuzzParseTemplate(f *testing.F) {
-	for _, s := range []string{DefaultSubject, "a.{table}-{schema}.b", "{event_type}", "x.{aggregate_id}.y.{aggregate_type}", "{", "}", "a..b", "$x"} {
+	for _, s := range []string{DefaultSubject, "a.{table}:{schema}.b", "a.{table}-{schema}.b", "{event_type}", "x.{aggregate_id}.y.{aggregate_type}", "{", "}", "a..b", "$x"} {
 		f.Add(s, "Order", "id.1", "")
 	}
 	f.Fuzz(func(t *testing.T, tmpl, aggType, aggID, eventType string) {
@@ -122,4 +128,28 @@ func FuzzParseTemplate(f *testing.F) {
 			t.Fatalf("filter %q does not match subject %q of template %q", tp.filter, subject, tmpl)
 		}
 	})
+}
+
+// Two placeholders in one token stay injective when a byte no escaped
+// value holds separates them: distinct (type, id) pairs never share a
+// subject.
+func TestTemplateInjective(t *testing.T) {
+	values := []string{"", "~", ":", "+", "a", "a-b", "b-c", "c", "a:b", "~3A", "~7E", "a~", "é", "a.b"}
+	for _, tmpl := range []string{"x.{aggregate_type}:{aggregate_id}", "{aggregate_type}+{aggregate_id}", "p{aggregate_type}=-{aggregate_id}q"} {
+		tp, err := parseTemplate(tmpl)
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen := map[string][2]string{}
+		for _, a := range values {
+			for _, b := range values {
+				vals := [numPlaceholders][]byte{phAggregateType: []byte(a), phAggregateID: []byte(b)}
+				s := string(tp.render(nil, &vals))
+				if prev, ok := seen[s]; ok {
+					t.Fatalf("%s: %q and %q both render %q", tmpl, prev, [2]string{a, b}, s)
+				}
+				seen[s] = [2]string{a, b}
+			}
+		}
+	}
 }

@@ -56,6 +56,11 @@ func newSetupCmd(g *globals) *cobra.Command {
 			for _, a := range rep.Actions {
 				fmt.Fprintln(out, "postgres:", a)
 			}
+			// Without backfill an interrupted one stays: say so now, not
+			// when run refuses the slot.
+			if _, err := replication.CheckBackfill(ctx, cfg.Replication()); errors.Is(err, replication.ErrBackfillIncomplete) {
+				return err
+			}
 			js, err := jetstream.New(nc)
 			if err != nil {
 				return err
@@ -90,11 +95,13 @@ type statusReport struct {
 	ConfirmedFlushLSN string `json:"confirmed_flush_lsn,omitempty"`
 	RetainedWALBytes  int64  `json:"retained_wal_bytes"`
 	LagBytes          int64  `json:"lag_bytes"`
-	Stream            string `json:"stream"`
-	StreamMessages    uint64 `json:"stream_messages"`
-	StreamLastSeq     uint64 `json:"stream_last_seq"`
-	StreamStorage     string `json:"stream_storage,omitempty"`
-	StreamReplicas    int    `json:"stream_replicas,omitempty"`
+	// BackfillIncomplete: the slot's backfill was interrupted.
+	BackfillIncomplete bool   `json:"backfill_incomplete,omitempty"`
+	Stream             string `json:"stream"`
+	StreamMessages     uint64 `json:"stream_messages"`
+	StreamLastSeq      uint64 `json:"stream_last_seq"`
+	StreamStorage      string `json:"stream_storage,omitempty"`
+	StreamReplicas     int    `json:"stream_replicas,omitempty"`
 	// DurableAcks says whether the event stream's acks survive a server
 	// crash; DurableReason says why not.
 	DurableAcks      *bool  `json:"durable_acks,omitempty"`
@@ -225,6 +232,15 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 			rep.Problems = append(rep.Problems, "slot is lost (wal_status = 'lost'): events were lost; follow docs/operations.md, \"Recovering after a lost slot\"")
 		}
 		rep.Failover, rep.Problems = failoverStatus(ctx, cfg, rep.Problems)
+		if err := replication.CheckPublication(ctx, cfg.Replication()); err != nil {
+			rep.Problems = append(rep.Problems, "postgres: "+err.Error())
+		}
+		if bf, err := replication.ReadBackfillState(ctx, cfg.Replication()); err != nil {
+			rep.Problems = append(rep.Problems, "postgres: "+err.Error())
+		} else if st.Exists && bf.Incomplete() {
+			rep.BackfillIncomplete = true
+			rep.Problems = append(rep.Problems, fmt.Sprintf("the backfill of the slot started at %s never finished: `run` refuses the slot; run `outbox-relay setup` to backfill again", bf.StartedAt.UTC().Format(time.RFC3339)))
+		}
 	}
 	natsUnknown := func(err error) statusReport {
 		rep.NATSError = err.Error()

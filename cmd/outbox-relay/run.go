@@ -146,6 +146,41 @@ func relayGauges(rlp *atomic.Pointer[relay.Relay], streaming func() bool) metric
 			}
 			return -1
 		},
+		UnsettledTxs: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				txs, _ := rl.Tracker().Unsettled()
+				return float64(txs)
+			}
+			return 0
+		},
+		UnsettledWALBytes: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				_, b := rl.Tracker().Unsettled()
+				return float64(b)
+			}
+			return 0
+		},
+		IntakePaused:       relayFlag(rlp, (*relay.Relay).IntakePaused),
+		PublicationWrong:   relayFlag(rlp, func(rl *relay.Relay) bool { return rl.PublicationProblem() != nil }),
+		BackfillIncomplete: relayFlag(rlp, (*relay.Relay).BackfillIncomplete),
+		Stall: func() metrics.Stall {
+			rl := rlp.Load()
+			if rl == nil {
+				return metrics.Stall{}
+			}
+			st := rl.WatermarkStall()
+			return metrics.Stall{Seconds: st.For.Seconds(), Key: st.Blocker.Key, Subject: st.Blocker.Subject}
+		},
+	}
+}
+
+// relayFlag reads a yes/no of the relay as 1 or 0; 0 before the relay exists.
+func relayFlag(rlp *atomic.Pointer[relay.Relay], f func(*relay.Relay) bool) func() float64 {
+	return func() float64 {
+		if rl := rlp.Load(); rl != nil && f(rl) {
+			return 1
+		}
+		return 0
 	}
 }
 

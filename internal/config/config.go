@@ -96,6 +96,9 @@ type Postgres struct {
 	ReceiveTimeout time.Duration `yaml:"receive_timeout"`
 	// FailoverSlot creates a PostgreSQL 17 failover slot.
 	FailoverSlot bool `yaml:"failover_slot"`
+	// PublicationCheck is how often the publication is checked while the
+	// relay streams (it is also checked before every session starts).
+	PublicationCheck time.Duration `yaml:"publication_check_interval"`
 	// Backfill publishes the rows already in the outbox (publish_state =
 	// 'PENDING') when the slot is created, from the slot's exported
 	// snapshot: a first install or a cut-over from a polling relay loses
@@ -118,6 +121,14 @@ type NATS struct {
 	AckTimeout       time.Duration `yaml:"ack_timeout"`
 	MaxInFlight      int           `yaml:"max_in_flight"`
 	MaxInFlightBytes int           `yaml:"max_in_flight_bytes"`
+	// MaxUnsettledTransactions and MaxUnsettledWALBytes bound what is
+	// published behind a message not yet acknowledged: at either bound
+	// the relay stops reading the WAL until the watermark moves.
+	MaxUnsettledTransactions int `yaml:"max_unsettled_transactions"`
+	MaxUnsettledWALBytes     int `yaml:"max_unsettled_wal_bytes"`
+	// StallWarning is how long the watermark may stand still before the
+	// relay names the message holding it (log, metric).
+	StallWarning time.Duration `yaml:"stall_warning"`
 	// BatchPublish chooses how events are published: "auto" (fast-ingest
 	// batches when the event stream allows them, per aggregate otherwise),
 	// "on" (batches, refusing to start without them) or "off".
@@ -160,25 +171,29 @@ type Log struct {
 func Default() Config {
 	return Config{
 		Postgres: Postgres{
-			Slot:           "outbox_relay",
-			Publication:    "outbox_relay",
-			StatusInterval: time.Second,
-			AutoSetup:      true,
-			ReceiveTimeout: 30 * time.Second,
-			Backfill:       true,
+			Slot:             "outbox_relay",
+			Publication:      "outbox_relay",
+			StatusInterval:   time.Second,
+			AutoSetup:        true,
+			ReceiveTimeout:   30 * time.Second,
+			Backfill:         true,
+			PublicationCheck: relay.DefaultPublicationCheck,
 		},
 		NATS: NATS{
-			URL:               "nats://127.0.0.1:4222",
-			Stream:            "OUTBOX",
-			DeadLetterStream:  "OUTBOX_DLQ",
-			CreateStreams:     true,
-			Replicas:          1,
-			DuplicateWindow:   2 * time.Minute,
-			AckTimeout:        5 * time.Second,
-			MaxInFlight:       4096,
-			MaxInFlightBytes:  64 << 20,
-			BatchPublish:      "auto",
-			MaxExpectedOutage: 2 * time.Minute,
+			URL:                      "nats://127.0.0.1:4222",
+			Stream:                   "OUTBOX",
+			DeadLetterStream:         "OUTBOX_DLQ",
+			CreateStreams:            true,
+			Replicas:                 1,
+			DuplicateWindow:          2 * time.Minute,
+			AckTimeout:               5 * time.Second,
+			MaxInFlight:              4096,
+			MaxInFlightBytes:         64 << 20,
+			MaxUnsettledTransactions: relay.DefaultMaxUnsettledTxs,
+			MaxUnsettledWALBytes:     relay.DefaultMaxUnsettledBytes,
+			StallWarning:             relay.DefaultStallWarning,
+			BatchPublish:             "auto",
+			MaxExpectedOutage:        2 * time.Minute,
 		},
 		HTTP:            HTTP{Listen: "127.0.0.1:9187", LingerOnError: 15 * time.Second},
 		Log:             Log{Level: "info", Format: "json"},
@@ -269,6 +284,18 @@ func (c *Config) Validate() error {
 	}
 	if c.NATS.MaxInFlightBytes < 1<<10 {
 		bad("nats.max_in_flight_bytes", "%d is too small: use at least 1024 (default 67108864)", c.NATS.MaxInFlightBytes)
+	}
+	if c.NATS.MaxUnsettledTransactions < c.NATS.MaxInFlight {
+		bad("nats.max_unsettled_transactions", "%d is below nats.max_in_flight (%d): use at least that (default %d)", c.NATS.MaxUnsettledTransactions, c.NATS.MaxInFlight, relay.DefaultMaxUnsettledTxs)
+	}
+	if c.NATS.MaxUnsettledWALBytes < 1<<20 {
+		bad("nats.max_unsettled_wal_bytes", "%d is too small: use at least 1048576 (default %d)", c.NATS.MaxUnsettledWALBytes, relay.DefaultMaxUnsettledBytes)
+	}
+	if c.Postgres.PublicationCheck < time.Second {
+		bad("postgres.publication_check_interval", "%s is too short: use at least 1s (default %s)", c.Postgres.PublicationCheck, relay.DefaultPublicationCheck)
+	}
+	if c.NATS.StallWarning < time.Second {
+		bad("nats.stall_warning", "%s is too short: use at least 1s (default %s)", c.NATS.StallWarning, relay.DefaultStallWarning)
 	}
 	switch c.NATS.BatchPublish {
 	case "auto", "on", "off":

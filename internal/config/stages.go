@@ -71,12 +71,16 @@ func (c *Config) Relay() relay.Config {
 			MaxInFlightBytes: c.NATS.MaxInFlightBytes,
 			AckTimeout:       c.NATS.AckTimeout,
 		},
-		Stream:           events,
-		DeadLetterStream: dlq,
-		CreateStreams:    c.NATS.CreateStreams,
-		BatchPublish:     c.NATS.BatchPublish,
-		ShutdownTimeout:  c.ShutdownTimeout,
-		MessagePrefixes:  c.messagePrefixes(),
+		Stream:            events,
+		DeadLetterStream:  dlq,
+		CreateStreams:     c.NATS.CreateStreams,
+		BatchPublish:      c.NATS.BatchPublish,
+		ShutdownTimeout:   c.ShutdownTimeout,
+		MessagePrefixes:   c.messagePrefixes(),
+		MaxUnsettledTxs:   c.NATS.MaxUnsettledTransactions,
+		MaxUnsettledBytes: int64(c.NATS.MaxUnsettledWALBytes),
+		StallWarning:      c.NATS.StallWarning,
+		PublicationCheck:  c.Postgres.PublicationCheck,
 	}
 }
 

@@ -24,7 +24,7 @@ type Relay struct {
 // the router's, and the publisher's for broker rejections.
 var deadLetterClasses = []string{
 	router.ClassMissingColumn, router.ClassNullField, router.ClassInvalidField,
-	router.ClassSubjectTooLong, router.ClassTooLarge, router.ClassUnknownTable,
+	router.ClassSubjectTooLong, router.ClassTooLarge, router.ClassHeaderTooLarge, router.ClassUnknownTable,
 	router.ClassRejectedByBroker, "stream_mismatch", "no_stream",
 }
 
@@ -41,6 +41,31 @@ type Gauges struct {
 	// StreamDurable is 1 when the event stream's acks survive a server
 	// crash (file storage, ≥ 3 replicas), 0 when not, -1 before the check.
 	StreamDurable func() float64
+	// UnsettledTxs and UnsettledWALBytes are the tail behind the
+	// watermark; IntakePaused is 1 while the relay stopped reading the WAL
+	// because the tail reached its bound.
+	UnsettledTxs      func() float64
+	UnsettledWALBytes func() float64
+	IntakePaused      func() float64
+	// Stall returns how long the watermark has stood still with messages
+	// unsettled (0 when it moves) and, once the relay has named it, the
+	// message holding it.
+	Stall func() Stall
+	// BackfillIncomplete is 1 when the relay found the slot's backfill
+	// interrupted and refuses to stream from it.
+	BackfillIncomplete func() float64
+	// PublicationWrong is 1 when the last publication check found a table
+	// missing or a wrong setting.
+	PublicationWrong func() float64
+}
+
+// Stall is the watermark standing still behind one message.
+type Stall struct {
+	Seconds float64
+	// Key is the blocking message's ordering key (aggregate type, NUL,
+	// aggregate id; empty for a dead-letter record) and Subject its
+	// subject; both empty until the relay names the blocker.
+	Key, Subject string
 }
 
 // NewRelay registers the relay's metrics on reg.
@@ -96,6 +121,14 @@ func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
 	gauge("outbox_relay_confirmed_lsn", "Highest LSN whose transactions are all acknowledged (the slot's next confirmed position), as a number.", g.ConfirmedLSN)
 	gauge("outbox_relay_oldest_unacked_age_seconds", "Age, from its commit, of the oldest transaction with events not yet acknowledged by JetStream; 0 when none.", g.OldestAge)
 	gauge("outbox_relay_ready", "1 while the relay streams from the slot with the broker connected.", g.Ready)
+	gauge("outbox_relay_unsettled_transactions", "Transactions read from the WAL and not yet confirmable: published behind a message not yet acknowledged.", g.UnsettledTxs)
+	gauge("outbox_relay_unsettled_wal_bytes", "WAL bytes from the confirmed position to the newest transaction read: what a restart decodes and re-sends.", g.UnsettledWALBytes)
+	gauge("outbox_relay_intake_paused", "1 while the relay stopped reading the WAL because the unsettled transactions or WAL bytes reached nats.max_unsettled_transactions or nats.max_unsettled_wal_bytes.", g.IntakePaused)
+	gauge("outbox_relay_backfill_incomplete", "1 when the slot's backfill was interrupted: the relay refuses to stream from the slot until `outbox-relay setup` backfills again.", g.BackfillIncomplete)
+	gauge("outbox_relay_publication_wrong", "1 when the publication lacks a configured table, publishes updates or deletes, sends a partitioned table by partition or filters rows: the relay is not ready; its log names the ALTER PUBLICATION to run.", g.PublicationWrong)
+	if g.Stall != nil {
+		reg.MustRegister(stallCollector(g.Stall))
+	}
 	gauge("outbox_relay_stream_durable", "1 when the event stream's acknowledgements survive a server crash (file storage, at least 3 replicas), 0 when not, -1 before the relay checked.", g.StreamDurable)
 	return m
 }

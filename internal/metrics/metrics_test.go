@@ -113,6 +113,29 @@ func TestStreamPollerAge(t *testing.T) {
 	}
 }
 
+// The watermark stall is one series, labelled with the blocking message
+// once the relay has named it (issue 16, case 2).
+func TestWatermarkStall(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	var st Stall
+	NewRelay(reg, Gauges{Stall: func() Stall { return st }})
+	expect(t, gather(t, reg), map[string]float64{
+		"outbox_relay_watermark_stalled_seconds{aggregate_id=,aggregate_type=,subject=}": 0,
+	})
+	st = Stall{Seconds: 90, Key: "order\x00o-42", Subject: "outbox.order.o-42"}
+	got := gather(t, reg)
+	expect(t, got, map[string]float64{
+		"outbox_relay_watermark_stalled_seconds{aggregate_id=o-42,aggregate_type=order,subject=outbox.order.o-42}": 90,
+		"outbox_relay_watermark_stalled_seconds{aggregate_id=,aggregate_type=,subject=}":                           absent,
+	})
+	st = Stall{Seconds: 1, Key: "t\x00" + strings.Repeat("é", 100) + "\xff"}
+	for k := range gather(t, reg) {
+		if strings.HasPrefix(k, "outbox_relay_watermark_stalled_seconds") && len(k) > 300 {
+			t.Errorf("label not cut: %d bytes", len(k))
+		}
+	}
+}
+
 func TestReconcileGauges(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := NewReconcile(reg)
