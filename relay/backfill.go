@@ -33,6 +33,9 @@ type BackfillReport struct {
 	// than the event stream's first message after its limits removed
 	// older ones: reconcile reports them as expired.
 	Expired int
+	// Actions says what creating the slot did in PostgreSQL (the
+	// publication, the slot), in order; empty when the slot existed.
+	Actions []string
 }
 
 // Progress is told how many of the backfill's rows are published so far.
@@ -82,7 +85,7 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 		return rep, err
 	}
 	defer snap.Close(context.Background())
-	rep.SlotCreated, rep.ConsistentPoint = true, snap.ConsistentPoint
+	rep.SlotCreated, rep.ConsistentPoint, rep.Actions = true, snap.ConsistentPoint, snap.Actions
 	log.Info("slot created with snapshot", zap.String("slot", cfg.Replication.Slot), zap.Stringer("consistent_point", snap.ConsistentPoint))
 
 	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))

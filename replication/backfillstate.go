@@ -125,7 +125,7 @@ ON CONFLICT (slot_name) DO UPDATE SET started_at = now(), consistent_point = NUL
 func backfillStateError(err error, what, fix string) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
-		return fmt.Errorf("%s: %w (a backfill is recorded so that an interrupted one is never streamed past: run `outbox-relay setup` as the outbox's owner, or as it run: %s)", what, err, fix)
+		return fmt.Errorf("%s: %w (a backfill is recorded so that an interrupted one is never streamed past: as the outbox's owner run %s — docs/faults.md, \"Least privilege: PostgreSQL\", lists every statement the owner runs — then run setup again)", what, err, fix)
 	}
 	return fmt.Errorf("%s: %w", what, err)
 }

@@ -223,7 +223,17 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 		}
 		// Through the root: a partitioned outbox's rows keep its name.
 		sql := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert', publish_via_partition_root = true)", name, strings.Join(quoted, ", "))
-		if _, err := conn.Exec(ctx, sql); err != nil {
+		_, err := conn.Exec(ctx, sql)
+		var pgErr *pgconn.PgError
+		switch {
+		case errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.DuplicateObject || pgErr.Code == pgerrcode.UniqueViolation):
+			// Another instance created it between our look-up and now.
+			return ensurePublication(ctx, conn, cfg, rep, create)
+		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege:
+			return actionable(ErrPublicationMissing,
+				fmt.Sprintf("creating it needs the tables' owner and CREATE on the database: as the owner run sql/publication.sql, or %s (docs/faults.md, \"Least privilege: PostgreSQL\", lists every statement the owner runs); then run setup again as this role", sql),
+				"publication %q does not exist and %s", cfg.Publication, pgErr.Message)
+		case err != nil:
 			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
 		}
 		rep.add("created publication %s for %s (publish = 'insert')", cfg.Publication, strings.Join(cfg.Tables, ", "))
@@ -245,7 +255,14 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 		if !create {
 			return actionable(ErrPublicationMissing, "run `outbox-relay setup`", "publication %q does not include table %s", cfg.Publication, t)
 		}
-		if _, err := conn.Exec(ctx, fmt.Sprintf("ALTER PUBLICATION %s ADD TABLE %s", name, quoted[i])); err != nil {
+		alter := fmt.Sprintf("ALTER PUBLICATION %s ADD TABLE %s", name, quoted[i])
+		if _, err := conn.Exec(ctx, alter); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
+				return actionable(ErrPublicationMissing,
+					fmt.Sprintf("run as the owner of the publication and of the table: %s; and grant the relay's role SELECT on it; then run setup again", alter),
+					"publication %q does not include table %s, and %s", cfg.Publication, t, pgErr.Message)
+			}
 			return fmt.Errorf("add %s to publication %q: %w", t, cfg.Publication, err)
 		}
 		rep.add("added table %s to publication %s", t, cfg.Publication)

@@ -24,7 +24,9 @@ type SnapshotSlot struct {
 	Snapshot string
 	// ConsistentPoint is where streaming from the slot starts.
 	ConsistentPoint LSN
-	conn            *pgconn.PgConn
+	// Actions says what was created (or found), in order.
+	Actions []string
+	conn    *pgconn.PgConn
 }
 
 // CreateSlotWithSnapshot ensures the publication, then creates the slot on
@@ -43,7 +45,8 @@ func CreateSlotWithSnapshot(ctx context.Context, cfg Config) (*SnapshotSlot, err
 	if err := checkServer(ctx, sql); err != nil {
 		return nil, err
 	}
-	if err := ensurePublication(ctx, sql, cfg, &SetupReport{}, true); err != nil {
+	rep := &SetupReport{}
+	if err := ensurePublication(ctx, sql, cfg, rep, true); err != nil {
 		return nil, err
 	}
 	if err := checkPublication(ctx, sql, cfg); err != nil {
@@ -84,7 +87,8 @@ func CreateSlotWithSnapshot(ctx context.Context, cfg Config) (*SnapshotSlot, err
 		conn.Close(context.Background())
 		return nil, fmt.Errorf("%w: consistent point %q: %v", ErrProtocol, res.ConsistentPoint, err)
 	}
-	return &SnapshotSlot{Snapshot: res.SnapshotName, ConsistentPoint: lsn, conn: conn}, nil
+	rep.add("created logical replication slot %s (pgoutput) with an exported snapshot, consistent point %s", cfg.Slot, lsn)
+	return &SnapshotSlot{Snapshot: res.SnapshotName, ConsistentPoint: lsn, Actions: rep.Actions, conn: conn}, nil
 }
 
 // Close ends the replication connection, which releases the snapshot. The

@@ -6,7 +6,7 @@
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = 'outbox_relay') THEN
-        CREATE PUBLICATION outbox_relay FOR TABLE outbox WITH (publish = 'insert');
+        CREATE PUBLICATION outbox_relay FOR TABLE outbox WITH (publish = 'insert', publish_via_partition_root = true);
     END IF;
 END
 $$;

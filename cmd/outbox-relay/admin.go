@@ -11,6 +11,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
@@ -24,8 +25,14 @@ import (
 func newSetupCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "setup",
-		Short: "Create the publication, the replication slot and the streams (idempotent)",
-		Args:  cobra.NoArgs,
+		Short: "Create the streams, the publication and the replication slot (idempotent)",
+		Long: "Creates what is missing, in this order, and prints each step as it is done:\n" +
+			"the event and dead-letter streams (checked first: a stream whose subjects do not\n" +
+			"cover the configuration stops setup before PostgreSQL is changed), then the\n" +
+			"publication, then the slot, last, because a slot retains WAL from the moment it\n" +
+			"exists; with postgres.backfill the slot comes with an exported snapshot and the\n" +
+			"rows already waiting are published.",
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := g.load()
 			if err != nil {
@@ -40,49 +47,66 @@ func newSetupCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer nc.Close()
+			if err := setupStreams(ctx, nc, cfg, out); err != nil {
+				return err
+			}
+			slotCreated := false
 			if cfg.Postgres.Backfill {
 				brep, err := backfill(ctx, cfg, nc, zap.NewNop(), cmd.ErrOrStderr())
 				if err != nil {
 					return err
 				}
-				if brep.SlotCreated {
-					fmt.Fprintf(out, "postgres: created slot %s with an exported snapshot (consistent point %s); backfilled %d waiting rows (%d dead-lettered, %d skipped: already in stream %s, %d skipped: older than the stream's first message, see reconcile's expired rows)\n", cfg.Postgres.Slot, brep.ConsistentPoint, brep.Rows, brep.DeadLettered, brep.AlreadyStreamed, cfg.NATS.Stream, brep.Expired)
+				for _, a := range brep.Actions {
+					fmt.Fprintln(out, "postgres:", a)
+				}
+				if slotCreated = brep.SlotCreated; slotCreated {
+					fmt.Fprintf(out, "postgres: backfilled %d waiting rows (%d dead-lettered, %d skipped: already in stream %s, %d skipped: older than the stream's first message, see reconcile's expired rows)\n", brep.Rows, brep.DeadLettered, brep.AlreadyStreamed, cfg.NATS.Stream, brep.Expired)
 				}
 			}
 			rep, err := replication.Setup(ctx, cfg.Replication())
 			if err != nil {
 				return err
 			}
-			for _, a := range rep.Actions {
-				fmt.Fprintln(out, "postgres:", a)
+			if !slotCreated {
+				// After a backfill these would only say "already exists"
+				// of what it has just created.
+				for _, a := range rep.Actions {
+					fmt.Fprintln(out, "postgres:", a)
+				}
 			}
 			// Without backfill an interrupted one stays: say so now, not
 			// when run refuses the slot.
 			if _, err := replication.CheckBackfill(ctx, cfg.Replication()); errors.Is(err, replication.ErrBackfillIncomplete) {
 				return err
 			}
-			js, err := jetstream.New(nc)
-			if err != nil {
-				return err
-			}
-			events, dlq := cfg.Streams()
-			for _, spec := range []publisher.StreamSpec{events, dlq} {
-				srep, err := publisher.EnsureStream(ctx, js, spec, true)
-				if err != nil {
-					return err
-				}
-				if srep.Created {
-					fmt.Fprintf(out, "nats: created stream %s (subjects %v, file storage, duplicate window %s)\n", spec.Name, spec.Subjects, spec.Duplicates)
-				} else {
-					fmt.Fprintf(out, "nats: stream %s already exists (subjects %v)\n", spec.Name, srep.Info.Config.Subjects)
-				}
-				for _, w := range srep.Warnings {
-					fmt.Fprintln(out, "warning:", w)
-				}
-			}
 			return nil
 		},
 	}
+}
+
+// setupStreams creates the event and dead-letter streams that are missing
+// and checks those that exist, printing each.
+func setupStreams(ctx context.Context, nc *nats.Conn, cfg config.Config, out io.Writer) error {
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	events, dlq := cfg.Streams()
+	for _, spec := range []publisher.StreamSpec{events, dlq} {
+		srep, err := publisher.EnsureStream(ctx, js, spec, true)
+		if err != nil {
+			return err
+		}
+		if srep.Created {
+			fmt.Fprintf(out, "nats: created stream %s (subjects %v, file storage, duplicate window %s)\n", spec.Name, spec.Subjects, spec.Duplicates)
+		} else {
+			fmt.Fprintf(out, "nats: stream %s already exists (subjects %v)\n", spec.Name, srep.Info.Config.Subjects)
+		}
+		for _, w := range srep.Warnings {
+			fmt.Fprintln(out, "warning:", w)
+		}
+	}
+	return nil
 }
 
 // statusReport is what `status --json` prints.

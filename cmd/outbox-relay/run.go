@@ -24,6 +24,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
@@ -268,7 +269,13 @@ func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs re
 // conditions that need an operator. A PostgreSQL server that cannot be
 // reached yet is waited for.
 func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *relay.Relay, log *zap.Logger) error {
-	prepare := func() error { return replication.Check(ctx, cfg.Replication()) }
+	// Without auto_setup the relay checks the publication and the slot
+	// itself, naming the fix; this only tells a server that is not there
+	// yet (waited for) from one that refuses us (an error at once).
+	prepare := func() error {
+		_, err := replication.Status(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
+		return err
+	}
 	if cfg.Postgres.AutoSetup {
 		prepare = func() error { return autoSetup(ctx, cfg, nc, log) }
 	}
@@ -290,6 +297,19 @@ func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *rela
 func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.Logger) error {
 	if err := refuseSlotLostInFailover(ctx, cfg, nc); err != nil {
 		return err
+	}
+	// The streams first, as setup does: a stream that does not fit the
+	// configuration must stop us before a slot retains WAL. Their
+	// warnings are the relay's to log when it starts streaming.
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	events, dlq := cfg.Streams()
+	for _, spec := range []publisher.StreamSpec{events, dlq} {
+		if _, err := publisher.EnsureStream(ctx, js, spec, cfg.NATS.CreateStreams); err != nil {
+			return err
+		}
 	}
 	if cfg.Postgres.Backfill {
 		rep, err := backfill(ctx, cfg, nc, log, os.Stderr)

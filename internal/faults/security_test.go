@@ -361,8 +361,16 @@ func TestSecretsNeverLeak(t *testing.T) {
 	s.set("postgres.url", strings.Replace(tlsURL(pg, s.db.Name, role, pgPW, certs.CAFile), fmt.Sprintf(":%d/", pg.Port()), fmt.Sprintf(":%d/", closed), 1))
 	out, _ = s.runCmd(60*time.Second, nil, "status", "--config", s.writeConfig())
 	collect("status, postgres unreachable", out)
-	out, _ = s.runCmd(60*time.Second, nil, "run", "--config", s.writeConfig())
-	collect("run, postgres unreachable", out)
+	// run waits for an unreachable server (README, "A server that is down
+	// at start is waited for"): collect what it logs while it waits.
+	r = s.startCmd(nil, "run", "--config", s.writeConfig())
+	if _, ok := r.waitLog(r.started, 60*time.Second, func(e logEntry) bool { return e.Msg == "postgres unreachable at start; retrying" }); !ok {
+		t.Errorf("run with PostgreSQL unreachable did not say it waits for it:\n%s", r.output())
+	}
+	if err := r.term(30 * time.Second); err != nil {
+		t.Errorf("run waiting for PostgreSQL did not stop on SIGTERM: %v", err)
+	}
+	collect("run, postgres unreachable", r.output())
 	badEnv := []string{
 		"OUTBOX_RELAY_POSTGRES_URL=postgres://" + role + ":" + pgPW + "@/nohost",
 		"OUTBOX_RELAY_NATS_URL=nats://relay1:" + natsURLPW + "@[::1",
@@ -443,20 +451,37 @@ func TestLeastPrivilege(t *testing.T) {
 	s := newScenario(t, pg, ns.URL, nats.UserInfo("outbox_admin", adminPW))
 	ctx := context.Background()
 
-	// The documented grants, as the table owner (here the superuser).
+	// The documented path, with a table owner that is no superuser and has
+	// no REPLICATION, owning the service's database, as a new user sets it
+	// up: part 1 (the relay's role) as a role that may create roles, part
+	// 2 (grants, publication, backfill record) as the owner, then `setup`
+	// as the relay's role with a NATS user that may create streams.
+	owner := strings.ToLower(testenv.UniqueName("app_owner"))
+	ownerPW := secret("owner")
 	c := s.adminConn(ctx)
-	if _, err := c.PgConn().Exec(ctx, testdata(t, "least-privilege.sql")).ReadAll(); err != nil {
-		t.Fatalf("least-privilege.sql: %v", err)
+	for _, q := range []string{
+		"CREATE ROLE " + owner + " WITH LOGIN PASSWORD " + quoteLiteral(ownerPW),
+		"ALTER DATABASE " + pgx.Identifier{s.db.Name}.Sanitize() + " OWNER TO " + owner,
+		"ALTER TABLE public.outbox OWNER TO " + owner,
+	} {
+		if _, err := c.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if _, err := c.PgConn().Exec(ctx, repoSQL(t, "least-privilege-role.sql")).ReadAll(); err != nil {
+		t.Fatalf("least-privilege-role.sql: %v", err)
 	}
 	t.Cleanup(func() {
 		ctx := context.Background()
 		if c, err := pgx.Connect(ctx, s.pg.URL(s.db.Name)); err == nil {
-			_, _ = c.Exec(ctx, "DROP OWNED BY outbox_relay")
+			_, _ = c.Exec(ctx, "DROP OWNED BY outbox_relay, "+owner)
 			c.Close(ctx)
 		}
 		if c, err := pgx.Connect(ctx, s.pg.AdminURL); err == nil {
-			_, _ = c.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'outbox_relay'")
+			_, _ = c.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename IN ('outbox_relay', $1)", owner)
+			_, _ = c.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{s.db.Name}.Sanitize()+" WITH (FORCE)")
 			_, _ = c.Exec(ctx, "DROP ROLE IF EXISTS outbox_relay")
+			_, _ = c.Exec(ctx, "DROP ROLE IF EXISTS "+owner)
 			c.Close(ctx)
 		}
 	})
@@ -475,21 +500,34 @@ func TestLeastPrivilege(t *testing.T) {
 		"http":     map[string]any{"listen": ""},
 	}
 	s.name, s.stream, s.dlq = "outbox_relay", "OUTBOX", "OUTBOX_DLQ"
-
-	// setup needs the table owner and a NATS user that may create streams:
-	// as the relay's PostgreSQL role it is refused (even with the NATS
-	// admin creating the streams).
 	natsAdmin := []string{"OUTBOX_RELAY_NATS_USER=outbox_admin", "OUTBOX_RELAY_NATS_PASSWORD=" + adminPW, "OUTBOX_RELAY_NATS_CREATE_STREAMS=true"}
+
+	// Before the owner's part, setup as the relay's role is refused with
+	// the fix named (it said only "permission denied for database").
 	out, code := s.runCmd(60*time.Second, natsAdmin, "setup", "--config", s.writeConfig())
-	if code == 0 {
-		t.Fatalf("setup as outbox_relay succeeded; the role has more privileges than documented:\n%s", out)
+	if code == 0 || !strings.Contains(out, `Least privilege: PostgreSQL`) {
+		t.Fatalf("setup as outbox_relay before the owner's grants exited %d without naming the owner's statements:\n%s", code, out)
 	}
-	s.logf("setup as outbox_relay refused, as it should be: %s", lastLine(out))
-	owner := append([]string{"OUTBOX_RELAY_POSTGRES_URL=" + s.pg.URL(s.db.Name)}, natsAdmin...)
-	out, code = s.runCmd(60*time.Second, owner, "setup", "--config", s.writeConfig())
+	s.logf("setup as outbox_relay before the owner's part: %s", lastLine(out))
+	out, code = s.runCmd(60*time.Second, append([]string{"OUTBOX_RELAY_POSTGRES_BACKFILL=false"}, natsAdmin...), "setup", "--config", s.writeConfig())
+	if code == 0 || !strings.Contains(out, "as the owner run sql/publication.sql") {
+		t.Fatalf("setup without backfill as outbox_relay before the owner's grants exited %d without naming sql/publication.sql:\n%s", code, out)
+	}
+	// The owner cannot run setup (no REPLICATION): the docs do not ask it to.
+	ownerURL := tlsURL(pg, s.db.Name, owner, ownerPW, certs.CAFile)
+	oc, err := pgx.Connect(ctx, ownerURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := oc.PgConn().Exec(ctx, repoSQL(t, "least-privilege-owner.sql")).ReadAll(); err != nil {
+		t.Fatalf("least-privilege-owner.sql as %s: %v", owner, err)
+	}
+	oc.Close(ctx)
+	out, code = s.runCmd(60*time.Second, natsAdmin, "setup", "--config", s.writeConfig())
 	if code != 0 {
-		t.Fatalf("setup as the owner exited %d:\n%s", code, out)
+		t.Fatalf("setup as outbox_relay after the owner's part exited %d:\n%s", code, out)
 	}
+	s.logf("setup as outbox_relay:\n%s", out)
 
 	s.sample()
 	r := s.startRelay()
@@ -508,7 +546,7 @@ func TestLeastPrivilege(t *testing.T) {
 	}
 	o := s.verify(30*time.Second, dead...)
 	checkDeadLetter(t, o, dead[0], "subject_too_long")
-	s.mustHold("least privilege (PostgreSQL grants, NATS authorization)", o, 0, "testdata/least-privilege.sql, testdata/nats-authorization.conf")
+	s.mustHold("least privilege (PostgreSQL grants, NATS authorization)", o, 0, "sql/least-privilege-role.sql, sql/least-privilege-owner.sql, testdata/nats-authorization.conf")
 
 	// The grants are really that narrow.
 	rc, err := pgx.Connect(ctx, relayURL)
@@ -537,6 +575,16 @@ func lastLine(s string) string {
 	return lines[len(lines)-1]
 }
 
+// repoSQL reads a file of the repository's sql/ folder.
+func repoSQL(t *testing.T, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(testenv.RepoRoot(t), "sql", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
 // docs/faults.md shows the grants and the authorization block the tests
 // exercise, verbatim.
 func TestDocsShowExercisedGrants(t *testing.T) {
@@ -545,9 +593,12 @@ func TestDocsShowExercisedGrants(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, f := range []string{"least-privilege.sql", "nats-authorization.conf"} {
-		if !strings.Contains(string(doc), strings.TrimSpace(testdata(t, f))) {
-			t.Errorf("docs/faults.md does not contain testdata/%s verbatim", f)
+	for _, f := range []string{"least-privilege-role.sql", "least-privilege-owner.sql"} {
+		if !strings.Contains(string(doc), strings.TrimSpace(repoSQL(t, f))) {
+			t.Errorf("docs/faults.md does not contain sql/%s verbatim", f)
 		}
+	}
+	if !strings.Contains(string(doc), strings.TrimSpace(testdata(t, "nats-authorization.conf"))) {
+		t.Errorf("docs/faults.md does not contain testdata/nats-authorization.conf verbatim")
 	}
 }
