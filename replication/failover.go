@@ -105,8 +105,10 @@ type FailoverReport struct {
 	// PrimaryVersion is the primary's server_version_num.
 	PrimaryVersion int `json:"primary_version_num"`
 	// Standbys is how many physical standbys the primary has (physical
-	// slots or streaming walsenders): 0 means no failover is possible, and
-	// nothing is at risk.
+	// slots or physical walsenders, which are connected to no database:
+	// a logical walsender without a slot yet, such as a relay starting or
+	// a backfill's snapshot connection, is none): 0 means no failover is
+	// possible, and nothing is at risk.
 	Standbys int `json:"standbys"`
 	// FailoverSlot is the slot's failover flag (PostgreSQL 17+).
 	FailoverSlot bool `json:"failover_slot"`
@@ -166,8 +168,8 @@ func CheckFailover(ctx context.Context, url, slot string) (FailoverReport, error
 	rep.PrimaryVersion = info.VersionNum
 	err = primary.QueryRow(ctx, `SELECT greatest(
   (SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'physical'),
-  (SELECT count(*) FROM pg_stat_replication r WHERE NOT EXISTS
-     (SELECT 1 FROM pg_replication_slots s WHERE s.active_pid = r.pid AND s.slot_type = 'logical')))::int`).Scan(&rep.Standbys)
+  (SELECT count(*) FROM pg_stat_replication r JOIN pg_stat_activity a ON a.pid = r.pid
+     WHERE a.datname IS NULL))::int`).Scan(&rep.Standbys)
 	if err != nil {
 		return rep, fmt.Errorf("count standbys: %w", err)
 	}

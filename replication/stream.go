@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"time"
 
@@ -420,6 +421,12 @@ func (s *Stream) Confirmed() LSN { return s.sentFlush }
 // it waits for publish capacity, so the server hears from the relay even
 // when backpressure stops reading.
 func (s *Stream) SendStatus(ctx context.Context) error {
+	if s.conn.IsClosed() {
+		// pgconn closes a connection whose operation was cancelled from a
+		// goroutine of its own, which is still writing to it: writing too
+		// would race with it, and nothing would be read anyway.
+		return fmt.Errorf("send standby status: %w", net.ErrClosed)
+	}
 	flush := s.flushPosition()
 	write := s.received
 	if flush > write {
@@ -454,7 +461,10 @@ func (s *Stream) Close(ctx context.Context) error {
 		s.stopWatch()
 		s.stopWatch, s.watched = nil, nil
 	}
-	err := s.SendStatus(ctx)
+	var err error
+	if !s.conn.IsClosed() {
+		err = s.SendStatus(ctx)
+	}
 	cerr := s.conn.Close(ctx)
 	s.conn = nil
 	if err != nil {
