@@ -1,0 +1,81 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+)
+
+// judgeConsumer evaluates issue 11's consumer targets.
+func judgeConsumer(r *results) []target {
+	p := r.Consumer
+	if p == nil {
+		return nil
+	}
+	var ts []target
+	add := func(name string, v, limit float64, le bool) { ts = append(ts, judged(name, v, limit, le)) }
+	var ceiling float64 // the best apply ceiling of the batched runs
+	for _, run := range p.Runs {
+		if run.BatchSize == 1 {
+			continue
+		}
+		add(fmt.Sprintf("consumer ÷ apply ceiling, %s handler", run.Handler), run.Ratio, 0.7, false)
+		switch run.Handler {
+		case "batch":
+			add("batch handler, events/s", run.Rate, 30000, false)
+		default:
+			add("per-message handler (batched), events/s", run.Rate, 15000, false)
+		}
+		if run.Handler != "batch" {
+			ceiling = max(ceiling, run.Ceiling)
+		}
+	}
+	if e := p.E2E; e != nil {
+		bound := ceiling
+		for _, b := range r.Backlogs {
+			if b.RowsPerTx == 100 && (bound == 0 || b.Relay.Rate < bound) {
+				bound = b.Relay.Rate
+			}
+		}
+		if bound > 0 {
+			add("end-to-end sustained ÷ min(relay drain, apply ceiling)", e.SustainedRate/bound, 0.8, false)
+		} else {
+			ts = append(ts, target{Name: "end-to-end sustained, events/s (no ceiling this run)", Value: e.SustainedRate, Info: true})
+		}
+		add(fmt.Sprintf("insert→applied p99 at %s/s (ms)", num(float64(e.Offered))), e.InsertToApplied.P99, 5, true)
+	}
+	return ts
+}
+
+func printConsumer(w io.Writer, r *results) {
+	p := r.Consumer
+	if p == nil {
+		return
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	row := func(cells ...string) { fmt.Fprintln(tw, strings.Join(cells, "\t")+"\t") }
+	set := func(k string) string { return p.PGSettings[k] }
+	if len(p.Runs) > 0 {
+		fmt.Fprintf(w, "\nConsumer: %s events over %d aggregates already in the stream, %d workers, handler inserts one row; PostgreSQL fsync=%s synchronous_commit=%s full_page_writes=%s\n",
+			num(float64(p.Events)), p.Aggregates, p.Workers, set("fsync"), set("synchronous_commit"), set("full_page_writes"))
+		row("", "per tx", "events/s", "apply ceiling", "÷ ceiling", "PostgreSQL cores", "bench cores", "machine cores")
+		for i, run := range p.Runs {
+			c := p.Ceilings[i]
+			row(run.Name, fmt.Sprint(run.BatchSize), num(run.Rate), num(c.Rate), f2(run.Ratio), f2(run.PostgresCores), f2(run.BenchCores), f2(run.MachineCores))
+		}
+		for _, c := range p.Ceilings {
+			row("  "+c.Name, fmt.Sprint(c.BatchSize), num(c.Rate), "", "", f2(c.PostgresCores), f2(c.BenchCores), f2(c.MachineCores))
+		}
+		row("3 processes (consumer groups)", "", "not measured here", "", "", "", "", "")
+		tw.Flush()
+	}
+	if e := p.E2E; e != nil {
+		fmt.Fprintf(w, "\nEnd to end: outbox INSERT → relay → JetStream → consumer commit (default consumer, batch size %d, per-message handler)\n", p.BatchSize)
+		row("", "events/s", "seconds", "p50 ms", "p99 ms", "p999 ms", "max ms", "machine cores")
+		row(fmt.Sprintf("sustained, %s events, 100 rows/tx", num(float64(e.Events))), num(e.SustainedRate), f1(e.Seconds), "", "", "", "", f2(e.MachineCores))
+		q := e.InsertToApplied
+		row(fmt.Sprintf("insert→applied at %s/s (achieved %s)", num(float64(e.Offered)), num(e.Achieved)), "", "", f2(q.P50), f2(q.P99), f2(q.P999), f2(q.Max), f2(e.LatencyCores))
+		tw.Flush()
+	}
+}
