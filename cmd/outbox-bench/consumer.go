@@ -70,12 +70,24 @@ type e2eResult struct {
 	Seconds       float64 `json:"seconds"`
 	SustainedRate float64 `json:"sustained_per_sec"`
 	MachineCores  float64 `json:"machine_cores"`
-	// Latency at Offered events/s (1-row transactions): the writer's clock
-	// before the INSERT (in the payload) to the consumer's commit.
-	Offered         int       `json:"offered_per_sec"`
-	Achieved        float64   `json:"achieved_per_sec"`
+	// Latency at steady offered loads, one message per transaction and
+	// batched.
+	Latency []e2eLatency `json:"latency"`
+}
+
+// e2eLatency is one steady offered load (1-row transactions) through the
+// pipeline.
+type e2eLatency struct {
+	Offered   int     `json:"offered_per_sec"`
+	BatchSize int     `json:"batch_size"`
+	Achieved  float64 `json:"achieved_per_sec"`
+	// InsertToApplied runs from the writer's clock before the INSERT (in
+	// the payload) to the consumer's commit; CommitToApplied from the
+	// outbox transaction's commit (Outbox-Commit-Time) to it, the part
+	// after PostgreSQL.
 	InsertToApplied quantiles `json:"insert_to_applied"`
-	LatencyCores    float64   `json:"latency_machine_cores"`
+	CommitToApplied quantiles `json:"commit_to_applied"`
+	MachineCores    float64   `json:"machine_cores"`
 }
 
 // consumerSpec is one consumer configuration to measure.
@@ -496,11 +508,12 @@ func runUntil(ctx context.Context, c *consumer.Consumer, clock *applyClock, limi
 }
 
 // e2eRun measures the sustained rate of the whole pipeline and its
-// insert→applied latency at o.e2eRate events/s.
+// insert→applied latency at each of o.e2eRates, with one message per
+// transaction and batched.
 func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) {
-	res := &e2eResult{Events: int(o.events), Offered: o.e2eRate}
+	res := &e2eResult{Events: int(o.events)}
 	logf("end to end: %d events (100 rows/tx) through the relay into the consumer", o.events)
-	err := withPipeline(ctx, o, env, int(o.events), nil, func(db *benchDB, clock *applyClock) error {
+	err := withPipeline(ctx, o, env, int(o.events), o.consumerBatch, nil, func(db *benchDB, clock *applyClock) error {
 		m0 := readMachineCPU()
 		start := time.Now()
 		if _, err := db.load(ctx, 0, o.events, 100, 2, o.aggs, o.pad); err != nil {
@@ -517,12 +530,26 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 	if err != nil {
 		return nil, err
 	}
-	logf("end to end: insert→applied at %d events/s for %s (+%s warm-up)", o.e2eRate, o.dur, o.warmup)
-	total := int(float64(o.e2eRate) * (o.warmup + o.dur).Seconds())
+	for _, rate := range o.e2eRates {
+		for _, batch := range []int{1, o.consumerBatch} {
+			logf("end to end: insert→applied at %d events/s, batch size %d, for %s (+%s warm-up)", rate, batch, o.dur, o.warmup)
+			l, err := e2eLatencyRun(ctx, o, env, rate, batch)
+			if err != nil {
+				return nil, fmt.Errorf("latency at %d/s, batch size %d: %w", rate, batch, err)
+			}
+			res.Latency = append(res.Latency, l)
+		}
+	}
+	return res, nil
+}
+
+func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch int) (e2eLatency, error) {
+	res := e2eLatency{Offered: rate, BatchSize: batch}
+	total := int(float64(rate) * (o.warmup + o.dur).Seconds())
 	var (
-		mu          sync.Mutex
-		samples     = make([]time.Duration, 0, total)
-		measureFrom atomic.Int64 // unix ns; set when the load starts
+		mu           sync.Mutex
+		ins2ap, c2ap = make([]time.Duration, 0, total), make([]time.Duration, 0, total)
+		measureFrom  atomic.Int64 // unix ns; set when the load starts
 	)
 	onApplied := func(m *consumer.Message) {
 		now := time.Now()
@@ -534,15 +561,16 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 		}
 		if from := measureFrom.Load(); from != 0 && p.Ins >= from {
 			mu.Lock()
-			samples = append(samples, now.Sub(time.Unix(0, p.Ins)))
+			ins2ap = append(ins2ap, now.Sub(time.Unix(0, p.Ins)))
+			c2ap = append(c2ap, now.Sub(m.CommitTime))
 			mu.Unlock()
 		}
 	}
-	err = withPipeline(ctx, o, env, total, onApplied, func(db *benchDB, clock *applyClock) error {
+	err := withPipeline(ctx, o, env, total, batch, onApplied, func(db *benchDB, clock *applyClock) error {
 		m0 := readMachineCPU()
 		t0 := time.Now().Add(50 * time.Millisecond)
 		measureFrom.Store(t0.Add(o.warmup).UnixNano())
-		load := offerLoad(ctx, db, o.e2eRate, total, t0)
+		load := offerLoad(ctx, db, rate, total, t0)
 		if _, err := load.wait(); err != nil {
 			return err
 		}
@@ -550,16 +578,13 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 		if err := clock.wait(ctx, time.Minute); err != nil {
 			return err
 		}
-		res.LatencyCores = busyCores(m0, readMachineCPU())
+		res.MachineCores = busyCores(m0, readMachineCPU())
 		return nil
 	})
-	if err != nil {
-		return nil, err
-	}
 	mu.Lock()
-	res.InsertToApplied = quantilesOf(samples)
+	res.InsertToApplied, res.CommitToApplied = quantilesOf(ins2ap), quantilesOf(c2ap)
 	mu.Unlock()
-	return res, nil
+	return res, err
 }
 
 func (a *applyClock) wait(ctx context.Context, limit time.Duration) error {
@@ -574,10 +599,11 @@ func (a *applyClock) wait(ctx context.Context, limit time.Duration) error {
 }
 
 // withPipeline runs body with a fresh database, the relay streaming its
-// outbox and the consumer (default configuration, per-message handler)
+// outbox and the consumer (default configuration but batch, per-message
+// handler)
 // applying the relay's stream into the same database, until the consumer
 // has applied events.
-func withPipeline(ctx context.Context, o *options, env *benchEnv, events int, onApplied func(*consumer.Message), body func(*benchDB, *applyClock) error) error {
+func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch int, onApplied func(*consumer.Message), body func(*benchDB, *applyClock) error) error {
 	const slot = "relay"
 	db, err := consumerDB(ctx, env, slot)
 	if err != nil {
@@ -603,7 +629,7 @@ func withPipeline(ctx context.Context, o *options, env *benchEnv, events int, on
 	}
 	defer pool.Close()
 	clock := newApplyClock(events)
-	c, err := consumer.New(pool, env.js, consumer.Config{Name: "e2e", Stream: r.stream, Workers: o.consumerWorkers, BatchSize: o.consumerBatch}, benchHandler{},
+	c, err := consumer.New(pool, env.js, consumer.Config{Name: "e2e", Stream: r.stream, Workers: o.consumerWorkers, BatchSize: batch}, benchHandler{},
 		consumer.WithAfterCommit(func(m *consumer.Message) {
 			if onApplied != nil {
 				onApplied(m)

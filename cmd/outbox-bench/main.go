@@ -58,7 +58,7 @@ type options struct {
 	// consumer and e2e phases
 	consumerWorkers int
 	consumerBatch   int
-	e2eRate         int
+	e2eRates        []int
 }
 
 func main() {
@@ -105,7 +105,7 @@ func parseFlags(args []string) (*options, error) {
 	phases := fs.String("phases", "broker,drain,latency,consumer,e2e", "phases to run: broker, drain, latency, consumer, e2e (and large, implied by --large)")
 	fs.IntVar(&o.consumerWorkers, "consumer-workers", consumer.DefaultWorkers, "consumer, e2e: the consumer's Workers (and the apply ceiling's connections)")
 	fs.IntVar(&o.consumerBatch, "consumer-batch", consumer.DefaultBatchSize, "consumer, e2e: the consumer's BatchSize for the batched runs (and the apply ceiling's)")
-	fs.IntVar(&o.e2eRate, "e2e-rate", 2000, "e2e: offered load in events/s for insert→applied latency")
+	e2eRates := fs.String("e2e-rates", "100,2000", "e2e: offered loads in events/s for insert→applied latency, each with batch size 1 and --consumer-batch")
 	relayEnv := fs.String("relay-env", "", "extra environment for the relay process, comma-separated KEY=VALUE (e.g. GOGC=200,GOMAXPROCS=1)")
 	fs.IntVar(&o.repeat, "repeat", 3, "drains: alternate the bare reader and the relay this many times on the same backlog and keep the best of each (the machine is noisy)")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 5*time.Minute, "give up on a relay drain after this long")
@@ -131,8 +131,11 @@ func parseFlags(args []string) (*options, error) {
 		}
 	}
 	var err error
-	if o.consumerWorkers < 1 || o.consumerBatch < 1 || o.e2eRate < 1 {
-		return nil, fmt.Errorf("--consumer-workers %d, --consumer-batch %d, --e2e-rate %d: each must be at least 1 (--consumer-batch 1 is one transaction per message)", o.consumerWorkers, o.consumerBatch, o.e2eRate)
+	if o.consumerWorkers < 1 || o.consumerBatch < 1 {
+		return nil, fmt.Errorf("--consumer-workers %d, --consumer-batch %d: each must be at least 1 (--consumer-batch 1 is one transaction per message)", o.consumerWorkers, o.consumerBatch)
+	}
+	if o.e2eRates, err = positiveInts("--e2e-rates", *e2eRates); err != nil {
+		return nil, err
 	}
 	if o.rates, err = positiveInts("--rates", *rates); err != nil {
 		return nil, err
