@@ -56,7 +56,9 @@ type Config struct {
 	// MaxAckPending is the durable consumer's max_ack_pending: how many
 	// messages may be delivered and not yet acknowledged. It bounds the
 	// library's memory and how many later messages a failing aggregate can
-	// hold back (see the package doc). Default Workers*DefaultPendingPerWorker.
+	// hold back (see the package doc). Default Workers times the larger of
+	// DefaultPendingPerWorker and 2*BatchSize (a batch in flight and one
+	// queued per worker).
 	MaxAckPending int
 	// AckWait is the durable consumer's ack_wait. Messages waiting in a
 	// worker's queue are kept alive with progress acks every AckWait/3, so
@@ -139,8 +141,14 @@ func (c *Config) setDefaults() {
 	if c.Workers == 0 {
 		c.Workers = DefaultWorkers
 	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
 	if c.MaxAckPending == 0 {
-		c.MaxAckPending = c.Workers * DefaultPendingPerWorker
+		// Room for a batch in flight and a full one queued behind it per
+		// worker: with less, a worker waits for its acks to be answered
+		// with new messages between batches.
+		c.MaxAckPending = c.Workers * max(DefaultPendingPerWorker, 2*c.BatchSize)
 	}
 	if c.AckWait == 0 {
 		c.AckWait = DefaultAckWait
@@ -173,9 +181,6 @@ func (c *Config) setDefaults() {
 	}
 	if c.StatsInterval == 0 {
 		c.StatsInterval = DefaultStatsInterval
-	}
-	if c.BatchSize == 0 {
-		c.BatchSize = DefaultBatchSize
 	}
 }
 

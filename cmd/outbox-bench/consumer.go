@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -275,12 +276,16 @@ func consumerPhases(ctx context.Context, o *options, env *benchEnv, res *results
 			return fmt.Errorf("backlog stream: %w", err)
 		}
 		defer drop()
-		specs := []consumerSpec{
-			{name: "per-message handler, 1 message/tx", batchSize: 1, processes: 1},
-			{name: "per-message handler, batched", batchSize: o.consumerBatch, processes: 1},
-			{name: "batch handler", batch: true, batchSize: o.consumerBatch, processes: 1},
+		specs := map[string]consumerSpec{
+			"single":  {name: "per-message handler, 1 message/tx", batchSize: 1, processes: 1},
+			"batched": {name: "per-message handler, batched", batchSize: o.consumerBatch, processes: 1},
+			"batch":   {name: "batch handler", batch: true, batchSize: o.consumerBatch, processes: 1},
 		}
-		for _, s := range specs {
+		for _, key := range o.consumerRuns {
+			s, ok := specs[key]
+			if !ok {
+				return fmt.Errorf("--consumer-runs: %q is not one of single, batched, batch", key)
+			}
 			logf("apply ceiling: bare pgx loop, %s handler, %d per transaction, %d connections", s.handler(), s.batchSize, o.consumerWorkers)
 			c, err := applyCeiling(ctx, env, evs, s, o.consumerWorkers)
 			if err != nil {
@@ -288,7 +293,11 @@ func consumerPhases(ctx context.Context, o *options, env *benchEnv, res *results
 			}
 			p.Ceilings = append(p.Ceilings, c)
 			logf("consumer: %s (batch size %d, %d workers)", s.name, s.batchSize, o.consumerWorkers)
-			r, err := consumerRun(ctx, env, stream, len(evs), s, o.consumerWorkers)
+			prof := ""
+			if o.profileDir != "" {
+				prof = filepath.Join(o.profileDir, fmt.Sprintf("bench-consumer-%s-%d.pprof", s.handler(), s.batchSize))
+			}
+			r, err := consumerRun(ctx, env, stream, len(evs), s, o.consumerWorkers, o.consumerPending, prof)
 			if err != nil {
 				return fmt.Errorf("consumer %s: %w", s.name, err)
 			}
@@ -421,7 +430,9 @@ func ceilingTx(ctx context.Context, conn *pgx.Conn, evs []contract.Event, hashes
 
 // consumerRun drains the stream with the library into a fresh database
 // and times it from the first commit to the last.
-func consumerRun(ctx context.Context, env *benchEnv, stream string, events int, s consumerSpec, workers int) (consumerFigure, error) {
+// With profile set, the bench process (the library and the embedded NATS
+// server) is profiled meanwhile.
+func consumerRun(ctx context.Context, env *benchEnv, stream string, events int, s consumerSpec, workers, pending int, profile string) (consumerFigure, error) {
 	f := consumerFigure{Name: s.name, Handler: s.handler(), BatchSize: s.batchSize, Processes: s.processes, Events: events}
 	if s.processes != 1 {
 		// The hook for consumer groups (several processes sharing the
@@ -439,10 +450,21 @@ func consumerRun(ctx context.Context, env *benchEnv, stream string, events int, 
 	}
 	name := "bench-" + fmt.Sprint(time.Now().UnixNano())
 	clock := newApplyClock(events)
-	c, err := consumer.New(db.pool, env.js, consumer.Config{Name: name, Stream: stream, Workers: workers, BatchSize: s.batchSize}, h,
+	c, err := consumer.New(db.pool, env.js, consumer.Config{Name: name, Stream: stream, Workers: workers, BatchSize: s.batchSize, MaxAckPending: pending}, h,
 		consumer.WithAfterCommit(func(*consumer.Message) { clock.applied() }))
 	if err != nil {
 		return f, err
+	}
+	if profile != "" {
+		pf, err := os.Create(profile)
+		if err != nil {
+			return f, err
+		}
+		defer pf.Close()
+		if err := pprof.StartCPUProfile(pf); err != nil {
+			return f, err
+		}
+		defer pprof.StopCPUProfile()
 	}
 	pm := db.postmasterPID(ctx)
 	m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
@@ -629,7 +651,7 @@ func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch 
 	}
 	defer pool.Close()
 	clock := newApplyClock(events)
-	c, err := consumer.New(pool, env.js, consumer.Config{Name: "e2e", Stream: r.stream, Workers: o.consumerWorkers, BatchSize: batch}, benchHandler{},
+	c, err := consumer.New(pool, env.js, consumer.Config{Name: "e2e", Stream: r.stream, Workers: o.consumerWorkers, BatchSize: batch, MaxAckPending: o.consumerPending}, benchHandler{},
 		consumer.WithAfterCommit(func(m *consumer.Message) {
 			if onApplied != nil {
 				onApplied(m)

@@ -58,6 +58,8 @@ type options struct {
 	// consumer and e2e phases
 	consumerWorkers int
 	consumerBatch   int
+	consumerPending int
+	consumerRuns    []string
 	e2eRates        []int
 }
 
@@ -105,6 +107,8 @@ func parseFlags(args []string) (*options, error) {
 	phases := fs.String("phases", "broker,drain,latency,consumer,e2e", "phases to run: broker, drain, latency, consumer, e2e (and large, implied by --large)")
 	fs.IntVar(&o.consumerWorkers, "consumer-workers", consumer.DefaultWorkers, "consumer, e2e: the consumer's Workers (and the apply ceiling's connections)")
 	fs.IntVar(&o.consumerBatch, "consumer-batch", consumer.DefaultBatchSize, "consumer, e2e: the consumer's BatchSize for the batched runs (and the apply ceiling's)")
+	fs.IntVar(&o.consumerPending, "consumer-max-ack-pending", 0, "consumer, e2e: the consumer's MaxAckPending (0: the library's default)")
+	consumerRuns := fs.String("consumer-runs", "single,batched,batch", "consumer: which runs, each beside its apply ceiling: single (per-message handler, 1 message/tx), batched (per-message handler, batched), batch (batch handler)")
 	e2eRates := fs.String("e2e-rates", "100,2000", "e2e: offered loads in events/s for insert→applied latency, each with batch size 1 and --consumer-batch")
 	relayEnv := fs.String("relay-env", "", "extra environment for the relay process, comma-separated KEY=VALUE (e.g. GOGC=200,GOMAXPROCS=1)")
 	fs.IntVar(&o.repeat, "repeat", 3, "drains: alternate the bare reader and the relay this many times on the same backlog and keep the best of each (the machine is noisy)")
@@ -133,6 +137,11 @@ func parseFlags(args []string) (*options, error) {
 	var err error
 	if o.consumerWorkers < 1 || o.consumerBatch < 1 {
 		return nil, fmt.Errorf("--consumer-workers %d, --consumer-batch %d: each must be at least 1 (--consumer-batch 1 is one transaction per message)", o.consumerWorkers, o.consumerBatch)
+	}
+	for _, r := range strings.Split(*consumerRuns, ",") {
+		if r = strings.TrimSpace(r); r != "" {
+			o.consumerRuns = append(o.consumerRuns, r)
+		}
 	}
 	if o.e2eRates, err = positiveInts("--e2e-rates", *e2eRates); err != nil {
 		return nil, err
