@@ -71,6 +71,9 @@ type e2eResult struct {
 	Seconds       float64 `json:"seconds"`
 	SustainedRate float64 `json:"sustained_per_sec"`
 	MachineCores  float64 `json:"machine_cores"`
+	// LoadRate is how fast the loader writes the same rows with the machine
+	// to itself (no slot, relay or consumer): the pipeline's first stage.
+	LoadRate float64 `json:"load_alone_per_sec"`
 	// Latency at steady offered loads, one message per transaction and
 	// batched.
 	Latency []e2eLatency `json:"latency"`
@@ -534,8 +537,19 @@ func runUntil(ctx context.Context, c *consumer.Consumer, clock *applyClock, limi
 // transaction and batched.
 func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) {
 	res := &e2eResult{Events: int(o.events)}
+	logf("end to end: loading %d events (100 rows/tx) alone", o.events)
+	alone, err := consumerDB(ctx, env)
+	if err != nil {
+		return nil, err
+	}
+	loaded, err := alone.load(ctx, 0, o.events, 100, 2, o.aggs, o.pad)
+	alone.drop()
+	if err != nil {
+		return nil, fmt.Errorf("load: %w", err)
+	}
+	res.LoadRate = float64(o.events) / loaded.Seconds()
 	logf("end to end: %d events (100 rows/tx) through the relay into the consumer", o.events)
-	err := withPipeline(ctx, o, env, int(o.events), o.consumerBatch, nil, func(db *benchDB, clock *applyClock) error {
+	err = withPipeline(ctx, o, env, int(o.events), o.consumerBatch, nil, func(db *benchDB, clock *applyClock) error {
 		m0 := readMachineCPU()
 		start := time.Now()
 		if _, err := db.load(ctx, 0, o.events, 100, 2, o.aggs, o.pad); err != nil {

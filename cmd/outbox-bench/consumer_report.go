@@ -43,6 +43,9 @@ func judgeConsumer(r *results) []target {
 		} else {
 			ts = append(ts, target{Name: "end-to-end sustained, events/s (no ceiling this run)", Value: e.SustainedRate, Info: true})
 		}
+		if shared := sharedCoresBound(r); shared > 0 {
+			ts = append(ts, target{Name: "  ÷ the stages' rates sharing the cores", Value: e.SustainedRate / shared, Info: true})
+		}
 		for _, l := range e.Latency {
 			if l.Offered == 2000 && l.BatchSize > 1 {
 				add("insert→applied p99 at 2,000/s, batched (ms)", l.InsertToApplied.P99, 5, true)
@@ -65,6 +68,33 @@ func judgeConsumer(r *results) []target {
 		}
 	}
 	return ts
+}
+
+// sharedCoresBound is what the pipeline reaches when its stages do not run
+// beside each other but share the same busy cores: each event costs the
+// loader's, the relay drain's and the batched consumer's time per event
+// (each measured alone with the machine to itself) one after the other,
+// 1/Σ(1/rate). 0 when a stage was not measured.
+func sharedCoresBound(r *results) float64 {
+	p := r.Consumer
+	if p == nil || p.E2E == nil || p.E2E.LoadRate == 0 {
+		return 0
+	}
+	var relay, cons float64
+	for _, b := range r.Backlogs {
+		if b.RowsPerTx == 100 {
+			relay = b.Relay.Rate
+		}
+	}
+	for _, run := range p.Runs {
+		if run.Handler == "per-message" && run.BatchSize > 1 {
+			cons = run.Rate
+		}
+	}
+	if relay == 0 || cons == 0 {
+		return 0
+	}
+	return 1 / (1/p.E2E.LoadRate + 1/relay + 1/cons)
 }
 
 func printConsumer(w io.Writer, r *results) {
@@ -93,6 +123,10 @@ func printConsumer(w io.Writer, r *results) {
 		fmt.Fprintf(w, "\nEnd to end: outbox INSERT → relay → JetStream → consumer commit (default consumer, per-message handler; sustained with batch size %d)\n", p.BatchSize)
 		row("", "events/s", "seconds", "p50 ms", "p99 ms", "p999 ms", "max ms", "machine cores")
 		row(fmt.Sprintf("sustained, %s events, 100 rows/tx", num(float64(e.Events))), num(e.SustainedRate), f1(e.Seconds), "", "", "", "", f2(e.MachineCores))
+		row("  loader alone (outbox INSERTs, no slot)", num(e.LoadRate), "", "", "", "", "", "")
+		if b := sharedCoresBound(r); b > 0 {
+			row("  stages one after another on the same cores: 1/Σ(1/rate)", num(b), "", "", "", "", "", "")
+		}
 		for _, l := range e.Latency {
 			q, c := l.InsertToApplied, l.CommitToApplied
 			row(fmt.Sprintf("insert→applied at %s/s, %d/tx (achieved %s)", num(float64(l.Offered)), l.BatchSize, num(l.Achieved)), "", "",
