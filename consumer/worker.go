@@ -329,14 +329,13 @@ func (w *worker) finish(ctx context.Context, it *item, res result) {
 // aggregate must then wait for it) and after which delay.
 func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duration, bool) {
 	c, seq := w.c, it.m.StreamSeq
-	log := c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, seq))
 	switch res.kind {
 	case resApplied, resRejected, resDuplicate, resSkipped:
 		w.forget(seq)
 		if err := it.msg.Ack(); err != nil {
 			// The transaction committed; a lost ack means a redelivery that
 			// the dedup row turns into a duplicate.
-			log.Warn("ack failed", zap.Error(err))
+			w.msgLog(it).Warn("ack failed", zap.Error(err))
 		}
 		switch res.kind {
 		case resApplied:
@@ -362,7 +361,7 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 		if res.blockedBy == 0 && waited < c.cfg.GapWait {
 			delay := min(c.cfg.GapRecheck, c.cfg.GapWait-waited)
 			if err := it.msg.NakWithDelay(delay); err != nil {
-				log.Warn("defer message", zap.Error(err))
+				w.msgLog(it).Warn("defer message", zap.Error(err))
 			}
 			c.met.processed(outcomeDeferred)
 			return 0, false
@@ -392,7 +391,13 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 	if n := f.byClass[res.class]; limit > 0 && n >= limit {
 		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d %s attempts, %d in all)", unclassed(res.err), n, res.class, f.attempts), f)
 	}
-	return w.retry(it, res.class, res.err, f.attempts, log)
+	return w.retry(it, res.class, res.err, f.attempts, w.msgLog(it))
+}
+
+// msgLog is the logger for one message's trouble; built only when needed,
+// because With encodes its fields at once and most messages log nothing.
+func (w *worker) msgLog(it *item) *zap.Logger {
+	return w.c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
 }
 
 // fail records a failed attempt of class of the message at seq.
@@ -432,7 +437,7 @@ func (w *worker) retry(it *item, class Class, err error, attempt int, log *zap.L
 // database refuses as is gets stored escaped (see insertDeadLetter), so
 // that a message is never retried for good for want of a record.
 func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason error, f *failState) (time.Duration, bool) {
-	log := w.c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
+	log := w.msgLog(it)
 	class, reason = storableClass(class, reason)
 	id, err := w.c.insertDeadLetter(ctx, it, class, reason, f)
 	if err != nil {
