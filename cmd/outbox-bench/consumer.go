@@ -92,6 +92,11 @@ type e2eLatency struct {
 	InsertToApplied quantiles `json:"insert_to_applied"`
 	CommitToApplied quantiles `json:"commit_to_applied"`
 	MachineCores    float64   `json:"machine_cores"`
+	// The pipeline's own share of MachineCores: the cluster's processes,
+	// the relay, and this process (NATS server, writers, consumer).
+	PostgresCores float64 `json:"postgres_cores"`
+	RelayCores    float64 `json:"relay_cores"`
+	BenchCores    float64 `json:"bench_cores"`
 }
 
 // consumerSpec is one consumer configuration to measure.
@@ -549,7 +554,7 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 	}
 	res.LoadRate = float64(o.events) / loaded.Seconds()
 	logf("end to end: %d events (100 rows/tx) through the relay into the consumer", o.events)
-	err = withPipeline(ctx, o, env, int(o.events), o.consumerBatch, nil, func(db *benchDB, clock *applyClock) error {
+	err = withPipeline(ctx, o, env, int(o.events), o.consumerBatch, nil, func(db *benchDB, clock *applyClock, _ *relayProc) error {
 		m0 := readMachineCPU()
 		start := time.Now()
 		if _, err := db.load(ctx, 0, o.events, 100, 2, o.aggs, o.pad); err != nil {
@@ -602,9 +607,12 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 			mu.Unlock()
 		}
 	}
-	err := withPipeline(ctx, o, env, total, batch, onApplied, func(db *benchDB, clock *applyClock) error {
-		m0 := readMachineCPU()
-		t0 := time.Now().Add(50 * time.Millisecond)
+	err := withPipeline(ctx, o, env, total, batch, onApplied, func(db *benchDB, clock *applyClock, r *relayProc) error {
+		pm := db.postmasterPID(ctx)
+		m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
+		r0, _ := procCPU(r.pid())
+		start := time.Now()
+		t0 := start.Add(50 * time.Millisecond)
 		measureFrom.Store(t0.Add(o.warmup).UnixNano())
 		load := offerLoad(ctx, db, rate, total, t0)
 		if _, err := load.wait(); err != nil {
@@ -614,7 +622,11 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 		if err := clock.wait(ctx, time.Minute); err != nil {
 			return err
 		}
+		el := time.Since(start).Seconds()
+		r1, _ := procCPU(r.pid())
 		res.MachineCores = busyCores(m0, readMachineCPU())
+		res.PostgresCores, res.BenchCores = (treeCPU(pm)-pg0).Seconds()/el, (selfCPU()-b0).Seconds()/el
+		res.RelayCores = (r1 - r0).Seconds() / el
 		return nil
 	})
 	mu.Lock()
@@ -639,7 +651,7 @@ func (a *applyClock) wait(ctx context.Context, limit time.Duration) error {
 // handler)
 // applying the relay's stream into the same database, until the consumer
 // has applied events.
-func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch int, onApplied func(*consumer.Message), body func(*benchDB, *applyClock) error) error {
+func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch int, onApplied func(*consumer.Message), body func(*benchDB, *applyClock, *relayProc) error) error {
 	const slot = "relay"
 	db, err := consumerDB(ctx, env, slot)
 	if err != nil {
@@ -678,7 +690,7 @@ func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch 
 	rctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- c.Run(rctx) }()
-	err = body(db, clock)
+	err = body(db, clock, r)
 	cancel()
 	if rerr := <-done; err == nil && rerr != nil {
 		err = fmt.Errorf("consumer: %w", rerr)

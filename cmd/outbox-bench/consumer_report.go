@@ -121,17 +121,17 @@ func printConsumer(w io.Writer, r *results) {
 	}
 	if e := p.E2E; e != nil {
 		fmt.Fprintf(w, "\nEnd to end: outbox INSERT → relay → JetStream → consumer commit (default consumer, per-message handler; sustained with batch size %d)\n", p.BatchSize)
-		row("", "events/s", "seconds", "p50 ms", "p99 ms", "p999 ms", "max ms", "machine cores")
-		row(fmt.Sprintf("sustained, %s events, 100 rows/tx", num(float64(e.Events))), num(e.SustainedRate), f1(e.Seconds), "", "", "", "", f2(e.MachineCores))
-		row("  loader alone (outbox INSERTs, no slot)", num(e.LoadRate), "", "", "", "", "", "")
+		row("", "events/s", "seconds", "p50 ms", "p99 ms", "p999 ms", "max ms", "machine cores", "PG / relay / bench cores")
+		row(fmt.Sprintf("sustained, %s events, 100 rows/tx", num(float64(e.Events))), num(e.SustainedRate), f1(e.Seconds), "", "", "", "", f2(e.MachineCores), "")
+		row("  loader alone (outbox INSERTs, no slot)", num(e.LoadRate), "", "", "", "", "", "", "")
 		if b := sharedCoresBound(r); b > 0 {
-			row("  stages one after another on the same cores: 1/Σ(1/rate)", num(b), "", "", "", "", "", "")
+			row("  stages one after another on the same cores: 1/Σ(1/rate)", num(b), "", "", "", "", "", "", "")
 		}
 		for _, l := range e.Latency {
 			q, c := l.InsertToApplied, l.CommitToApplied
 			row(fmt.Sprintf("insert→applied at %s/s, %d/tx (achieved %s)", num(float64(l.Offered)), l.BatchSize, num(l.Achieved)), "", "",
-				f2(q.P50), f2(q.P99), f2(q.P999), f2(q.Max), f2(l.MachineCores))
-			row("  of which outbox commit→applied", "", "", f2(c.P50), f2(c.P99), f2(c.P999), f2(c.Max), "")
+				f2(q.P50), f2(q.P99), f2(q.P999), f2(q.Max), f2(l.MachineCores), fmt.Sprintf("%.2f / %.2f / %.2f", l.PostgresCores, l.RelayCores, l.BenchCores))
+			row("  of which outbox commit→applied", "", "", f2(c.P50), f2(c.P99), f2(c.P999), f2(c.Max), "", "")
 		}
 		tw.Flush()
 	}
