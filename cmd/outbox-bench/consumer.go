@@ -539,7 +539,8 @@ func runUntil(ctx context.Context, c *consumer.Consumer, clock *applyClock, limi
 
 // e2eRun measures the sustained rate of the whole pipeline and its
 // insert→applied latency at each of o.e2eRates, with one message per
-// transaction and batched.
+// transaction and batched, alternating o.e2eRepeat times (other work on a
+// shared machine disturbs single runs).
 func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) {
 	res := &e2eResult{Events: int(o.events)}
 	logf("end to end: loading %d events (100 rows/tx) alone", o.events)
@@ -572,7 +573,8 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 		return nil, err
 	}
 	for _, rate := range o.e2eRates {
-		for _, batch := range []int{1, o.consumerBatch} {
+		for i := range max(1, o.e2eRepeat) * 2 {
+			batch := []int{1, o.consumerBatch}[i%2]
 			logf("end to end: insert→applied at %d events/s, batch size %d, for %s (+%s warm-up)", rate, batch, o.dur, o.warmup)
 			l, err := e2eLatencyRun(ctx, o, env, rate, batch)
 			if err != nil {

@@ -46,23 +46,22 @@ func judgeConsumer(r *results) []target {
 		if shared := sharedCoresBound(r); shared > 0 {
 			ts = append(ts, target{Name: "  ÷ the stages' rates sharing the cores", Value: e.SustainedRate / shared, Info: true})
 		}
+		// Of repeated runs, the least disturbed counts: the one whose
+		// machine had the fewest cores busy beyond the pipeline's own.
+		best := map[[2]int]e2eLatency{}
 		for _, l := range e.Latency {
-			if l.Offered == 2000 && l.BatchSize > 1 {
-				add("insert→applied p99 at 2,000/s, batched (ms)", l.InsertToApplied.P99, 5, true)
+			k := [2]int{l.Offered, min(l.BatchSize, 2)}
+			if b, ok := best[k]; !ok || l.otherCores() < b.otherCores() {
+				best[k] = l
 			}
+		}
+		if l, ok := best[[2]int{2000, 2}]; ok {
+			add("insert→applied p99 at 2,000/s, batched (ms)", l.InsertToApplied.P99, 5, true)
 		}
 		// Light load: batching must not make a message wait.
-		var one, batched *e2eLatency
-		for i := range e.Latency {
-			if l := &e.Latency[i]; l.Offered == 100 {
-				if l.BatchSize == 1 {
-					one = l
-				} else {
-					batched = l
-				}
-			}
-		}
-		if one != nil && batched != nil {
+		one, ok1 := best[[2]int{100, 1}]
+		batched, ok2 := best[[2]int{100, 2}]
+		if ok1 && ok2 {
 			ts = append(ts, target{Name: "  insert→applied p50 at 100/s, 1 message/tx (ms)", Value: one.InsertToApplied.P50, Info: true})
 			add("insert→applied p50 at 100/s, batched (ms) ≤ 1 msg/tx +10%", batched.InsertToApplied.P50, one.InsertToApplied.P50*1.1, true)
 		}
@@ -135,4 +134,10 @@ func printConsumer(w io.Writer, r *results) {
 		}
 		tw.Flush()
 	}
+}
+
+// otherCores is the CPU the machine spent beyond the pipeline's own during
+// a latency run: other work that disturbed it.
+func (l e2eLatency) otherCores() float64 {
+	return l.MachineCores - l.PostgresCores - l.RelayCores - l.BenchCores
 }

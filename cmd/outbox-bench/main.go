@@ -61,6 +61,7 @@ type options struct {
 	consumerPending int
 	consumerRuns    []string
 	e2eRates        []int
+	e2eRepeat       int
 }
 
 func main() {
@@ -109,6 +110,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.IntVar(&o.consumerBatch, "consumer-batch", consumer.DefaultBatchSize, "consumer, e2e: the consumer's BatchSize for the batched runs (and the apply ceiling's)")
 	fs.IntVar(&o.consumerPending, "consumer-max-ack-pending", 0, "consumer, e2e: the consumer's MaxAckPending (0: the library's default)")
 	consumerRuns := fs.String("consumer-runs", "single,batched,batch", "consumer: which runs, each beside its apply ceiling: single (per-message handler, 1 message/tx), batched (per-message handler, batched), batch (batch handler)")
+	fs.IntVar(&o.e2eRepeat, "e2e-repeat", 1, "e2e: alternate the batch size 1 and batched latency runs this many times at each rate (the least disturbed of each counts)")
 	e2eRates := fs.String("e2e-rates", "100,2000", "e2e: offered loads in events/s for insert→applied latency, each with batch size 1 and --consumer-batch")
 	relayEnv := fs.String("relay-env", "", "extra environment for the relay process, comma-separated KEY=VALUE (e.g. GOGC=200,GOMAXPROCS=1)")
 	fs.IntVar(&o.repeat, "repeat", 3, "drains: alternate the bare reader and the relay this many times on the same backlog and keep the best of each (the machine is noisy)")
