@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/contract"
@@ -84,6 +85,7 @@ type e2eResult struct {
 type e2eLatency struct {
 	Offered   int     `json:"offered_per_sec"`
 	BatchSize int     `json:"batch_size"`
+	Events    int     `json:"events"` // warm-up included
 	Achieved  float64 `json:"achieved_per_sec"`
 	// InsertToApplied runs from the writer's clock before the INSERT (in
 	// the payload) to the consumer's commit; CommitToApplied from the
@@ -92,6 +94,11 @@ type e2eLatency struct {
 	InsertToApplied quantiles `json:"insert_to_applied"`
 	CommitToApplied quantiles `json:"commit_to_applied"`
 	MachineCores    float64   `json:"machine_cores"`
+	// Batches and BatchedMessages count the consumer's batch transactions
+	// and the messages in them (outbox_consumer_batch_size); the other
+	// messages went alone.
+	Batches         uint64  `json:"batches"`
+	BatchedMessages float64 `json:"batched_messages"`
 	// The pipeline's own share of MachineCores: the cluster's processes,
 	// the relay, and this process (NATS server, writers, consumer).
 	PostgresCores float64 `json:"postgres_cores"`
@@ -555,7 +562,7 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 	}
 	res.LoadRate = float64(o.events) / loaded.Seconds()
 	logf("end to end: %d events (100 rows/tx) through the relay into the consumer", o.events)
-	err = withPipeline(ctx, o, env, int(o.events), o.consumerBatch, nil, func(db *benchDB, clock *applyClock, _ *relayProc) error {
+	err = withPipeline(ctx, o, env, int(o.events), o.consumerBatch, prometheus.NewRegistry(), nil, func(db *benchDB, clock *applyClock, _ *relayProc) error {
 		m0 := readMachineCPU()
 		start := time.Now()
 		if _, err := db.load(ctx, 0, o.events, 100, 2, o.aggs, o.pad); err != nil {
@@ -587,8 +594,8 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 }
 
 func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch int) (e2eLatency, error) {
-	res := e2eLatency{Offered: rate, BatchSize: batch}
 	total := int(float64(rate) * (o.warmup + o.dur).Seconds())
+	res := e2eLatency{Offered: rate, BatchSize: batch, Events: total}
 	var (
 		mu           sync.Mutex
 		ins2ap, c2ap = make([]time.Duration, 0, total), make([]time.Duration, 0, total)
@@ -609,7 +616,8 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 			mu.Unlock()
 		}
 	}
-	err := withPipeline(ctx, o, env, total, batch, onApplied, func(db *benchDB, clock *applyClock, r *relayProc) error {
+	reg := prometheus.NewRegistry()
+	err := withPipeline(ctx, o, env, total, batch, reg, onApplied, func(db *benchDB, clock *applyClock, r *relayProc) error {
 		pm := db.postmasterPID(ctx)
 		m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
 		r0, _ := procCPU(r.pid())
@@ -631,6 +639,7 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 		res.RelayCores = (r1 - r0).Seconds() / el
 		return nil
 	})
+	res.Batches, res.BatchedMessages = batchStats(reg)
 	mu.Lock()
 	res.InsertToApplied, res.CommitToApplied = quantilesOf(ins2ap), quantilesOf(c2ap)
 	mu.Unlock()
@@ -653,7 +662,7 @@ func (a *applyClock) wait(ctx context.Context, limit time.Duration) error {
 // handler)
 // applying the relay's stream into the same database, until the consumer
 // has applied events.
-func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch int, onApplied func(*consumer.Message), body func(*benchDB, *applyClock, *relayProc) error) error {
+func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch int, reg prometheus.Registerer, onApplied func(*consumer.Message), body func(*benchDB, *applyClock, *relayProc) error) error {
 	const slot = "relay"
 	db, err := consumerDB(ctx, env, slot)
 	if err != nil {
@@ -685,7 +694,7 @@ func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch 
 				onApplied(m)
 			}
 			clock.applied()
-		}))
+		}), consumer.WithRegisterer(reg))
 	if err != nil {
 		return err
 	}
@@ -701,6 +710,24 @@ func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch 
 		err = r.exited()
 	}
 	return err
+}
+
+// batchStats reads the consumer's batch size histogram from reg.
+func batchStats(reg *prometheus.Registry) (batches uint64, messages float64) {
+	mfs, err := reg.Gather()
+	if err != nil {
+		return 0, 0
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "outbox_consumer_batch_size" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			batches += m.GetHistogram().GetSampleCount()
+			messages += m.GetHistogram().GetSampleSum()
+		}
+	}
+	return batches, messages
 }
 
 // waitStreaming waits until the relay streams from slot: its stream exists
