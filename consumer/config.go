@@ -21,6 +21,7 @@ const (
 	DefaultReplayPollInterval = time.Second
 	DefaultReplayBatch        = 100
 	DefaultStatsInterval      = 15 * time.Second
+	DefaultBatchSize          = 64
 )
 
 // Config configures a Consumer. Only Name, Stream and Handler-independent
@@ -55,7 +56,9 @@ type Config struct {
 	// MaxAckPending is the durable consumer's max_ack_pending: how many
 	// messages may be delivered and not yet acknowledged. It bounds the
 	// library's memory and how many later messages a failing aggregate can
-	// hold back (see the package doc). Default Workers*DefaultPendingPerWorker.
+	// hold back (see the package doc). Default Workers times the larger of
+	// DefaultPendingPerWorker and 2*BatchSize (a batch in flight and one
+	// queued per worker).
 	MaxAckPending int
 	// AckWait is the durable consumer's ack_wait. Messages waiting in a
 	// worker's queue are kept alive with progress acks every AckWait/3, so
@@ -121,14 +124,31 @@ type Config struct {
 	// StatsInterval is how often the open dead-letter gauges are refreshed
 	// from the database. Default DefaultStatsInterval.
 	StatsInterval time.Duration
+
+	// BatchSize is how many messages a worker applies in one database
+	// transaction at most: one dedup statement for all of them, the handler
+	// per message in order (or a [BatchHandler] once), one commit, then an
+	// ack for each. A worker never waits for a batch to fill: it takes what
+	// is already queued for it, so under light load every message goes
+	// alone, as soon as it arrives. A failing message does not fail its
+	// neighbours: see the package doc, "Batches". 1 applies every message
+	// in a transaction of its own. Default DefaultBatchSize; a worker's
+	// batches are also bounded by its share of MaxAckPending.
+	BatchSize int
 }
 
 func (c *Config) setDefaults() {
 	if c.Workers == 0 {
 		c.Workers = DefaultWorkers
 	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
 	if c.MaxAckPending == 0 {
-		c.MaxAckPending = c.Workers * DefaultPendingPerWorker
+		// Room for a batch in flight and a full one queued behind it per
+		// worker: with less, a worker waits for its acks to be answered
+		// with new messages between batches.
+		c.MaxAckPending = c.Workers * max(DefaultPendingPerWorker, 2*c.BatchSize)
 	}
 	if c.AckWait == 0 {
 		c.AckWait = DefaultAckWait
@@ -203,6 +223,8 @@ func (c *Config) validate() error {
 		return bad("InitialVersion is %d, want 0 or more", c.InitialVersion)
 	case c.ReplayPollInterval <= 0 || c.ReplayBatch < 1 || c.StatsInterval <= 0:
 		return bad("ReplayPollInterval, ReplayBatch and StatsInterval must be positive")
+	case c.BatchSize < 1:
+		return bad("BatchSize is %d: set 1 for one transaction per message, more to apply up to that many messages in one transaction, or leave it 0 for DefaultBatchSize (%d)", c.BatchSize, DefaultBatchSize)
 	}
 	return nil
 }

@@ -21,6 +21,25 @@
 // A crash after the commit and before the ack causes a redelivery that step 1
 // recognises; a crash before the commit leaves nothing behind.
 //
+// # Batches
+//
+// A worker applies up to Config.BatchSize messages already queued for it in
+// one transaction: one dedup statement for all of them (INSERT … SELECT FROM
+// unnest … ON CONFLICT DO NOTHING RETURNING), then steps 2 and 3 per message
+// in order (or a [BatchHandler] once), one commit, then the acks. It never
+// waits for more messages: a lone one goes through the transaction above.
+// When a message's attempt fails or is rejected, the transaction rolls back;
+// that attempt is the message's result, settled as if it were alone; the
+// later messages of its aggregate in the batch go back to the queue and are
+// held behind it; the rest is retried at once without them (a rejection is
+// redone there as one). A failure of no single message (begin, the dedup
+// statement, HandleBatch, the deadline) sends the batch's untried messages
+// back to be applied one at a time. So no message is applied twice or
+// fails for a neighbour, and every message ends with the same dedup row,
+// dead letter, attempts per class and holds as with BatchSize 1; only a
+// neighbour's handler may run again after a rollback. Replays go one at a
+// time.
+//
 // # Failures
 //
 // Handlers classify their errors with [Transient], [Permanent] and [Reject].
@@ -78,8 +97,8 @@
 // What is guaranteed, and what is not:
 //
 //   - Messages are dispatched to Config.Workers workers by a hash of
-//     aggregate type and id; a worker applies its messages one at a time in
-//     the order the stream delivers them, so one aggregate's events are
+//     aggregate type and id; a worker applies its messages one at a time,
+//     or in batches in order, in the order the stream delivers them, so one aggregate's events are
 //     applied in stream order (which the relay keeps equal to commit order).
 //     Different aggregates proceed in parallel; there is no order between
 //     them.
@@ -138,7 +157,8 @@
 // outbox_consumer_dead_lettered_total{owner,class},
 // outbox_consumer_replayed_total{result},
 // outbox_consumer_consume_latency_seconds (outbox commit to consumer commit),
-// outbox_consumer_transaction_duration_seconds,
+// outbox_consumer_transaction_duration_seconds (one message's transaction),
+// outbox_consumer_batch_size, outbox_consumer_batch_transaction_duration_seconds,
 // outbox_consumer_dead_letters_open{owner} and
 // outbox_consumer_dead_letter_oldest_age_seconds{owner}; all carry a
 // consumer label.

@@ -30,22 +30,29 @@ type metricVecs struct {
 	replayed     *prometheus.CounterVec
 	latency      *prometheus.HistogramVec
 	handle       *prometheus.HistogramVec
+	batchSize    *prometheus.HistogramVec
+	batchTx      *prometheus.HistogramVec
 	openDLQ      *prometheus.GaugeVec
 	oldestDLQ    *prometheus.GaugeVec
 }
 
 // metrics are one consumer's series.
 type metrics struct {
-	vecs     *metricVecs
-	name     string
-	owner    string
-	idem     prometheus.Counter
-	gap      prometheus.Counter
-	conflict prometheus.Counter
-	latency  prometheus.Observer
-	handle   prometheus.Observer
-	openDLQ  prometheus.Gauge
-	oldest   prometheus.Gauge
+	vecs      *metricVecs
+	name      string
+	owner     string
+	idem      prometheus.Counter
+	gap       prometheus.Counter
+	conflict  prometheus.Counter
+	latency   prometheus.Observer
+	handle    prometheus.Observer
+	batchSize prometheus.Observer
+	batchTx   prometheus.Observer
+	openDLQ   prometheus.Gauge
+	oldest    prometheus.Gauge
+	// outcomes are the processed counters, looked up once: one of them
+	// counts every message.
+	outcomes map[string]prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error) {
@@ -89,6 +96,16 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 			Help:    "Duration of one message's transaction: dedup insert, version check, handler and commit.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
 		}, l),
+		batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "outbox_consumer_batch_size",
+			Help:    "Messages a worker took together for one batch transaction (Config.BatchSize > 1); a lone message goes through the per-message transaction and is not counted here.",
+			Buckets: []float64{2, 4, 8, 16, 32, 64, 128, 256, 512},
+		}, l),
+		batchTx: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "outbox_consumer_batch_transaction_duration_seconds",
+			Help:    "Duration of one batch transaction: dedup statement, version checks, handlers and commit (each retry of a batch without a failed message counts once).",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}, l),
 		openDLQ: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "outbox_consumer_dead_letters_open",
 			Help: "Dead letters waiting for an operator (open or replaying), refreshed periodically.",
@@ -125,6 +142,12 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 		v.handle, err = register(reg, v.handle)
 	}
 	if err == nil {
+		v.batchSize, err = register(reg, v.batchSize)
+	}
+	if err == nil {
+		v.batchTx, err = register(reg, v.batchTx)
+	}
+	if err == nil {
 		v.openDLQ, err = register(reg, v.openDLQ)
 	}
 	if err == nil {
@@ -142,17 +165,24 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 	for _, c := range []Class{ClassTransient, ClassPermanent, ClassUnknown, ClassConflict, ClassGap} {
 		v.deadLettered.WithLabelValues(name, owner, string(c))
 	}
+	outcomes := map[string]prometheus.Counter{}
+	for _, o := range []string{outcomeApplied, outcomeDuplicate, outcomeRejected, outcomeSkipped, outcomeRetried, outcomeDeferred, outcomeDeadLettered} {
+		outcomes[o] = v.processed.WithLabelValues(name, o)
+	}
 	return &metrics{
-		vecs:     v,
-		name:     name,
-		owner:    owner,
-		idem:     v.idempotency.WithLabelValues(name),
-		gap:      v.gaps.WithLabelValues(name),
-		conflict: v.conflicts.WithLabelValues(name),
-		latency:  v.latency.WithLabelValues(name),
-		handle:   v.handle.WithLabelValues(name),
-		openDLQ:  v.openDLQ.WithLabelValues(name, owner),
-		oldest:   v.oldestDLQ.WithLabelValues(name, owner),
+		outcomes:  outcomes,
+		vecs:      v,
+		name:      name,
+		owner:     owner,
+		idem:      v.idempotency.WithLabelValues(name),
+		gap:       v.gaps.WithLabelValues(name),
+		conflict:  v.conflicts.WithLabelValues(name),
+		latency:   v.latency.WithLabelValues(name),
+		handle:    v.handle.WithLabelValues(name),
+		batchSize: v.batchSize.WithLabelValues(name),
+		batchTx:   v.batchTx.WithLabelValues(name),
+		openDLQ:   v.openDLQ.WithLabelValues(name, owner),
+		oldest:    v.oldestDLQ.WithLabelValues(name, owner),
 	}, nil
 }
 
@@ -173,6 +203,10 @@ func register[C prometheus.Collector](reg prometheus.Registerer, c C) (C, error)
 }
 
 func (m *metrics) processed(outcome string) {
+	if c, ok := m.outcomes[outcome]; ok {
+		c.Inc()
+		return
+	}
 	m.vecs.processed.WithLabelValues(m.name, outcome).Inc()
 }
 

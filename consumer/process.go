@@ -26,6 +26,7 @@ const (
 	resFailed                       // the attempt failed with class
 	resStale                        // replay request withdrawn meanwhile
 	resRejectRedo                   // internal: redo as a rejection
+	resRequeue                      // internal: not attempted in its batch, back to the queue
 )
 
 type result struct {
@@ -98,17 +99,15 @@ func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) (re
 			_ = tx.Rollback(ctx)
 		}
 	}()
-	ev := &it.m.Event
-	outcome, reason := outcomeApplied, (*string)(nil)
+	outcome := outcomeApplied
 	if reject != nil {
-		outcome, reason = outcomeRejected, &reject.Reason
+		outcome = outcomeRejected
 	}
-	tag, err := tx.Exec(ctx, insertConsumed, c.cfg.Name, ev.ID, it.hash, ev.Type, ev.AggregateType,
-		ev.AggregateID, ev.AggregateVersion, outcome, reason)
+	written, err := c.insertOne(ctx, tx, it, reject)
 	if err != nil {
 		return failed(err, "record consumed message")
 	}
-	if tag.RowsAffected() == 0 {
+	if !written {
 		res = c.compareConsumed(ctx, tx, it)
 		if res.kind == resDuplicate && it.replay != nil {
 			return c.commitReplay(ctx, tx, it, outcomeDuplicate, res, &committed)
@@ -128,15 +127,7 @@ func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) (re
 	}
 	if reject == nil {
 		if err := c.callHandler(ctx, tx, it); err != nil {
-			class := ClassOf(err)
-			var re *RejectError
-			if class == ClassRejected && errors.As(err, &re) {
-				return result{kind: resRejectRedo, reject: re}
-			}
-			if class == ClassRejected { // Reject-classed error without a reason
-				return result{kind: resRejectRedo, reject: &RejectError{Reason: err.Error()}}
-			}
-			return result{kind: resFailed, class: class, err: err}
+			return handlerResult(err)
 		}
 	}
 	if c.cfg.VersionCheck {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -110,6 +111,8 @@ func TestConfigValidation(t *testing.T) {
 		}, true},
 		{"short gap wait without version check", func(c *Config) { c.GapWait = time.Second }, true},
 		{"default gap wait follows a long ack wait", func(c *Config) { c.VersionCheck = true; c.AckWait = 2 * time.Minute }, true},
+		{"batch size 1: one transaction per message", func(c *Config) { c.BatchSize = 1 }, true},
+		{"negative batch size", func(c *Config) { c.BatchSize = -1 }, false},
 	} {
 		c := ok
 		tc.mod(&c)
@@ -118,6 +121,15 @@ func TestConfigValidation(t *testing.T) {
 		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, ErrInvalidConfig)) {
 			t.Errorf("%s: validate = %v, want ok=%v", tc.name, err, tc.ok)
 		}
+	}
+	c := ok
+	c.setDefaults()
+	if c.BatchSize != DefaultBatchSize {
+		t.Errorf("BatchSize left 0 became %d, want DefaultBatchSize", c.BatchSize)
+	}
+	c.BatchSize = -3
+	if err := c.validate(); err == nil || !strings.Contains(err.Error(), "set 1 for one transaction per message") {
+		t.Errorf("negative BatchSize: %v, want an error naming the fix", err)
 	}
 }
 

@@ -26,6 +26,7 @@ type worker struct {
 	blocked map[string]*block
 	fails   map[uint64]*failState // by stream sequence
 	gaps    map[uint64]*gapState  // by stream sequence
+	solo    int                   // take this many messages one at a time (a batch fell back)
 }
 
 // block holds back an aggregate's messages while one of them (head) waits
@@ -76,8 +77,8 @@ func (w *worker) run(ctx context.Context) error {
 	tick := time.NewTicker(w.c.cfg.AckWait / 3)
 	defer tick.Stop()
 	var (
-		cur  *item
-		busy chan result // cur's result; nil while idle
+		cur  []*item           // the message or batch in flight
+		busy chan batchOutcome // cur's results; nil while idle
 		stop = ctx.Done()
 	)
 	for {
@@ -86,9 +87,9 @@ func (w *worker) run(ctx context.Context) error {
 				w.release()
 				return nil
 			}
-			if cur = w.next(); cur != nil {
-				busy = make(chan result, 1)
-				go func(it *item, out chan<- result) { out <- w.c.process(ctx, it) }(cur, busy)
+			if cur = w.take(); len(cur) > 0 {
+				busy = make(chan batchOutcome, 1)
+				go func(its []*item, out chan<- batchOutcome) { out <- w.c.processItems(ctx, its) }(cur, busy)
 			}
 		}
 		select {
@@ -97,15 +98,75 @@ func (w *worker) run(ctx context.Context) error {
 		case it := <-w.in:
 			w.queue = append(w.queue, it)
 		case <-tick.C:
-			w.heartbeat(ctx)
-		case res := <-busy:
-			busy = nil
-			if cur.replay != nil {
-				w.finishReplay(ctx, cur, res)
-			} else {
-				w.finish(ctx, cur, res)
+			if len(cur) > 1 {
+				// A batch in flight may take longer than one message's
+				// handling (a retry without a failed message): its
+				// messages are kept alive like queued ones. A single
+				// message is not, so that ack_wait still bounds it.
+				keepAlive(cur)
 			}
+			w.heartbeat(ctx)
+		case out := <-busy:
+			busy = nil
+			w.finishAll(ctx, cur, out)
 			cur = nil
+		}
+	}
+}
+
+// take takes what to process next: up to BatchSize messages already queued
+// (it never waits for more to arrive), one when the batch would hold a
+// single message, a replay, or the worker is retrying a failed batch's
+// messages one at a time.
+func (w *worker) take() []*item {
+	k := w.c.cfg.BatchSize
+	if w.solo > 0 {
+		w.solo--
+		k = 1
+	}
+	if k > 1 {
+		w.drain()
+	}
+	var its []*item
+	for len(its) < k {
+		it := w.next()
+		if it == nil {
+			break
+		}
+		if it.replay != nil && len(its) > 0 {
+			// Replays go alone, through the per-message path: next takes
+			// it again, after this batch.
+			w.queue = append([]*item{it}, w.queue...)
+			break
+		}
+		its = append(its, it)
+		if it.replay != nil {
+			break
+		}
+	}
+	return its
+}
+
+// finishAll settles what processItems returned for its, in order; messages
+// a batch did not attempt go back to the front of the queue, where next
+// holds them behind a failed message of their aggregate, as if they had
+// arrived after it.
+func (w *worker) finishAll(ctx context.Context, its []*item, out batchOutcome) {
+	var back []*item
+	for i, it := range its {
+		switch res := out.res[i]; {
+		case res.kind == resRequeue:
+			back = append(back, it)
+		case it.replay != nil:
+			w.finishReplay(ctx, it, res)
+		default:
+			w.finish(ctx, it, res)
+		}
+	}
+	if len(back) > 0 {
+		w.queue = append(back, w.queue...)
+		if out.solo {
+			w.solo = len(back)
 		}
 	}
 }
@@ -154,16 +215,10 @@ func (w *worker) drain() {
 // releases blocks whose retried message is known to be gone.
 func (w *worker) heartbeat(ctx context.Context) {
 	now := time.Now()
-	for _, it := range w.queue {
-		if it.msg != nil {
-			_ = it.msg.InProgress() // a lost progress ack only costs a harmless redelivery
-		}
-	}
+	keepAlive(w.queue)
 	var overdue []uint64
 	for _, b := range w.blocked {
-		for _, it := range b.held {
-			_ = it.msg.InProgress()
-		}
+		keepAlive(b.held)
 		switch {
 		case !now.After(b.until):
 		case w.queued(b.head):
@@ -193,6 +248,15 @@ func (w *worker) heartbeat(ctx context.Context) {
 			b.waiting = true
 			w.c.log.Warn("retried message not redelivered yet; holding its aggregate until it is back or known to be gone",
 				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
+		}
+	}
+}
+
+// keepAlive sends a progress ack for each delivery among its.
+func keepAlive(its []*item) {
+	for _, it := range its {
+		if it.msg != nil {
+			_ = it.msg.InProgress() // a lost progress ack only costs a harmless redelivery
 		}
 	}
 }
@@ -265,14 +329,13 @@ func (w *worker) finish(ctx context.Context, it *item, res result) {
 // aggregate must then wait for it) and after which delay.
 func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duration, bool) {
 	c, seq := w.c, it.m.StreamSeq
-	log := c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, seq))
 	switch res.kind {
 	case resApplied, resRejected, resDuplicate, resSkipped:
 		w.forget(seq)
 		if err := it.msg.Ack(); err != nil {
 			// The transaction committed; a lost ack means a redelivery that
 			// the dedup row turns into a duplicate.
-			log.Warn("ack failed", zap.Error(err))
+			w.msgLog(it).Warn("ack failed", zap.Error(err))
 		}
 		switch res.kind {
 		case resApplied:
@@ -298,7 +361,7 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 		if res.blockedBy == 0 && waited < c.cfg.GapWait {
 			delay := min(c.cfg.GapRecheck, c.cfg.GapWait-waited)
 			if err := it.msg.NakWithDelay(delay); err != nil {
-				log.Warn("defer message", zap.Error(err))
+				w.msgLog(it).Warn("defer message", zap.Error(err))
 			}
 			c.met.processed(outcomeDeferred)
 			return 0, false
@@ -328,7 +391,13 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 	if n := f.byClass[res.class]; limit > 0 && n >= limit {
 		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d %s attempts, %d in all)", unclassed(res.err), n, res.class, f.attempts), f)
 	}
-	return w.retry(it, res.class, res.err, f.attempts, log)
+	return w.retry(it, res.class, res.err, f.attempts, w.msgLog(it))
+}
+
+// msgLog is the logger for one message's trouble; built only when needed,
+// because With encodes its fields at once and most messages log nothing.
+func (w *worker) msgLog(it *item) *zap.Logger {
+	return w.c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
 }
 
 // fail records a failed attempt of class of the message at seq.
@@ -368,7 +437,7 @@ func (w *worker) retry(it *item, class Class, err error, attempt int, log *zap.L
 // database refuses as is gets stored escaped (see insertDeadLetter), so
 // that a message is never retried for good for want of a record.
 func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason error, f *failState) (time.Duration, bool) {
-	log := w.c.log.With(zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
+	log := w.msgLog(it)
 	class, reason = storableClass(class, reason)
 	id, err := w.c.insertDeadLetter(ctx, it, class, reason, f)
 	if err != nil {

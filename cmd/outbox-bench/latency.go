@@ -90,22 +90,9 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 			_, _ = r.stop(env)
 		}
 	}()
-	// Wait until the relay streams: its stream exists and the slot is active.
-	var stream jetstream.Stream
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if err := r.exited(); err != nil {
-			return res, err
-		}
-		if time.Now().After(deadline) {
-			return res, fmt.Errorf("relay not streaming after 30s; log %s:\n%s", r.logPath, tail(r.logPath, 2000))
-		}
-		if db.walsenderPID(ctx, slot) != 0 {
-			if stream, err = env.js.Stream(ctx, r.stream); err == nil {
-				break
-			}
-		}
-		time.Sleep(20 * time.Millisecond)
+	stream, err := waitStreaming(ctx, env, db, r, slot)
+	if err != nil {
+		return res, err
 	}
 
 	total := int(float64(rate) * (warmup + dur).Seconds())
@@ -180,7 +167,7 @@ func latencyRun(ctx context.Context, o *options, env *benchEnv, rate int, warmup
 		return res, err
 	}
 	res.Achieved = float64(total) / time.Since(t0).Seconds()
-	deadline = time.Now().Add(60 * time.Second)
+	deadline := time.Now().Add(60 * time.Second)
 	for received.Load() < int64(total) {
 		if e := consumeErr.Load(); e != nil {
 			return res, fmt.Errorf("consumer: %v", e)

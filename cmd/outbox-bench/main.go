@@ -29,6 +29,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/outbox-relay/outbox-relay/consumer"
 )
 
 type options struct {
@@ -53,6 +55,13 @@ type options struct {
 	relayEnv       []string
 	quietWait      time.Duration
 	workDir        string
+	// consumer and e2e phases
+	consumerWorkers int
+	consumerBatch   int
+	consumerPending int
+	consumerRuns    []string
+	e2eRates        []int
+	e2eRepeat       int
 }
 
 func main() {
@@ -96,7 +105,13 @@ func parseFlags(args []string) (*options, error) {
 	fs.Int64Var(&o.largeBacklog, "large-backlog", 2000000, "--large: events of the large backlog (100 rows/tx)")
 	fs.Int64Var(&o.largeTx, "large-tx", 1000000, "--large: rows of the huge transaction")
 	fs.StringVar(&o.profileDir, "profile-dir", "", "write CPU profiles of the decode reader and the relay drains here")
-	phases := fs.String("phases", "broker,drain,latency", "phases to run: broker, drain, latency (and large, implied by --large)")
+	phases := fs.String("phases", "broker,drain,latency,consumer,e2e", "phases to run: broker, drain, latency, consumer, e2e (and large, implied by --large)")
+	fs.IntVar(&o.consumerWorkers, "consumer-workers", consumer.DefaultWorkers, "consumer, e2e: the consumer's Workers (and the apply ceiling's connections)")
+	fs.IntVar(&o.consumerBatch, "consumer-batch", consumer.DefaultBatchSize, "consumer, e2e: the consumer's BatchSize for the batched runs (and the apply ceiling's)")
+	fs.IntVar(&o.consumerPending, "consumer-max-ack-pending", 0, "consumer, e2e: the consumer's MaxAckPending (0: the library's default)")
+	consumerRuns := fs.String("consumer-runs", "single,batched,batch", "consumer: which runs, each beside its apply ceiling: single (per-message handler, 1 message/tx), batched (per-message handler, batched), batch (batch handler)")
+	fs.IntVar(&o.e2eRepeat, "e2e-repeat", 1, "e2e: alternate the batch size 1 and batched latency runs this many times at each rate (the least disturbed of each counts)")
+	e2eRates := fs.String("e2e-rates", "100,2000", "e2e: offered loads in events/s for insert→applied latency, each with batch size 1 and --consumer-batch")
 	relayEnv := fs.String("relay-env", "", "extra environment for the relay process, comma-separated KEY=VALUE (e.g. GOGC=200,GOMAXPROCS=1)")
 	fs.IntVar(&o.repeat, "repeat", 3, "drains: alternate the bare reader and the relay this many times on the same backlog and keep the best of each (the machine is noisy)")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 5*time.Minute, "give up on a relay drain after this long")
@@ -122,6 +137,17 @@ func parseFlags(args []string) (*options, error) {
 		}
 	}
 	var err error
+	if o.consumerWorkers < 1 || o.consumerBatch < 1 {
+		return nil, fmt.Errorf("--consumer-workers %d, --consumer-batch %d: each must be at least 1 (--consumer-batch 1 is one transaction per message)", o.consumerWorkers, o.consumerBatch)
+	}
+	for _, r := range strings.Split(*consumerRuns, ",") {
+		if r = strings.TrimSpace(r); r != "" {
+			o.consumerRuns = append(o.consumerRuns, r)
+		}
+	}
+	if o.e2eRates, err = positiveInts("--e2e-rates", *e2eRates); err != nil {
+		return nil, err
+	}
 	if o.rates, err = positiveInts("--rates", *rates); err != nil {
 		return nil, err
 	}
@@ -166,7 +192,10 @@ type results struct {
 	// offered load.
 	BrokerPaced []brokerPaced `json:"broker_paced,omitempty"`
 	Large       []largeResult `json:"large,omitempty"`
-	Targets     []target      `json:"targets"`
+	// Consumer holds the consumer and end-to-end phases, measured with
+	// PostgreSQL at durable settings.
+	Consumer *consumerPhase `json:"consumer,omitempty"`
+	Targets  []target       `json:"targets"`
 	// BackgroundCores is the CPU other processes used just before the run
 	// (sampled over 2 s with the servers idle): above ~0.2 the figures are
 	// not trustworthy.
@@ -286,6 +315,11 @@ func run(ctx context.Context, o *options) error {
 				return fmt.Errorf("latency at %d/s: %w", rate, err)
 			}
 			res.Latency = append(res.Latency, l)
+		}
+	}
+	if o.phases["consumer"] || o.phases["e2e"] {
+		if err := consumerPhases(ctx, o, env, res); err != nil {
+			return err
 		}
 	}
 	if o.phases["large"] {

@@ -10,13 +10,7 @@ import (
 // judge evaluates issue 5's targets on this run's figures.
 func judge(r *results) []target {
 	var ts []target
-	add := func(name string, v, limit float64, le bool) {
-		ok := v >= limit
-		if le {
-			ok = v <= limit
-		}
-		ts = append(ts, target{Name: name, Value: v, Limit: limit, Le: le, OK: ok})
-	}
+	add := func(name string, v, limit float64, le bool) { ts = append(ts, judged(name, v, limit, le)) }
 	for _, b := range r.Backlogs {
 		switch b.RowsPerTx {
 		case 1:
@@ -48,7 +42,16 @@ func judge(r *results) []target {
 	for _, l := range r.Large {
 		add("peak RSS, "+l.Name+" (MB)", l.Relay.PeakRSSMB, 64, true)
 	}
-	return ts
+	return append(ts, judgeConsumer(r)...)
+}
+
+// judged is a target met when v ≥ limit (v ≤ limit with le).
+func judged(name string, v, limit float64, le bool) target {
+	ok := v >= limit
+	if le {
+		ok = v <= limit
+	}
+	return target{Name: name, Value: v, Limit: limit, Le: le, OK: ok}
 }
 
 func printTable(w io.Writer, r *results) {
@@ -124,6 +127,7 @@ func printTable(w io.Writer, r *results) {
 		}
 		tw.Flush()
 	}
+	printConsumer(w, r)
 	fmt.Fprintln(w, "\nTargets")
 	for _, t := range r.Targets {
 		if t.Info {
