@@ -121,6 +121,11 @@ type Config struct {
 	// StatsInterval is how often the open dead-letter gauges are refreshed
 	// from the database. Default DefaultStatsInterval.
 	StatsInterval time.Duration
+
+	// Group, when not nil, runs this consumer as one member of the
+	// partitioned consumer group Name: see GroupConfig and docs/consumer.md
+	// "Consumer groups".
+	Group *GroupConfig
 }
 
 func (c *Config) setDefaults() {
@@ -161,6 +166,10 @@ func (c *Config) setDefaults() {
 	}
 	if c.StatsInterval == 0 {
 		c.StatsInterval = DefaultStatsInterval
+	}
+	// Consumer groups (group.go).
+	if c.Group != nil {
+		c.setGroupDefaults()
 	}
 }
 
@@ -203,6 +212,10 @@ func (c *Config) validate() error {
 		return bad("InitialVersion is %d, want 0 or more", c.InitialVersion)
 	case c.ReplayPollInterval <= 0 || c.ReplayBatch < 1 || c.StatsInterval <= 0:
 		return bad("ReplayPollInterval, ReplayBatch and StatsInterval must be positive")
+	}
+	// Consumer groups (group.go).
+	if c.Group != nil {
+		return c.validateGroup()
 	}
 	return nil
 }
