@@ -154,7 +154,10 @@ func (g *group) join(ctx context.Context, replicas int) error {
 				ErrGroupMismatch, m.id, c.cfg.Name, m.partitions, c.cfg.Group.Partitions, c.cfg.Name)
 		}
 		if m.id == c.cfg.Group.Member {
-			return fmt.Errorf("%w: member %s of group %s is already alive: give each process its own Group.Member, or leave it empty", ErrGroupMismatch, m.id, c.cfg.Name)
+			// Most likely this member's previous process, crashed within
+			// the TTL. Were it alive, the pins still keep each partition
+			// with one of the two.
+			g.log.Warn("a member with this id is still registered: taking its place (give each process its own Group.Member)")
 		}
 	}
 	return g.heartbeat(ctx)
