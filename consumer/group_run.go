@@ -20,14 +20,15 @@ import (
 // group is the member side of a consumer group during one Run: the
 // heartbeat, the assignment of partitions and the partitions pulled.
 type group struct {
-	c      *Consumer
-	strm   jetstream.Stream
-	kv     jetstream.KeyValue
-	ttl    time.Duration // the bucket's member TTL
-	id     identity
-	source string // the stream subject the partition transform applies to
-	log    *zap.Logger
-	met    *groupMetrics
+	c       *Consumer
+	strm    jetstream.Stream
+	kv      jetstream.KeyValue
+	ttl     time.Duration // the bucket's member TTL
+	id      identity
+	source  string // the stream subject the partition transform applies to
+	current int    // the stream's partition count, as last read; heartbeat value
+	log     *zap.Logger
+	met     *groupMetrics
 
 	parts     map[string]*partition // by durable, owned by the coordinator loop
 	wg        sync.WaitGroup        // partition goroutines
@@ -69,7 +70,7 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 		return err
 	}
 	g := &group{
-		c: c, strm: strm, id: id, source: source, met: met,
+		c: c, strm: strm, id: id, source: source, met: met, current: partitions,
 		log:       c.log.With(zap.String("member", c.cfg.Group.Member)),
 		parts:     map[string]*partition{},
 		errs:      make(chan error, 1),
@@ -144,6 +145,29 @@ func (g *group) join(ctx context.Context, replicas int) error {
 	if g.ttl <= 0 {
 		return fmt.Errorf("%w: group bucket %s has no TTL, so dead members would never leave; delete the bucket (nats kv del %s) and restart the members", ErrGroupMismatch, bucket, bucket)
 	}
+	// Members that read the stream before a partition-count change still
+	// report the old count for up to one step: give them the member TTL.
+	deadline := time.Now().Add(g.ttl)
+	for {
+		err := g.agree(ctx)
+		if err == nil || time.Now().After(deadline) {
+			if err != nil {
+				return err
+			}
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+	return g.heartbeat(ctx)
+}
+
+// agree checks that the live members use this member's partition count.
+func (g *group) agree(ctx context.Context) error {
+	c := g.c
 	members, err := g.members(ctx)
 	if err != nil {
 		return err
@@ -160,11 +184,13 @@ func (g *group) join(ctx context.Context, replicas int) error {
 			g.log.Warn("a member with this id is still registered: taking its place (give each process its own Group.Member)")
 		}
 	}
-	return g.heartbeat(ctx)
+	return nil
 }
 
 func (g *group) heartbeat(ctx context.Context) error {
-	_, err := g.kv.Put(ctx, g.c.cfg.Group.Member, []byte(strconv.Itoa(g.c.cfg.Group.Partitions)))
+	// The stream's count, not the configured one: after a partition-count
+	// change, members started with the new count must not be refused.
+	_, err := g.kv.Put(ctx, g.c.cfg.Group.Member, []byte(strconv.Itoa(g.current)))
 	if err != nil {
 		return fmt.Errorf("heartbeat in group bucket: %w", err)
 	}
@@ -278,6 +304,19 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 func (g *group) step(ctx, pullCtx context.Context) error {
 	c := g.c
 	g.reap()
+	info, err := g.strm.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
+	}
+	_, current, err := StreamPartitions(info.Config)
+	if err != nil {
+		return err
+	}
+	if current != g.current {
+		g.log.Info("the stream's partition count changed: the new partitions are consumed once the old ones are drained",
+			zap.Int("from", g.current), zap.Int("to", current))
+		g.current = current
+	}
 	herr := g.heartbeat(ctx)
 	if herr != nil && time.Since(g.lastBeat) > g.ttl {
 		// The others no longer count this member: give everything up.
@@ -285,14 +324,6 @@ func (g *group) step(ctx, pullCtx context.Context) error {
 		return herr
 	}
 	members, err := g.members(ctx)
-	if err != nil {
-		return err
-	}
-	info, err := g.strm.Info(ctx)
-	if err != nil {
-		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
-	}
-	_, current, err := StreamPartitions(info.Config)
 	if err != nil {
 		return err
 	}
@@ -319,7 +350,9 @@ func (g *group) step(ctx, pullCtx context.Context) error {
 	}
 	sort.Slice(older, func(i, j int) bool { return older[i].created.Before(older[j].created) })
 	for _, gen := range older {
-		if gen.drained && g.noneRunning(gen.partitions) {
+		if gen.drained {
+			// Nothing pending or unacknowledged: no member has anything of
+			// it in flight. Members still pulling it see the durables go.
 			g.removeGeneration(ctx, gen)
 			continue
 		}
@@ -374,16 +407,6 @@ func (g *group) generations(ctx context.Context) (map[int]*generation, error) {
 	g.infos = infos
 	g.infoMu.Unlock()
 	return gens, nil
-}
-
-// noneRunning reports that this member pulls no partition of the count.
-func (g *group) noneRunning(partitions int) bool {
-	for _, pt := range g.parts {
-		if pt.partitions == partitions {
-			return false
-		}
-	}
-	return true
 }
 
 // removeGeneration deletes a drained older generation. No message can

@@ -184,10 +184,22 @@ func TestGroupStreamErrors(t *testing.T) {
 	// changed under it) is refused as well.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	kv, err := f.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: GroupBucket("grp"), TTL: time.Minute, Storage: jetstream.MemoryStorage})
+	kv, err := f.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: GroupBucket("grp"), TTL: 2 * time.Second, Storage: jetstream.MemoryStorage})
 	testenv.Must(t, err, "bucket")
-	_, err = kv.Put(ctx, "old-member", []byte("8"))
-	testenv.Must(t, err, "put")
+	beat := func() { _, _ = kv.Put(ctx, "old-member", []byte("8")) }
+	beat()
+	stopBeat := make(chan struct{})
+	defer close(stopBeat)
+	go func() { // keeps the other member alive while Run waits for agreement
+		for {
+			select {
+			case <-stopBeat:
+				return
+			case <-time.After(300 * time.Millisecond):
+				beat()
+			}
+		}
+	}()
 	cfg = groupConfig(f, 4)
 	if err := run(cfg); !errors.Is(err, ErrGroupMismatch) || !strings.Contains(err.Error(), "two groups cannot share the name grp") {
 		t.Fatalf("member with other count: %v, want ErrGroupMismatch", err)

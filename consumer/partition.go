@@ -1,9 +1,12 @@
 package consumer
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -19,10 +22,7 @@ import (
 // yet, per aggregate. A message is settled when it is acknowledged or
 // terminated; a nak (with or without delay) does not settle it, because
 // the message comes back to the partition's pinned member and the later
-// messages of its aggregate must wait for it. A hand-off keeps the
-// partition pinned, and keeps pulling, until nothing is unsettled: messages
-// of an aggregate with unsettled messages still go to the workers, others
-// are given back (Nak) to be delivered first to the next owner.
+// messages of its aggregate must wait for it. See handOff.
 type partition struct {
 	g          *group
 	partitions int
@@ -40,6 +40,8 @@ type partition struct {
 	// counted in inflight until they are delivered again.
 	returning map[uint64]string
 	changed   chan struct{} // receives (non-blocking) on each settle
+	lastSeen  atomic.Uint64 // highest consumer sequence received here
+	started   bool          // the first delivery was seen (takeOver done); run's goroutine only
 }
 
 func newPartition(g *group, partitions, p int, cons jetstream.Consumer) *partition {
@@ -104,21 +106,19 @@ func (pt *partition) unsettled(key string) (aggregate, total int) {
 }
 
 // run pulls the partition until ctx ends or a hand-off was asked for and
-// is complete. ctx is the group's; the workers outlive it, so a hand-off
-// at shutdown still settles what is in flight.
+// is complete. ctx outlives the group's context (the workers do too), so a
+// hand-off at shutdown still settles what is in flight.
 func (pt *partition) run(ctx context.Context) error {
 	defer close(pt.done)
 	log := pt.g.c.log.With(zap.String("durable", pt.durable))
-	c := pt.g.c
-	batch := max(1, min(c.cfg.MaxAckPending, 256))
 	for {
-		iter, err := pt.cons.Messages(jetstream.PullPriorityGroup(c.cfg.Name), jetstream.PullMaxMessages(batch),
-			jetstream.PullExpiry(groupPullExpiry))
+		iter, err := pt.pull()
 		if err == nil {
 			err = pt.pump(ctx, iter)
 			if errors.Is(err, errHandedOff) {
-				return pt.finish(iter, log)
+				return pt.handOff(ctx, iter, log)
 			}
+			// Buffered messages are dropped: they come back after AckWait.
 			iter.Stop()
 		}
 		if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrConsumerNotFound) {
@@ -126,7 +126,7 @@ func (pt *partition) run(ctx context.Context) error {
 			log.Info("partition durable removed; stopping it")
 			return nil
 		}
-		if errors.Is(err, jetstream.ErrConnectionClosed) {
+		if errors.Is(err, jetstream.ErrConnectionClosed) || ctx.Err() != nil {
 			return err
 		}
 		log.Warn("partition pull ended; pulling again", zap.Error(err))
@@ -138,12 +138,16 @@ func (pt *partition) run(ctx context.Context) error {
 	}
 }
 
+func (pt *partition) pull() (jetstream.MessagesContext, error) {
+	c := pt.g.c
+	return pt.cons.Messages(jetstream.PullPriorityGroup(c.cfg.Name), jetstream.PullMaxMessages(max(1, min(c.cfg.MaxAckPending, 256))),
+		jetstream.PullExpiry(groupPullExpiry))
+}
+
 var errHandedOff = errors.New("partition handed off")
 
-// pump hands messages to the workers. After a hand-off request it keeps
-// pulling only to let unsettled messages come back; see partition.
+// pump hands messages to the workers until a hand-off is asked for.
 func (pt *partition) pump(ctx context.Context, iter jetstream.MessagesContext) error {
-	c := pt.g.c
 	hctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go func() { // ends with pump: cancel above
@@ -153,81 +157,199 @@ func (pt *partition) pump(ctx context.Context, iter jetstream.MessagesContext) e
 		case <-hctx.Done():
 		}
 	}()
-	var deadline time.Time
+	first := !pt.started
+	pt.started = true
 	for {
-		draining := deadline != time.Time{}
-		var msg jetstream.Msg
-		var err error
-		if !draining {
-			msg, err = iter.Next(jetstream.NextContext(hctx))
-			if err != nil && hctx.Err() != nil && isClosed(pt.handoff) {
-				deadline = time.Now().Add(c.cfg.Group.DrainTimeout)
-				continue
-			}
-		} else {
-			if _, n := pt.unsettled(""); n == 0 || time.Now().After(deadline) {
-				return errHandedOff
-			}
-			msg, err = iter.Next(jetstream.NextMaxWait(200 * time.Millisecond))
-			if errors.Is(err, nats.ErrTimeout) {
-				continue
-			}
-		}
+		msg, err := iter.Next(jetstream.NextContext(hctx))
 		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
+			if ctx.Err() == nil && isClosed(pt.handoff) {
+				return errHandedOff
 			}
 			return err
 		}
-		it := c.newItem(msg)
-		if draining {
-			if k, _ := pt.unsettled(it.key); k == 0 {
-				_ = msg.Nak() // first to the next owner
-				continue
+		if first {
+			first = false
+			if err := pt.takeOver(ctx, iter, msg); err != nil {
+				return err
 			}
+			continue
 		}
-		pt.track(it.key)
-		pt.returned(it.m.StreamSeq)
-		it.msg = &trackedMsg{Msg: msg, pt: pt, key: it.key, seq: it.m.StreamSeq}
-		w := c.workers[c.workerIndex(it.key)]
-		select {
-		case w.in <- it:
-		case <-ctx.Done():
-			it.msg.(*trackedMsg).Msg.Nak() //nolint:errcheck // shutdown: redelivered anyway
-			pt.settle(it.key)
-			return ctx.Err()
+		if err := pt.forward(ctx, msg); err != nil {
+			return err
 		}
 	}
 }
 
-// finish ends a hand-off: the messages still buffered go back first, then
-// the pin is released so that the next owner need not wait for PinnedTTL.
-func (pt *partition) finish(iter jetstream.MessagesContext, log *zap.Logger) error {
-	c := pt.g.c
-	if _, n := pt.unsettled(""); n > 0 {
-		log.Warn("hand-off timed out with messages in flight; the database guards their order (VersionCheck) and dedup",
-			zap.Int("unsettled", n), zap.Duration("drain_timeout", c.cfg.Group.DrainTimeout))
+// takeOver handles the first deliveries after this member became the
+// partition's owner. The messages the previous owner received and never
+// settled (all of them, after a crash) come first, as redeliveries, but in
+// the order their ack waits expired, which progress acks of queued
+// messages make differ from stream order. They are all earlier in the
+// stream than any message not delivered yet, so collecting as many
+// messages as were unacknowledged when the first arrived, and handing
+// them to the workers sorted by stream sequence, restores each
+// aggregate's order. The window is bounded by max_ack_pending.
+func (pt *partition) takeOver(ctx context.Context, iter jetstream.MessagesContext, msg jetstream.Msg) error {
+	ictx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	info, err := pt.cons.Info(ictx)
+	cancel()
+	want := 1
+	if err == nil {
+		want = max(1, info.NumAckPending)
 	}
-	iter.Drain()
-	for {
-		msg, err := iter.Next(jetstream.NextMaxWait(200 * time.Millisecond))
+	window := []jetstream.Msg{msg}
+	for len(window) < want {
+		m, err := iter.Next(jetstream.NextMaxWait(time.Second))
 		if err != nil {
+			break // a timeout or a hand-off: what is here goes in order
+		}
+		window = append(window, m)
+	}
+	if len(window) > 1 {
+		pt.g.c.log.Debug("ordering the redeliveries of a partition taken over", zap.String("durable", pt.durable), zap.Int("messages", len(window)))
+	}
+	seqOf := func(m jetstream.Msg) uint64 {
+		if md, err := m.Metadata(); err == nil {
+			return md.Sequence.Stream
+		}
+		return 0
+	}
+	slices.SortStableFunc(window, func(a, b jetstream.Msg) int { return cmp.Compare(seqOf(a), seqOf(b)) })
+	for _, m := range window {
+		if err := pt.forward(ctx, m); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// forward hands one message to the worker of its aggregate, tracked.
+func (pt *partition) forward(ctx context.Context, msg jetstream.Msg) error {
+	c := pt.g.c
+	pt.seen(msg)
+	it := c.newItem(msg)
+	pt.track(it.key)
+	pt.returned(it.m.StreamSeq)
+	tm := &trackedMsg{Msg: msg, pt: pt, key: it.key, seq: it.m.StreamSeq}
+	it.msg = tm
+	select {
+	case c.workers[c.workerIndex(it.key)].in <- it:
+		return nil
+	case <-ctx.Done():
+		_ = msg.Nak() // shutdown: redelivered anyway
+		tm.settled()
+		return ctx.Err()
+	}
+}
+
+// handOff settles the partition before it moves. Nothing is given back
+// with a nak, whose redelivery order JetStream does not promise: the
+// subscription is drained and everything it still held goes to the
+// workers as usual. If a worker naked a message (a failure being
+// retried), the partition is pulled again until that message is back and
+// settled, again handing whatever arrives to the workers. Then, unless
+// the durable's last delivery is one received here, a message may be in
+// transit, lost with the subscription: the pin is kept until AckWait has
+// passed, when such a message is queued for redelivery ahead of newer
+// ones. Finally the pin is released, so the next owner need not wait for
+// PinnedTTL. DrainTimeout bounds the whole.
+func (pt *partition) handOff(ctx context.Context, iter jetstream.MessagesContext, log *zap.Logger) error {
+	c := pt.g.c
+	start := time.Now()
+	deadline := start.Add(c.cfg.Group.DrainTimeout)
+	stopped := start
+	for {
+		iter.Drain()
+		for {
+			msg, err := iter.Next(jetstream.NextMaxWait(time.Second))
+			if errors.Is(err, nats.ErrTimeout) && time.Now().Before(deadline) {
+				continue
+			}
+			if err != nil {
+				break
+			}
+			if err := pt.forward(ctx, msg); err != nil {
+				return err
+			}
+		}
+		stopped = time.Now()
+		// Wait for the workers, unless something naked must come back.
+		for {
+			_, n := pt.unsettled("")
+			if n == 0 || pt.awaiting() || time.Now().After(deadline) {
+				break
+			}
+			select {
+			case <-pt.changed:
+			case <-time.After(200 * time.Millisecond):
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		if _, n := pt.unsettled(""); n == 0 || time.Now().After(deadline) {
+			if n > 0 {
+				log.Warn("hand-off timed out with messages in flight; the database guards their order (VersionCheck) and dedup",
+					zap.Int("unsettled", n), zap.Duration("drain_timeout", c.cfg.Group.DrainTimeout))
+			}
 			break
 		}
-		_ = msg.Nak()
+		var err error
+		if iter, err = pt.pull(); err != nil {
+			log.Warn("pull again during hand-off", zap.Error(err))
+			break
+		}
+		for pt.awaiting() && time.Now().Before(deadline) {
+			msg, err := iter.Next(jetstream.NextMaxWait(200 * time.Millisecond))
+			if errors.Is(err, nats.ErrTimeout) {
+				continue
+			}
+			if err != nil {
+				break
+			}
+			if err := pt.forward(ctx, msg); err != nil {
+				return err
+			}
+		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	fctx, cancel := context.WithTimeout(ctx, c.cfg.AckWait+10*time.Second)
 	defer cancel()
-	// Make sure the naks reached the server before the pin moves.
-	if err := c.js.Conn().FlushWithContext(ctx); err != nil {
+	if err := c.js.Conn().FlushWithContext(fctx); err != nil {
 		log.Warn("flush before unpin failed; the pin expires by itself after PinnedTTL", zap.Error(err))
 		return nil
 	}
-	if err := pt.g.strm.UnpinConsumer(ctx, pt.durable, c.cfg.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+	info, err := pt.cons.Info(fctx)
+	if err != nil || info.Delivered.Consumer > pt.lastSeen.Load() {
+		wait := time.Until(stopped.Add(c.cfg.AckWait + time.Second))
+		log.Debug("a delivery may be in transit; keeping the pin until it is due for redelivery", zap.Duration("wait", wait))
+		select {
+		case <-fctx.Done():
+		case <-time.After(wait):
+		}
+	}
+	if err := pt.g.strm.UnpinConsumer(fctx, pt.durable, c.cfg.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 		log.Debug("unpin failed; the pin expires by itself after PinnedTTL", zap.Error(err))
 	}
-	log.Info("partition handed off")
+	log.Info("partition handed off", zap.Duration("took", time.Since(start)))
 	return nil
+}
+
+// awaiting reports naked messages not yet back.
+func (pt *partition) awaiting() bool {
+	pt.mu.Lock()
+	defer pt.mu.Unlock()
+	return len(pt.returning) > 0
+}
+
+// seen records the consumer sequence of a delivery received here.
+func (pt *partition) seen(msg jetstream.Msg) {
+	if md, err := msg.Metadata(); err == nil {
+		for {
+			cur := pt.lastSeen.Load()
+			if md.Sequence.Consumer <= cur || pt.lastSeen.CompareAndSwap(cur, md.Sequence.Consumer) {
+				return
+			}
+		}
+	}
 }
 
 func isClosed(ch chan struct{}) bool {

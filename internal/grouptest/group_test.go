@@ -3,7 +3,9 @@ package grouptest
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	neturl "net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,11 +16,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
 func TestMain(m *testing.M) {
@@ -35,7 +39,9 @@ const group = "grp"
 type scenario struct {
 	t          *testing.T
 	f          *opstest.Fixture
-	partitions int
+	partitions int // of the members started next
+	pinnedTTL  string
+	noVersion  bool // members run without VersionCheck
 	natsURL    string
 	pgURL      string
 
@@ -64,7 +70,8 @@ func newScenario(t *testing.T, partitions int) *scenario {
 	f.DB.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "consumer.sql"))
 	exec1(t, f, `CREATE TABLE applied (
 		consumer text NOT NULL, event_id text NOT NULL, aggregate_id text NOT NULL,
-		version bigint NOT NULL, member text NOT NULL, n bigserial PRIMARY KEY)`)
+		version bigint NOT NULL, member text NOT NULL, subject text NOT NULL, seq bigint NOT NULL,
+		deliveries bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), n bigserial PRIMARY KEY)`)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -104,7 +111,7 @@ func (s *scenario) start(id, pgURL string) {
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(),
 		envMember+"="+id, envPostgres+"="+pgURL, envNATS+"="+s.natsURL,
-		envStream+"="+s.f.Stream, envPartitions+"="+fmt.Sprint(s.partitions), envName+"="+group)
+		envStream+"="+s.f.Stream, envPartitions+"="+fmt.Sprint(s.partitions), envName+"="+group, envPinnedTTL+"="+s.pinnedTTL, envNoVersion+"="+map[bool]string{true: "1"}[s.noVersion])
 	m := &member{id: id, cmd: cmd, out: &bytes.Buffer{}, mu: &sync.Mutex{}, err: make(chan error, 1)}
 	cmd.Stdout = lockedWriter{m}
 	cmd.Stderr = lockedWriter{m}
@@ -256,6 +263,22 @@ func (s *scenario) check(written []relaytest.Event) {
 	if missing+twice+extra+disorder+dead != 0 {
 		s.t.Errorf("group broke exactly-once in-order application")
 	}
+	if disorder > 0 {
+		rows, err := conn.Query(ctx, `
+			WITH o AS (SELECT aggregate_id, version, member, subject, seq, deliveries, at, n, row_number() OVER (PARTITION BY aggregate_id ORDER BY n) AS pos FROM applied),
+			bad AS (SELECT aggregate_id FROM o WHERE version <> pos LIMIT 2)
+			SELECT aggregate_id, version, pos, member || ' ' || subject || ' seq ' || seq || ' delivery ' || deliveries || ' at ' || to_char(at, 'HH24:MI:SS.MS'), n FROM o WHERE aggregate_id IN (SELECT aggregate_id FROM bad) ORDER BY aggregate_id, n`)
+		testenv.Must(s.t, err, "disorder detail")
+		for rows.Next() {
+			var agg, m string
+			var v, pos, n int64
+			_ = rows.Scan(&agg, &v, &pos, &m, &n)
+			if v != pos {
+				s.t.Logf("  %s version %d applied as #%d by %s (serial %d)", agg, v, pos, m, n)
+			}
+		}
+		rows.Close()
+	}
 	perMember, err := conn.Query(ctx, `SELECT member, count(*) FROM applied GROUP BY member ORDER BY member`)
 	testenv.Must(s.t, err, "per member")
 	for perMember.Next() {
@@ -279,9 +302,18 @@ func load() relaytest.Load {
 // 8-partition stream fed by the relay; one is SIGKILLed mid-load and
 // restarted, a fourth joins later. Every event is applied once, in
 // version order per aggregate, nothing dead-lettered.
+//
+// Without VersionCheck nothing in the database guards the order: it rests
+// on the hand-off and on PinnedTTL covering AckWait + RetryMax.
 func TestGroupProcessesKillAndJoin(t *testing.T) {
+	t.Run("VersionCheck", func(t *testing.T) { testKillAndJoin(t, false) })
+	t.Run("NoVersionCheck", func(t *testing.T) { testKillAndJoin(t, true) })
+}
+
+func testKillAndJoin(t *testing.T, noVersion bool) {
 	const partitions = 8
 	s := newScenario(t, partitions)
+	s.noVersion = noVersion
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	_, stopRelay := s.f.Start(ctx)
@@ -329,4 +361,145 @@ func TestGroupProcessesKillAndJoin(t *testing.T) {
 		s.stop(id)
 	}
 	s.check(written)
+}
+
+// ackFloors returns each partition durable's ack floor (stream sequence).
+func (s *scenario) ackFloors(partitions int) []uint64 {
+	s.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	out := make([]uint64, partitions)
+	for p := range partitions {
+		c, err := s.f.JS.Consumer(ctx, s.f.Stream, consumer.PartitionDurable(group, partitions, p))
+		if err != nil {
+			s.t.Fatalf("partition %d: %v", p, err)
+		}
+		info, err := c.Info(ctx)
+		if err != nil {
+			s.t.Fatalf("partition %d info: %v", p, err)
+		}
+		out[p] = info.AckFloor.Stream
+	}
+	return out
+}
+
+// TestGroupPartitionCountChangeDuringLoad changes the stream from 4 to 8
+// partitions while members consume a load, as `outbox-relay setup` with a
+// new nats.partitions does; a member restarted with the new count joins.
+// The old partitions drain first and are removed; nothing is reordered or
+// applied twice.
+//
+// The members run without VersionCheck, so that only the drain-first rule
+// keeps each aggregate's order across the change.
+func TestGroupPartitionCountChangeDuringLoad(t *testing.T) {
+	s := newScenario(t, 4)
+	s.noVersion = true
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	_, stopRelay := s.f.Start(ctx)
+	defer func() { _ = stopRelay() }()
+	for _, id := range []string{"m1", "m2", "m3"} {
+		s.start(id, "")
+	}
+	l := load()
+	wait := relaytest.WriteAsync(ctx, t, s.f.DB.Pool, l)
+	if !testenv.WaitFor(2*time.Minute, func() bool { return s.applied() >= int64(l.Events/4) }) {
+		t.Fatalf("only %d applied after 2m", s.applied())
+	}
+	spec := s.f.Cfg.Stream
+	spec.Partitions, spec.UpdatePartitions = 8, true
+	rep, err := publisher.EnsureStream(ctx, s.f.JS, spec, true)
+	if err != nil || !rep.Partitioned {
+		t.Fatalf("change the partition count: %+v, %v", rep, err)
+	}
+	changed := time.Now()
+	t.Logf("partition count changed 4 -> 8 with %d of the load applied", s.applied())
+	// A member restarted now must use the new count.
+	s.stop("m3")
+	s.partitions = 8
+	s.start("m3", "")
+	written := wait()
+	s.f.WaitCount(ctx, s.f.Stream, uint64(len(written)), 2*time.Minute)
+	if !testenv.WaitFor(3*time.Minute, func() bool { return s.applied() >= int64(len(written)) }) {
+		t.Fatalf("only %d of %d applied after 3m", s.applied(), len(written))
+	}
+	s.waitSettled(8, time.Minute)
+	if !testenv.WaitFor(30*time.Second, func() bool {
+		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		_, err := s.f.JS.Consumer(lctx, s.f.Stream, consumer.PartitionDurable(group, 4, 0))
+		return errors.Is(err, jetstream.ErrConsumerNotFound)
+	}) {
+		t.Errorf("the 4-partition durables were not removed after draining")
+	}
+	t.Logf("new partitions drained the load %.1fs after the change", time.Since(changed).Seconds())
+	for _, id := range []string{"m1", "m2", "m3"} {
+		s.stop(id)
+	}
+	s.check(written)
+}
+
+// TestGroupMemberDatabaseUnreachable cuts one member off its database for
+// 10 s (a stalled TCP proxy): its partitions do not advance meanwhile, the
+// others do, and afterwards everything is applied once, in order.
+func TestGroupMemberDatabaseUnreachable(t *testing.T) {
+	const partitions = 6
+	s := newScenario(t, partitions)
+	// The stalled member keeps its partitions for the outage: PinnedTTL
+	// above it (a member stalled longer than PinnedTTL loses them).
+	s.pinnedTTL = "30s"
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	_, stopRelay := s.f.Start(ctx)
+	defer func() { _ = stopRelay() }()
+	env := testenv.Get(t)
+	proxy, err := testenv.StartProxy(fmt.Sprintf("127.0.0.1:%d", env.PG.Port()))
+	testenv.Must(t, err, "proxy")
+	t.Cleanup(proxy.Close)
+	ids := []string{"m1", "m2", "m3"}
+	s.start("m1", "")
+	s.start("m2", "")
+	s.start("m3", withPort(s.pgURL, proxy.Port()))
+	l := load()
+	l.Pause = 250 * time.Millisecond // the load (~25 s) lasts through the outage
+	wait := relaytest.WriteAsync(ctx, t, s.f.DB.Pool, l)
+	if !testenv.WaitFor(2*time.Minute, func() bool { return s.applied() >= int64(l.Events/10) }) {
+		t.Fatalf("only %d applied after 2m", s.applied())
+	}
+	stalled := ownedBy(slices.Clone(ids), "m3", partitions)
+	proxy.Stall(testenv.Both)
+	time.Sleep(2 * time.Second) // let in-flight transactions fail
+	before := s.ackFloors(partitions)
+	time.Sleep(8 * time.Second)
+	after := s.ackFloors(partitions)
+	proxy.Heal()
+	for p := range partitions {
+		moved := after[p] != before[p]
+		if slices.Contains(stalled, p) && moved {
+			t.Errorf("partition %d of the member without database advanced from %d to %d", p, before[p], after[p])
+		}
+		if !slices.Contains(stalled, p) && !moved {
+			t.Logf("partition %d of a healthy member did not advance during the outage (%d)", p, after[p])
+		}
+	}
+	t.Logf("during the outage: ack floors %v -> %v (stalled partitions %v)", before, after, stalled)
+	written := wait()
+	s.f.WaitCount(ctx, s.f.Stream, uint64(len(written)), 2*time.Minute)
+	if !testenv.WaitFor(3*time.Minute, func() bool { return s.applied() >= int64(len(written)) }) {
+		t.Fatalf("only %d of %d applied after 3m", s.applied(), len(written))
+	}
+	s.waitSettled(partitions, time.Minute)
+	for _, id := range ids {
+		s.stop(id)
+	}
+	s.check(written)
+}
+
+func withPort(url string, port int) string {
+	u, err := neturl.Parse(url)
+	if err != nil {
+		return url
+	}
+	u.Host = fmt.Sprintf("127.0.0.1:%d", port)
+	return u.String()
 }

@@ -26,6 +26,8 @@ const (
 	envStream     = "GROUPTEST_STREAM"
 	envPartitions = "GROUPTEST_PARTITIONS"
 	envName       = "GROUPTEST_NAME"
+	envPinnedTTL  = "GROUPTEST_PINNED_TTL" // optional, a time.Duration
+	envNoVersion  = "GROUPTEST_NO_VERSION_CHECK"
 )
 
 // memberMain runs one group member until SIGTERM: its handler records each
@@ -42,8 +44,8 @@ func memberMain() int {
 type recordHandler struct{ name string }
 
 func (h recordHandler) Handle(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
-	_, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version, member) VALUES ($1, $2, $3, $4, $5)`,
-		h.name, m.ID, m.AggregateID, m.AggregateVersion, os.Getenv(envMember))
+	_, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version, member, subject, seq, deliveries) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
+		h.name, m.ID, m.AggregateID, m.AggregateVersion, os.Getenv(envMember), m.Subject, int64(m.StreamSeq), int64(m.Deliveries))
 	return err
 }
 
@@ -95,6 +97,15 @@ func runMember() error {
 			Member:     os.Getenv(envMember),
 			MemberTTL:  3 * time.Second,
 		},
+	}
+	if os.Getenv(envNoVersion) == "1" {
+		// Order then rests on the hand-off and the pin alone.
+		cfg.VersionCheck, cfg.InitialVersion = false, 0
+	}
+	if v := os.Getenv(envPinnedTTL); v != "" {
+		if cfg.Group.PinnedTTL, err = time.ParseDuration(v); err != nil {
+			return err
+		}
 	}
 	c, err := consumer.New(pool, js, cfg, recordHandler{name: name}, consumer.WithLogger(log.Named(os.Getenv(envMember))))
 	if err != nil {
