@@ -86,3 +86,15 @@ func SubjectPartition(subject string) (partitions, p int, ok bool) {
 	}
 	return n, q, true
 }
+
+// PublishedSubject returns the subject an event was published on: a stored
+// partitioned subject without its two partition tokens, other subjects as
+// they are. Re-publishing a stored event needs it, since the stream's
+// subjects match the published form.
+func PublishedSubject(subject string) string {
+	if _, _, ok := SubjectPartition(subject); !ok {
+		return subject
+	}
+	toks := strings.Split(subject, ".")
+	return strings.Join(toks[:len(toks)-2], ".")
+}
