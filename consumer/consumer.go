@@ -86,6 +86,9 @@ func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (
 	if err != nil {
 		return nil, err
 	}
+	if _, err := newGroupVecs(o.registerer); err != nil { // group.go's metrics
+		return nil, err
+	}
 	c := &Consumer{
 		cfg:         cfg,
 		db:          db,

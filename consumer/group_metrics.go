@@ -18,35 +18,46 @@ type groupMetrics struct {
 	unowned    *prometheus.GaugeVec
 }
 
-func newGroupMetrics(reg prometheus.Registerer, name string) (*groupMetrics, error) {
+// groupVecs are the group collectors, registered by New for every
+// consumer (so that they are known before a group runs), shared by the
+// consumers of one Registerer.
+type groupVecs struct {
+	members, owned   *prometheus.GaugeVec
+	rebalances       *prometheus.CounterVec
+	pending, unowned *prometheus.GaugeVec
+}
+
+func newGroupVecs(reg prometheus.Registerer) (*groupVecs, error) {
 	l := []string{"consumer"}
 	pl := []string{"consumer", "partitions", "partition"}
-	members := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "outbox_consumer_group_members",
-		Help: "Live members of the consumer group, as this member sees them.",
-	}, l)
-	owned := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "outbox_consumer_group_partitions_owned",
-		Help: "Partitions assigned to this member and pulled by it (not counting those it is handing off).",
-	}, l)
-	rebalances := prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "outbox_consumer_group_rebalances_total",
-		Help: "Times this member's set of partitions changed (a member joined, left or died, or the partition count changed).",
-	}, l)
-	pending := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "outbox_consumer_group_partition_pending_messages",
-		Help: "Messages of a partition not yet acknowledged: not yet delivered plus delivered and unacknowledged.",
-	}, pl)
-	unowned := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Name: "outbox_consumer_group_partition_unowned_seconds",
-		Help: "Seconds since a partition with pending messages last had an owner (a pinned member); 0 while it has one or nothing is pending.",
-	}, pl)
+	v := &groupVecs{
+		members: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_consumer_group_members",
+			Help: "Live members of the consumer group, as this member sees them.",
+		}, l),
+		owned: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_consumer_group_partitions_owned",
+			Help: "Partitions assigned to this member and pulled by it (not counting those it is handing off).",
+		}, l),
+		rebalances: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_group_rebalances_total",
+			Help: "Times this member's set of partitions changed (a member joined, left or died, or the partition count changed).",
+		}, l),
+		pending: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_consumer_group_partition_pending_messages",
+			Help: "Messages of a partition not yet acknowledged: not yet delivered plus delivered and unacknowledged.",
+		}, pl),
+		unowned: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_consumer_group_partition_unowned_seconds",
+			Help: "Seconds since a partition with pending messages last had an owner (a pinned member); 0 while it has one or nothing is pending.",
+		}, pl),
+	}
 	var err error
-	if members, err = register(reg, members); err == nil {
-		if owned, err = register(reg, owned); err == nil {
-			if rebalances, err = register(reg, rebalances); err == nil {
-				if pending, err = register(reg, pending); err == nil {
-					unowned, err = register(reg, unowned)
+	if v.members, err = register(reg, v.members); err == nil {
+		if v.owned, err = register(reg, v.owned); err == nil {
+			if v.rebalances, err = register(reg, v.rebalances); err == nil {
+				if v.pending, err = register(reg, v.pending); err == nil {
+					v.unowned, err = register(reg, v.unowned)
 				}
 			}
 		}
@@ -54,13 +65,21 @@ func newGroupMetrics(reg prometheus.Registerer, name string) (*groupMetrics, err
 	if err != nil {
 		return nil, fmt.Errorf("register consumer group metrics: %w", err)
 	}
+	return v, nil
+}
+
+func newGroupMetrics(reg prometheus.Registerer, name string) (*groupMetrics, error) {
+	v, err := newGroupVecs(reg)
+	if err != nil {
+		return nil, err
+	}
 	return &groupMetrics{
 		name:       name,
-		members:    members.WithLabelValues(name),
-		owned:      owned.WithLabelValues(name),
-		rebalances: rebalances.WithLabelValues(name),
-		pending:    pending,
-		unowned:    unowned,
+		members:    v.members.WithLabelValues(name),
+		owned:      v.owned.WithLabelValues(name),
+		rebalances: v.rebalances.WithLabelValues(name),
+		pending:    v.pending,
+		unowned:    v.unowned,
 	}, nil
 }
 
