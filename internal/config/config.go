@@ -375,6 +375,9 @@ func (c *Config) Validate() error {
 			}
 		}
 	}
+	if c.NATS.Partitions > 0 && len(c.NATS.StreamSubjects) > 1 {
+		bad("nats.partitions", "needs one stream subject to partition, have %v: use one subject template (such as the default outbox.{aggregate_type}.{aggregate_id}) for all tables", c.NATS.StreamSubjects)
+	}
 	return errors.Join(errs...)
 }
 
