@@ -109,11 +109,19 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 		g.shutdown()
 		return err
 	})
+	lg.Go(func() error { // a worker that fails ends the member
+		select {
+		case <-wgctx.Done():
+			return errors.New("a worker stopped")
+		case <-lctx.Done():
+			return nil
+		}
+	})
 	err = lg.Wait()
 	wcancel()
 	g.wg.Wait()
-	if werr := wg.Wait(); err == nil {
-		err = werr
+	if werr := wg.Wait(); werr != nil || ctx.Err() != nil {
+		return werr // the cause, when a worker ended the member; nil on shutdown
 	}
 	return err
 }
