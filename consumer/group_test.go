@@ -241,3 +241,44 @@ func (f *fixture) waitMembers(name string, n int) {
 		return err == nil && len(keys) == n
 	})
 }
+
+// A member exports its group metrics: members, partitions owned,
+// rebalances, and pending and unowned time per partition.
+func TestGroupMetrics(t *testing.T) {
+	f := newFixture(t)
+	f.partitionedStream(4)
+	cfg := groupConfig(f, 4)
+	g := *cfg.Group
+	g.Member = "solo"
+	cfg.Group = &g
+	rec := newRecorder("grp")
+	f.start(cfg, rec)
+	for i := range 20 {
+		f.publish(event{ID: uuidN(i + 1), AggID: fmt.Sprintf("m%d", i), Version: 1})
+	}
+	f.waitFor("applied", 30*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) == 20
+	})
+	value := func(name string) (sum float64, series int) {
+		mfs, err := f.reg.Gather()
+		testenv.Must(t, err, "gather")
+		for _, mf := range mfs {
+			if mf.GetName() != name {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				series++
+				sum += m.GetGauge().GetValue() + m.GetCounter().GetValue()
+			}
+		}
+		return sum, series
+	}
+	f.waitFor("group gauges", 10*time.Second, func() bool {
+		members, _ := value("outbox_consumer_group_members")
+		owned, _ := value("outbox_consumer_group_partitions_owned")
+		rebalances, _ := value("outbox_consumer_group_rebalances_total")
+		pending, ps := value("outbox_consumer_group_partition_pending_messages")
+		_, us := value("outbox_consumer_group_partition_unowned_seconds")
+		return members == 1 && owned == 4 && rebalances >= 1 && ps == 4 && us == 4 && pending == 0
+	})
+}
