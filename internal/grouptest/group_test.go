@@ -59,6 +59,9 @@ type member struct {
 
 func newScenario(t *testing.T, partitions int) *scenario {
 	t.Helper()
+	if testing.Short() {
+		t.Skip("runs OS processes over a 20,000-event load (skipped with -short)")
+	}
 	env := testenv.Get(t)
 	f := opstest.New(t, "", 0)
 	f.Cfg.Stream.Subjects = []string{f.Prefix + ".*.*"}
