@@ -21,6 +21,8 @@
 //	                 single consumer
 //	--group-member  REWARD_CONSUMER_GROUP_MEMBER  this process's member id in the
 //	                 group; default <host>-<pid>-<random>
+//	--retry-max     longest retry backoff (default 30s); a dead member's
+//	                 partitions move after --ack-wait + --retry-max + 3s
 //
 // Three copies with the same --consumer and --group-partitions share the
 // stream: each partition is consumed by one of them at a time, and the
@@ -71,6 +73,7 @@ type options struct {
 	owner         string
 	workers       int
 	ackWait       time.Duration
+	retryMax      time.Duration
 	metricsListen string
 	logLevel      string
 	// Consumer group (docs/consumer.md "Consumer groups").
@@ -109,6 +112,7 @@ func parseFlags() (options, error) {
 	fs.StringVar(&o.owner, "owner", env("OWNER", "rewards-team"), "who owns this consumer's dead letters")
 	fs.IntVar(&o.workers, "workers", consumer.DefaultWorkers, "parallel workers (keyed by aggregate)")
 	fs.DurationVar(&o.ackWait, "ack-wait", consumer.DefaultAckWait, "JetStream ack wait of the durable consumer")
+	fs.DurationVar(&o.retryMax, "retry-max", consumer.DefaultRetryMax, "longest retry backoff; in a group, a dead member's partitions move after ack-wait + retry-max + 3s")
 	fs.StringVar(&o.metricsListen, "metrics-listen", env("METRICS_LISTEN", ""), "address serving /metrics (e.g. 127.0.0.1:9464); empty disables")
 	fs.StringVar(&o.logLevel, "log-level", env("LOG_LEVEL", "info"), "debug, info, warn or error")
 	groupPartitions, err := strconv.Atoi(env("GROUP_PARTITIONS", "0"))
@@ -177,11 +181,12 @@ func run() error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := consumer.Config{
-		Name:    o.name,
-		Stream:  o.stream,
-		Owner:   o.owner,
-		Workers: o.workers,
-		AckWait: o.ackWait,
+		Name:     o.name,
+		Stream:   o.stream,
+		Owner:    o.owner,
+		Workers:  o.workers,
+		AckWait:  o.ackWait,
+		RetryMax: o.retryMax,
 		// Registrations change without emitting an event (creation), and
 		// this consumer takes one event type: versions skip legitimately,
 		// so version checking is off; the event id and the ledger dedup.

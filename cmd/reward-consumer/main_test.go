@@ -82,8 +82,15 @@ func (r *rig) publish(id, reg string, version int64, msgID string) {
 // start runs the binary; extraEnv adds environment variables.
 func (r *rig) start(extraEnv ...string) *exec.Cmd {
 	r.t.Helper()
-	cmd := exec.Command(r.bin, "--postgres-url", r.db.URL, "--nats-url", r.nats, "--stream", r.stream,
-		"--consumer", "rewards", "--points", "10", "--ack-wait", "2s", "--log-level", "warn")
+	return r.startWith(nil, extraEnv...)
+}
+
+// startWith runs the binary with extra flags.
+func (r *rig) startWith(flags []string, extraEnv ...string) *exec.Cmd {
+	r.t.Helper()
+	args := append([]string{"--postgres-url", r.db.URL, "--nats-url", r.nats, "--stream", r.stream,
+		"--consumer", "rewards", "--points", "10", "--ack-wait", "2s", "--log-level", "warn"}, flags...)
+	cmd := exec.Command(r.bin, args...)
 	cmd.Env = append(os.Environ(), extraEnv...)
 	logf, err := os.Create(filepath.Join(r.t.TempDir(), "consumer.log"))
 	testenv.Must(r.t, err, "log file")
@@ -219,7 +226,7 @@ func TestThreeCopiesShareAStreamAsAGroup(t *testing.T) {
 	}
 	var copies []*exec.Cmd
 	for i := range 3 {
-		copies = append(copies, r.start("REWARD_CONSUMER_GROUP_PARTITIONS=6", fmt.Sprintf("REWARD_CONSUMER_GROUP_MEMBER=copy-%d", i)))
+		copies = append(copies, r.startWith([]string{"--retry-max", "1s"}, "REWARD_CONSUMER_GROUP_PARTITIONS=6", fmt.Sprintf("REWARD_CONSUMER_GROUP_MEMBER=copy-%d", i)))
 	}
 	credited := func() int64 {
 		return r.queryInt(`SELECT count(*) FROM reward_account WHERE player_id::text LIKE 'dddddddd%' AND points > 0`)
