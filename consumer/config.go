@@ -135,6 +135,11 @@ type Config struct {
 	// in a transaction of its own. Default DefaultBatchSize; a worker's
 	// batches are also bounded by its share of MaxAckPending.
 	BatchSize int
+
+	// Group, when not nil, runs this consumer as one member of the
+	// partitioned consumer group Name: see GroupConfig and docs/consumer.md
+	// "Consumer groups".
+	Group *GroupConfig
 }
 
 func (c *Config) setDefaults() {
@@ -182,6 +187,10 @@ func (c *Config) setDefaults() {
 	if c.StatsInterval == 0 {
 		c.StatsInterval = DefaultStatsInterval
 	}
+	// Consumer groups (group.go).
+	if c.Group != nil {
+		c.setGroupDefaults()
+	}
 }
 
 // validate checks a Config after setDefaults.
@@ -225,6 +234,10 @@ func (c *Config) validate() error {
 		return bad("ReplayPollInterval, ReplayBatch and StatsInterval must be positive")
 	case c.BatchSize < 1:
 		return bad("BatchSize is %d: set 1 for one transaction per message, more to apply up to that many messages in one transaction, or leave it 0 for DefaultBatchSize (%d)", c.BatchSize, DefaultBatchSize)
+	}
+	// Consumer groups (group.go).
+	if c.Group != nil {
+		return c.validateGroup()
 	}
 	return nil
 }

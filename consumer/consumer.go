@@ -56,6 +56,11 @@ type Consumer struct {
 	cons        jetstream.Consumer // set by Run
 	strm        jetstream.Stream   // set by Run
 	running     atomic.Bool
+
+	// Consumer groups (group.go): the registerer for the group's metrics,
+	// and the running group member, which answers gone().
+	reg prometheus.Registerer
+	grp *group
 }
 
 // New returns a consumer of cfg.Stream that applies each event with h inside
@@ -81,6 +86,9 @@ func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (
 	if err != nil {
 		return nil, err
 	}
+	if _, err := newGroupVecs(o.registerer); err != nil { // group.go's metrics
+		return nil, err
+	}
 	c := &Consumer{
 		cfg:         cfg,
 		db:          db,
@@ -89,6 +97,7 @@ func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (
 		log:         o.logger.Named("consumer").With(zap.String(fieldConsumer, cfg.Name)),
 		met:         met,
 		afterCommit: o.afterCommit,
+		reg:         o.registerer,
 	}
 	if len(cfg.EventTypes) > 0 {
 		c.wanted = make(map[string]bool, len(cfg.EventTypes))
@@ -120,6 +129,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 	strm, err := c.js.Stream(ctx, c.cfg.Stream)
 	if err != nil {
 		return fmt.Errorf("look up stream %s: %w", c.cfg.Stream, err)
+	}
+	if c.cfg.Group != nil {
+		// A group member pulls partition durables (group_run.go).
+		return c.runGroup(ctx, strm)
 	}
 	cons, err := c.durable(ctx)
 	if err != nil {
@@ -278,6 +291,9 @@ func (c *Consumer) workerIndex(key string) int {
 // learnt (JetStream unreachable) is not gone. The lookups are bounded so
 // that an unreachable server delays the calling worker by little.
 func (c *Consumer) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
+	if c.grp != nil {
+		return c.grp.gone(ctx, seqs) // group.go: per-partition ack floors
+	}
 	ctx, cancel := context.WithTimeout(ctx, min(c.cfg.AckWait/3, 5*time.Second))
 	defer cancel()
 	info, err := c.cons.Info(ctx)

@@ -133,11 +133,14 @@
 //     earlier version takes to come back after a crash).
 //   - Several processes sharing one durable consumer split an aggregate's
 //     messages between them; only VersionCheck keeps its order then. To
-//     scale out with order per aggregate, partition the subjects (one
-//     durable consumer per partition, for example with the pcgroups package
-//     of github.com/synadia-io/orbit.go) and note that changing the number
-//     of partitions moves aggregates between consumers: drain before
-//     changing it.
+//     scale out with order per aggregate, run them as one consumer group
+//     (Config.Group, GroupConfig): the stream is partitioned by a subject
+//     transform, each partition is a durable consumer that JetStream pins
+//     to one member at a time, and a partition moves only after its old
+//     owner's messages are settled (a hand-off) or due for redelivery (a
+//     crash, after PinnedTTL), the new owner re-sorting the redeliveries.
+//     A partition-count change drains the old partitions first. See
+//     docs/consumer.md "Consumer groups".
 //
 // VersionCheck needs every event of an aggregate. A consumer that filters
 // event types or subjects, or a producer that changes an aggregate without

@@ -31,6 +31,15 @@ type StreamSpec struct {
 	// allowed (allow_batched, nats-server 2.14 or later; older servers
 	// ignore it). An existing stream is never changed.
 	AllowBatch bool
+
+	// Partitions, when positive, partitions the stream for consumer groups:
+	// a subject transform appends "<Partitions>.<partition>" to every
+	// subject (contract.PartitionTransform). A created stream gets it; an
+	// existing stream without it, or with another count, is refused with
+	// the fix unless UpdatePartitions (`outbox-relay setup`) lets
+	// EnsureStream set it.
+	Partitions       int
+	UpdatePartitions bool
 }
 
 // ErrNotDurable means the stream's acknowledgements do not survive a
@@ -52,7 +61,10 @@ func Durability(cfg jetstream.StreamConfig) (bool, string) {
 // StreamReport says what EnsureStream found or did.
 type StreamReport struct {
 	Created bool
-	Info    *jetstream.StreamInfo
+	// Partitioned says the partition transform was added or changed
+	// (StreamSpec.UpdatePartitions), to the count in StreamSpec.Partitions.
+	Partitioned bool
+	Info        *jetstream.StreamInfo
 	// Warnings are conditions an operator should know about: acks that are
 	// not durable, a duplicate window shorter than requested.
 	Warnings []string
@@ -84,6 +96,11 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 
 			AllowBatchPublish: spec.AllowBatch,
 		}
+		if spec.Partitions > 0 {
+			if cfg.SubjectTransform, err = partitionTransform(spec); err != nil {
+				return nil, err
+			}
+		}
 		s, err = js.CreateStream(ctx, cfg)
 		var apiErr *jetstream.APIError
 		switch {
@@ -106,6 +123,11 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 	for _, want := range spec.Subjects {
 		if !coveredByAny(info.Config.Subjects, want) {
 			return nil, fmt.Errorf("stream %s subjects %v do not cover %q: add it to the stream's subjects or change the subject template", spec.Name, info.Config.Subjects, want)
+		}
+	}
+	if spec.Partitions > 0 {
+		if info, err = ensurePartitions(ctx, js, spec, info, rep); err != nil {
+			return nil, err
 		}
 	}
 	rep.Durable, rep.DurableReason = Durability(info.Config)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -50,6 +51,9 @@ type demo struct {
 	// republished counts the duplicates the demo itself published to the
 	// event stream (the reward stage's redelivery).
 	republished uint64
+	// quietEvents stops the watcher printing events (the group stage
+	// writes many).
+	quietEvents atomic.Bool
 }
 
 func newDemo(out *printer, opts options) *demo {
@@ -72,6 +76,7 @@ func (d *demo) stages() []stage {
 		{"confirm registrations", d.confirmRegistrations},
 		{"wait for events", d.waitForEvents},
 		{"reward service", d.rewards},
+		{"reward service as a group", d.groupRewards},
 		{"summary", d.summary},
 	}
 }
@@ -160,6 +165,7 @@ func (d *demo) setupRelay(ctx context.Context) (*relay.Relay, jetstream.Consumer
 	// Confirm often, so the summary shows the slot caught up.
 	cfg.Postgres.StatusInterval = 200 * time.Millisecond
 	cfg.Router.Tables = []router.TableConfig{{Table: "public.outbox"}}
+	cfg.NATS.Partitions = demoPartitions // for the group stage
 	cfg.HTTP.Listen = ""
 	if err := cfg.Validate(); err != nil {
 		return nil, nil, err

@@ -8,7 +8,9 @@
 // with its default subjects (outbox.{aggregate_type}.{aggregate_id}, stream
 // OUTBOX, dead letters in OUTBOX_DLQ), confirms a few registrations with the
 // seed lesson's data-modifying CTE, and prints every event as it arrives in
-// the stream. It exits 0 when every expected event arrived, 1 when one is
+// the stream. The reward service then consumes them, first as one consumer,
+// then as a consumer group of two members over the stream's 4 partitions,
+// one of which crashes while the other takes its partitions over. It exits 0 when every expected event arrived, 1 when one is
 // missing or a step failed, and 130 after SIGINT; every server it started is
 // stopped and its files removed in each case.
 //

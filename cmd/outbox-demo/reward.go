@@ -142,7 +142,7 @@ func (d *demo) rewardFlow(ctx context.Context, pool *pgxpool.Pool, reg *promethe
 	if err != nil {
 		return fmt.Errorf("read event %s back from the stream: %w", dup.EventID, err)
 	}
-	msg := &nats.Msg{Subject: orig.Subject, Header: nats.Header{}, Data: orig.Data}
+	msg := &nats.Msg{Subject: contract.PublishedSubject(orig.Subject), Header: nats.Header{}, Data: orig.Data}
 	for k, v := range orig.Header {
 		msg.Header[k] = append([]string(nil), v...)
 	}

@@ -111,7 +111,9 @@ func (d *demo) watch(ctx context.Context, cons jetstream.Consumer) error {
 		if md, err := msg.Metadata(); err == nil {
 			seq = md.Sequence.Stream
 		}
-		d.printEvent(msg, seq)
+		if !d.quietEvents.Load() {
+			d.printEvent(msg, seq)
+		}
 		h := msg.Headers()
 		lsn, _ := replication.ParseLSN(h.Get(contract.CommitLSN))
 		d.arrivals.arrived(h.Get(contract.EventID), seq, lsn)

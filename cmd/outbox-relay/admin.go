@@ -92,6 +92,7 @@ func setupStreams(ctx context.Context, nc *nats.Conn, cfg config.Config, out io.
 		return err
 	}
 	events, dlq := cfg.Streams()
+	events.UpdatePartitions = true // setup is where the partition count is set or changed
 	for _, spec := range []publisher.StreamSpec{events, dlq} {
 		srep, err := publisher.EnsureStream(ctx, js, spec, true)
 		if err != nil {
@@ -101,6 +102,9 @@ func setupStreams(ctx context.Context, nc *nats.Conn, cfg config.Config, out io.
 			fmt.Fprintf(out, "nats: created stream %s (subjects %v, file storage, duplicate window %s)\n", spec.Name, spec.Subjects, spec.Duplicates)
 		} else {
 			fmt.Fprintf(out, "nats: stream %s already exists (subjects %v)\n", spec.Name, srep.Info.Config.Subjects)
+		}
+		if srep.Partitioned {
+			fmt.Fprintf(out, "nats: stream %s now partitioned into %d (subject transform %s -> %s)\n", spec.Name, spec.Partitions, srep.Info.Config.SubjectTransform.Source, srep.Info.Config.SubjectTransform.Destination)
 		}
 		for _, w := range srep.Warnings {
 			fmt.Fprintln(out, "warning:", w)

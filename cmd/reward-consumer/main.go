@@ -17,6 +17,19 @@
 //	--metrics-listen REWARD_CONSUMER_METRICS_LISTEN  address for /metrics; empty disables
 //	--log-level     REWARD_CONSUMER_LOG_LEVEL     debug, info, warn or error; default info
 //	--log-format    REWARD_CONSUMER_LOG_FORMAT    json (default) or console
+//	--group-partitions REWARD_CONSUMER_GROUP_PARTITIONS  run as a member of the consumer
+//	                 group --consumer over a stream partitioned into this many
+//	                 partitions (nats.partitions of the relay); 0 (default): a
+//	                 single consumer
+//	--group-member  REWARD_CONSUMER_GROUP_MEMBER  this process's member id in the
+//	                 group; default <host>-<pid>-<random>
+//	--retry-max     longest retry backoff (default 30s); a dead member's
+//	                 partitions move after --ack-wait + --retry-max + 3s
+//
+// Three copies with the same --consumer and --group-partitions share the
+// stream: each partition is consumed by one of them at a time, and the
+// others take a dead copy's partitions over (docs/consumer.md "Consumer
+// groups").
 //
 // REWARD_CONSUMER_TEST_CRASH_AFTER_COMMIT, for fault tests only, names a
 // file: after the first transaction commits, the process writes the event
@@ -62,9 +75,13 @@ type options struct {
 	owner         string
 	workers       int
 	ackWait       time.Duration
+	retryMax      time.Duration
 	metricsListen string
 	logLevel      string
 	logFormat     string
+	// Consumer group (docs/consumer.md "Consumer groups").
+	groupPartitions int
+	groupMember     string
 }
 
 func main() {
@@ -102,15 +119,26 @@ func parseFlags() (options, error) {
 	fs.StringVar(&o.owner, "owner", env("OWNER", "rewards-team"), "who owns this consumer's dead letters")
 	fs.IntVar(&o.workers, "workers", consumer.DefaultWorkers, "parallel workers (keyed by aggregate)")
 	fs.DurationVar(&o.ackWait, "ack-wait", consumer.DefaultAckWait, "JetStream ack wait of the durable consumer")
+	fs.DurationVar(&o.retryMax, "retry-max", consumer.DefaultRetryMax, "longest retry backoff; in a group, a dead member's partitions move after ack-wait + retry-max + 3s")
 	fs.StringVar(&o.metricsListen, "metrics-listen", env("METRICS_LISTEN", ""), "address serving /metrics (e.g. 127.0.0.1:9464); empty disables")
 	fs.StringVar(&o.logLevel, "log-level", env("LOG_LEVEL", "info"), "debug, info, warn or error")
 	fs.StringVar(&o.logFormat, "log-format", env("LOG_FORMAT", logging.FormatJSON), "json or console")
+	groupPartitions, err := strconv.Atoi(env("GROUP_PARTITIONS", "0"))
+	if err != nil {
+		return o, fmt.Errorf("%sGROUP_PARTITIONS: %w", envPrefix, err)
+	}
+	fs.IntVar(&o.groupPartitions, "group-partitions", groupPartitions, "run as a member of consumer group --consumer over a stream partitioned into this many partitions (the relay's nats.partitions); 0: a single consumer")
+	fs.StringVar(&o.groupMember, "group-member", env("GROUP_MEMBER", ""), "this process's member id in the group (default <host>-<pid>-<random>)")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		return o, err
 	}
 	switch {
 	case o.postgresURL == "":
 		return o, fmt.Errorf("set --postgres-url or %sPOSTGRES_URL to the reward database", envPrefix)
+	case o.groupPartitions < 0:
+		return o, fmt.Errorf("--group-partitions %d: want 0 (no group) or the stream's partition count", o.groupPartitions)
+	case o.groupPartitions > 0 && o.filterSubject != "":
+		return o, errors.New("--filter-subject cannot be combined with --group-partitions: each partition's durable filters its own partition")
 	case o.points < 1 || o.points > math.MaxInt32:
 		return o, fmt.Errorf("--points %d: want 1 to %d (apply_reward_event takes a positive integer)", o.points, math.MaxInt32)
 	}
@@ -155,11 +183,12 @@ func run() error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := consumer.Config{
-		Name:    o.name,
-		Stream:  o.stream,
-		Owner:   o.owner,
-		Workers: o.workers,
-		AckWait: o.ackWait,
+		Name:     o.name,
+		Stream:   o.stream,
+		Owner:    o.owner,
+		Workers:  o.workers,
+		AckWait:  o.ackWait,
+		RetryMax: o.retryMax,
 		// Registrations change without emitting an event (creation), and
 		// this consumer takes one event type: versions skip legitimately,
 		// so version checking is off; the event id and the ledger dedup.
@@ -167,6 +196,9 @@ func run() error {
 	}
 	if o.filterSubject != "" {
 		cfg.FilterSubjects = []string{o.filterSubject}
+	}
+	if o.groupPartitions > 0 {
+		cfg.Group = &consumer.GroupConfig{Partitions: o.groupPartitions, Member: o.groupMember}
 	}
 	opts := []consumer.Option{consumer.WithLogger(log), consumer.WithRegisterer(reg)}
 	if path := os.Getenv(envPrefix + "TEST_CRASH_AFTER_COMMIT"); path != "" {

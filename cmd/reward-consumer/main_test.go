@@ -82,8 +82,15 @@ func (r *rig) publish(id, reg string, version int64, msgID string) {
 // start runs the binary; extraEnv adds environment variables.
 func (r *rig) start(extraEnv ...string) *exec.Cmd {
 	r.t.Helper()
-	cmd := exec.Command(r.bin, "--postgres-url", r.db.URL, "--nats-url", r.nats, "--stream", r.stream,
-		"--consumer", "rewards", "--points", "10", "--ack-wait", "2s", "--log-level", "warn")
+	return r.startWith(nil, extraEnv...)
+}
+
+// startWith runs the binary with extra flags.
+func (r *rig) startWith(flags []string, extraEnv ...string) *exec.Cmd {
+	r.t.Helper()
+	args := append([]string{"--postgres-url", r.db.URL, "--nats-url", r.nats, "--stream", r.stream,
+		"--consumer", "rewards", "--points", "10", "--ack-wait", "2s", "--log-level", "warn"}, flags...)
+	cmd := exec.Command(r.bin, args...)
 	cmd.Env = append(os.Environ(), extraEnv...)
 	logf, err := os.Create(filepath.Join(r.t.TempDir(), "consumer.log"))
 	testenv.Must(r.t, err, "log file")
@@ -193,5 +200,70 @@ func TestHelpExitsZero(t *testing.T) {
 	}
 	if !strings.Contains(string(out), "-postgres-url") || strings.Contains(string(out), "help requested") {
 		t.Errorf("--help printed:\n%s", out)
+	}
+}
+
+// Three copies of the binary with --group-partitions share a partitioned
+// stream; one is SIGKILLed halfway and the others take its partitions
+// over: every registration is credited once.
+func TestThreeCopiesShareAStreamAsAGroup(t *testing.T) {
+	if testing.Short() {
+		t.Skip("fault test")
+	}
+	t.Parallel()
+	r := newRig(t)
+	ctx := context.Background()
+	// A stream partitioned as `outbox-relay setup` with nats.partitions 6
+	// makes it.
+	r.stream = testenv.UniqueName("GROUP")
+	src := r.stream + ".*.*"
+	dst, err := contract.PartitionTransform(src, 6)
+	testenv.Must(t, err, "transform")
+	_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{Name: r.stream, Subjects: []string{src},
+		SubjectTransform: &jetstream.SubjectTransformConfig{Source: src, Destination: dst}})
+	testenv.Must(t, err, "stream")
+	t.Cleanup(func() {
+		_ = r.js.DeleteStream(context.Background(), r.stream)
+		_ = r.js.DeleteKeyValue(context.Background(), "OUTBOX_GROUP_rewards")
+	})
+	const n = 40
+	regs := make([]string, n)
+	for i := range regs {
+		regs[i] = fmt.Sprintf("cccccccc-0000-4000-8000-%012d", i)
+		p := fmt.Sprintf("dddddddd-0000-4000-8000-%012d", i)
+		_, err := r.db.Pool.Exec(ctx, `INSERT INTO reward_account (player_id, points) VALUES ($1, 0)`, p)
+		testenv.Must(t, err, "account")
+		_, err = r.db.Pool.Exec(ctx, `INSERT INTO reward_registration (registration_id, player_id) VALUES ($1, $2)`, regs[i], p)
+		testenv.Must(t, err, "registration")
+	}
+	var copies []*exec.Cmd
+	for i := range 3 {
+		copies = append(copies, r.startWith([]string{"--retry-max", "1s"}, "REWARD_CONSUMER_GROUP_PARTITIONS=6", fmt.Sprintf("REWARD_CONSUMER_GROUP_MEMBER=copy-%d", i)))
+	}
+	credited := func() int64 {
+		return r.queryInt(`SELECT count(*) FROM reward_account WHERE player_id::text LIKE 'dddddddd%' AND points > 0`)
+	}
+	for i := range n / 2 {
+		r.publish(fmt.Sprintf("0190a6e5-0000-7000-8001-%012d", i), regs[i], 2, fmt.Sprintf("g%d", i))
+	}
+	if !testenv.WaitFor(30*time.Second, func() bool { return credited() == n/2 }) {
+		t.Fatalf("%d of %d credited by three copies", credited(), n/2)
+	}
+	testenv.Must(t, copies[0].Process.Signal(syscall.SIGKILL), "kill -9")
+	_ = copies[0].Wait()
+	for i := n / 2; i < n; i++ {
+		r.publish(fmt.Sprintf("0190a6e5-0000-7000-8001-%012d", i), regs[i], 2, fmt.Sprintf("g%d", i))
+	}
+	if !testenv.WaitFor(60*time.Second, func() bool { return credited() == n }) {
+		t.Fatalf("%d of %d credited after a copy was killed", credited(), n)
+	}
+	if p := r.queryInt(`SELECT count(*) FROM reward_account WHERE player_id::text LIKE 'dddddddd%' AND points <> 10`); p != 0 {
+		t.Fatalf("%d players without exactly 10 points", p)
+	}
+	for _, c := range copies[1:] {
+		testenv.Must(t, c.Process.Signal(syscall.SIGTERM), "SIGTERM")
+		if err := c.Wait(); err != nil {
+			t.Fatalf("a copy exited with %v after SIGTERM, want 0", err)
+		}
 	}
 }

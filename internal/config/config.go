@@ -18,6 +18,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -146,6 +147,10 @@ type NATS struct {
 	// MaxExpectedOutage is the longest relay outage to plan for; the relay
 	// warns when the stream's duplicate window is shorter.
 	MaxExpectedOutage time.Duration `yaml:"max_expected_outage"`
+	// Partitions, when positive, partitions the event stream for consumer
+	// groups (docs/consumer.md "Consumer groups"): `setup` and created
+	// streams add a subject transform appending "<P>.<partition>".
+	Partitions int `yaml:"partitions"`
 }
 
 // HTTP configures the metrics and health listener.
@@ -282,6 +287,9 @@ func (c *Config) Validate() error {
 	if c.NATS.MaxInFlight < 1 || c.NATS.MaxInFlight > 1<<20 {
 		bad("nats.max_in_flight", "%d is out of range: use 1 to 1048576 (default 4096)", c.NATS.MaxInFlight)
 	}
+	if c.NATS.Partitions < 0 || c.NATS.Partitions > contract.MaxPartitions {
+		bad("nats.partitions", "%d: want 0 (no consumer groups) to %d", c.NATS.Partitions, contract.MaxPartitions)
+	}
 	if c.NATS.MaxInFlightBytes < 1<<10 {
 		bad("nats.max_in_flight_bytes", "%d is too small: use at least 1024 (default 67108864)", c.NATS.MaxInFlightBytes)
 	}
@@ -399,6 +407,9 @@ func (c *Config) Validate() error {
 				}
 			}
 		}
+	}
+	if c.NATS.Partitions > 0 && len(c.NATS.StreamSubjects) > 1 {
+		bad("nats.partitions", "needs one stream subject to partition, have %v: use one subject template (such as the default outbox.{aggregate_type}.{aggregate_id}) for all tables", c.NATS.StreamSubjects)
 	}
 	return errors.Join(errs...)
 }

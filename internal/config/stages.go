@@ -50,6 +50,7 @@ func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
 		MinDuplicates:  c.NATS.MaxExpectedOutage,
 		RequireDurable: c.NATS.RequireDurableStream,
 		AllowBatch:     c.NATS.BatchPublish != "off",
+		Partitions:     c.NATS.Partitions,
 	}
 	deadLetters = publisher.StreamSpec{
 		Name:       c.NATS.DeadLetterStream,

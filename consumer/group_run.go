@@ -1,0 +1,562 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+)
+
+// group is the member side of a consumer group during one Run: the
+// heartbeat, the assignment of partitions and the partitions pulled.
+type group struct {
+	c       *Consumer
+	strm    jetstream.Stream
+	kv      jetstream.KeyValue
+	ttl     time.Duration // the bucket's member TTL
+	id      identity
+	source  string // the stream subject the partition transform applies to
+	current int    // the stream's partition count, as last read; heartbeat value
+	log     *zap.Logger
+	met     *groupMetrics
+
+	parts     map[string]*partition // by durable, owned by the coordinator loop
+	wg        sync.WaitGroup        // partition goroutines
+	errs      chan error            // a partition that cannot go on
+	assigned  []int                 // last assignment, for rebalance counting
+	lastBeat  time.Time
+	lastOwner map[string]time.Time // durable -> when it last had an owner or nothing pending
+
+	infoMu sync.Mutex
+	infos  map[string]*jetstream.ConsumerInfo // last listing, for gone()
+}
+
+// memberInfo is a member's heartbeat value.
+type memberInfo struct {
+	id         string
+	partitions int
+}
+
+// runGroup is Run for a group member: it checks the stream, joins the
+// group, creates the partition durables, and until ctx ends keeps pulling
+// the partitions assigned to it. On shutdown it hands its partitions off
+// (settling what is in flight) before the workers stop, and leaves the
+// group at once rather than after the member TTL.
+func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
+	info, err := strm.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
+	}
+	source, partitions, err := c.checkGroupStream(info)
+	if err != nil {
+		return err
+	}
+	id, err := c.identity(ctx)
+	if err != nil {
+		return err
+	}
+	met, err := newGroupMetrics(c.reg, c.cfg.Name)
+	if err != nil {
+		return err
+	}
+	g := &group{
+		c: c, strm: strm, id: id, source: source, met: met, current: partitions,
+		log:       c.log.With(zap.String("member", c.cfg.Group.Member)),
+		parts:     map[string]*partition{},
+		errs:      make(chan error, 1),
+		lastOwner: map[string]time.Time{},
+		infos:     map[string]*jetstream.ConsumerInfo{},
+	}
+	if err := g.join(ctx, max(info.Config.Replicas, 1)); err != nil {
+		return err
+	}
+	if err := g.ensureGeneration(ctx, partitions, true); err != nil {
+		return err
+	}
+	c.grp = g
+	defer func() { c.grp = nil }()
+	c.log.Info("consuming as a group member", zap.String("stream", c.cfg.Stream), zap.String("member", c.cfg.Group.Member),
+		zap.Int("partitions", partitions), zap.Duration("pinned_ttl", c.cfg.Group.PinnedTTL),
+		zap.Duration("member_ttl", g.ttl), zap.Bool("version_check", c.cfg.VersionCheck))
+
+	c.workers = make([]*worker, c.cfg.Workers)
+	for i := range c.workers {
+		c.workers[i] = newWorker(c, i)
+	}
+	// The workers outlive ctx: the hand-off at shutdown needs them to
+	// settle what is in flight. They stop once the partitions are done.
+	wctx, wcancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer wcancel()
+	wg, wgctx := errgroup.WithContext(wctx)
+	for _, w := range c.workers {
+		wg.Go(func() error { return w.run(wgctx) })
+	}
+	lg, lctx := errgroup.WithContext(ctx)
+	lg.Go(func() error { return c.replayLoop(lctx) })
+	lg.Go(func() error { return c.statsLoop(lctx) })
+	lg.Go(func() error {
+		err := g.coordinate(lctx, wgctx)
+		g.shutdown()
+		return err
+	})
+	lg.Go(func() error { // a worker that fails ends the member
+		select {
+		case <-wgctx.Done():
+			return errors.New("a worker stopped")
+		case <-lctx.Done():
+			return nil
+		}
+	})
+	err = lg.Wait()
+	wcancel()
+	g.wg.Wait()
+	if werr := wg.Wait(); werr != nil || ctx.Err() != nil {
+		return werr // the cause, when a worker ended the member; nil on shutdown
+	}
+	return err
+}
+
+// join opens (creating it if needed) the group's member bucket and checks
+// that the live members agree on the partition count.
+func (g *group) join(ctx context.Context, replicas int) error {
+	c := g.c
+	bucket := GroupBucket(c.cfg.Name)
+	kv, err := c.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket:      bucket,
+		Description: "outbox-relay consumer group members (heartbeats)",
+		TTL:         c.cfg.Group.MemberTTL,
+		History:     1,
+		Storage:     jetstream.MemoryStorage,
+		Replicas:    replicas,
+	})
+	if errors.Is(err, jetstream.ErrBucketExists) {
+		kv, err = c.js.KeyValue(ctx, bucket)
+	}
+	if err != nil {
+		return fmt.Errorf("open group bucket %s: %w", bucket, err)
+	}
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return fmt.Errorf("group bucket %s status: %w", bucket, err)
+	}
+	g.kv, g.ttl = kv, st.TTL()
+	if g.ttl <= 0 {
+		return fmt.Errorf("%w: group bucket %s has no TTL, so dead members would never leave; delete the bucket (nats kv del %s) and restart the members", ErrGroupMismatch, bucket, bucket)
+	}
+	// Members that read the stream before a partition-count change still
+	// report the old count for up to one step: give them the member TTL.
+	deadline := time.Now().Add(g.ttl)
+	for {
+		err := g.agree(ctx)
+		if err == nil || time.Now().After(deadline) {
+			if err != nil {
+				return err
+			}
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+	return g.heartbeat(ctx)
+}
+
+// agree checks that the live members use this member's partition count.
+func (g *group) agree(ctx context.Context) error {
+	c := g.c
+	members, err := g.members(ctx)
+	if err != nil {
+		return err
+	}
+	for _, m := range members {
+		if m.partitions != c.cfg.Group.Partitions {
+			return fmt.Errorf("%w: member %s of group %s runs with %d partitions, this one with Group.Partitions %d: two groups cannot share the name %s; give one another Name, or make them agree with the stream",
+				ErrGroupMismatch, m.id, c.cfg.Name, m.partitions, c.cfg.Group.Partitions, c.cfg.Name)
+		}
+		if m.id == c.cfg.Group.Member {
+			// Most likely this member's previous process, crashed within
+			// the TTL. Were it alive, the pins still keep each partition
+			// with one of the two.
+			g.log.Warn("a member with this id is still registered: taking its place (give each process its own Group.Member)")
+		}
+	}
+	return nil
+}
+
+func (g *group) heartbeat(ctx context.Context) error {
+	// The stream's count, not the configured one: after a partition-count
+	// change, members started with the new count must not be refused.
+	_, err := g.kv.Put(ctx, g.c.cfg.Group.Member, []byte(strconv.Itoa(g.current)))
+	if err != nil {
+		return fmt.Errorf("heartbeat in group bucket: %w", err)
+	}
+	g.lastBeat = time.Now()
+	return nil
+}
+
+// members lists the live members (their last heartbeat is within the
+// bucket's TTL), sorted by id.
+func (g *group) members(ctx context.Context) ([]memberInfo, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	w, err := g.kv.WatchAll(ctx, jetstream.IgnoreDeletes())
+	if err != nil {
+		return nil, fmt.Errorf("list group members: %w", err)
+	}
+	defer func() { _ = w.Stop() }()
+	var out []memberInfo
+	for {
+		select {
+		case e := <-w.Updates():
+			if e == nil {
+				sort.Slice(out, func(i, j int) bool { return out[i].id < out[j].id })
+				return out, nil
+			}
+			n, _ := strconv.Atoi(string(e.Value()))
+			out = append(out, memberInfo{id: e.Key(), partitions: n})
+		case <-ctx.Done():
+			return nil, fmt.Errorf("list group members: %w", ctx.Err())
+		}
+	}
+}
+
+// durableConfig is partition p's durable consumer.
+func (g *group) durableConfig(partitions, p int) jetstream.ConsumerConfig {
+	c := g.c
+	cfg := c.consumerConfig()
+	cfg.Durable = PartitionDurable(c.cfg.Name, partitions, p)
+	cfg.Description = fmt.Sprintf("outbox-relay consumer group %s, partition %d of %d", c.cfg.Name, p, partitions)
+	cfg.FilterSubjects = nil
+	cfg.FilterSubject = contract.PartitionFilter(g.source, partitions, p)
+	cfg.PriorityPolicy = jetstream.PriorityPolicyPinned
+	cfg.PriorityGroups = []string{c.cfg.Name}
+	cfg.PinnedTTL = c.cfg.Group.PinnedTTL
+	cfg.Metadata = map[string]string{
+		metaDatabase: g.id.database(), metaFilter: cfg.FilterSubject,
+		metaGroup: c.cfg.Name, metaPartitions: strconv.Itoa(partitions), metaPartition: strconv.Itoa(p),
+	}
+	return cfg
+}
+
+// ensureGeneration creates the durables of a partition count that are
+// missing; with update it also brings existing ones to this member's
+// settings after checking that they are this group's (same database).
+func (g *group) ensureGeneration(ctx context.Context, partitions int, update bool) error {
+	c := g.c
+	for p := range partitions {
+		cfg := g.durableConfig(partitions, p)
+		existing, err := c.js.Consumer(ctx, c.cfg.Stream, cfg.Durable)
+		switch {
+		case errors.Is(err, jetstream.ErrConsumerNotFound):
+			_, err = c.js.CreateConsumer(ctx, c.cfg.Stream, cfg)
+			if errors.Is(err, jetstream.ErrConsumerExists) {
+				err = nil // another member was first
+			}
+		case err == nil && update:
+			id := g.id
+			id.filter = cfg.FilterSubject
+			if err = c.checkIdentity(id, existing.CachedInfo().Config); err == nil {
+				_, err = c.js.UpdateConsumer(ctx, c.cfg.Stream, cfg)
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, c.cfg.Stream, err)
+		}
+	}
+	return nil
+}
+
+// generation is the partition durables of one partition count.
+type generation struct {
+	partitions int
+	created    time.Time
+	drained    bool
+	durables   map[int]*jetstream.ConsumerInfo
+}
+
+// coordinate is the member loop: heartbeat, read the stream's partition
+// count and the group's durables, assign, start and hand off partitions.
+func (g *group) coordinate(ctx, pullCtx context.Context) error {
+	c := g.c
+	tick := time.NewTicker(max(g.ttl/3, 100*time.Millisecond))
+	defer tick.Stop()
+	var failing loopHealth
+	for {
+		err := g.step(ctx, pullCtx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		failing.report(g.log, "consumer group step", err)
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-g.errs:
+			return fmt.Errorf("consume group %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
+		case <-tick.C:
+		}
+	}
+}
+
+func (g *group) step(ctx, pullCtx context.Context) error {
+	c := g.c
+	g.reap()
+	info, err := g.strm.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
+	}
+	_, current, err := StreamPartitions(info.Config)
+	if err != nil {
+		return err
+	}
+	if current != g.current {
+		g.log.Info("the stream's partition count changed: the new partitions are consumed once the old ones are drained",
+			zap.Int("from", g.current), zap.Int("to", current))
+		g.current = current
+	}
+	herr := g.heartbeat(ctx)
+	if herr != nil && time.Since(g.lastBeat) > g.ttl {
+		// The others no longer count this member: give everything up.
+		g.assign(pullCtx, nil, nil)
+		return herr
+	}
+	members, err := g.members(ctx)
+	if err != nil {
+		return err
+	}
+	gens, err := g.generations(ctx)
+	if err != nil {
+		return err
+	}
+	if _, ok := gens[current]; !ok || len(gens[current].durables) < current {
+		// The partition count changed: create the new generation; it is
+		// consumed once every older one is drained.
+		if err := g.ensureGeneration(ctx, current, false); err != nil {
+			return err
+		}
+		if gens, err = g.generations(ctx); err != nil {
+			return err
+		}
+	}
+	active := current
+	var older []*generation
+	for n, gen := range gens {
+		if n != current {
+			older = append(older, gen)
+		}
+	}
+	sort.Slice(older, func(i, j int) bool { return older[i].created.Before(older[j].created) })
+	for _, gen := range older {
+		if gen.drained {
+			// Nothing pending or unacknowledged: no member has anything of
+			// it in flight. Members still pulling it see the durables go.
+			g.removeGeneration(ctx, gen)
+			continue
+		}
+		active = gen.partitions
+		break
+	}
+	var ids []string
+	for _, m := range members {
+		ids = append(ids, m.id)
+	}
+	g.met.members.Set(float64(len(ids)))
+	g.assign(pullCtx, ids, gens[active])
+	g.observe(gens, active)
+	return herr
+}
+
+// generations lists the group's partition durables by partition count.
+func (g *group) generations(ctx context.Context) (map[int]*generation, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	l := g.strm.ListConsumers(ctx)
+	gens := map[int]*generation{}
+	infos := map[string]*jetstream.ConsumerInfo{}
+	for ci := range l.Info() {
+		n, p, err := g.c.durableGeneration(ci)
+		if err != nil {
+			continue
+		}
+		gen := gens[n]
+		if gen == nil {
+			gen = &generation{partitions: n, created: ci.Created, drained: true, durables: map[int]*jetstream.ConsumerInfo{}}
+			gens[n] = gen
+		}
+		if ci.Created.Before(gen.created) {
+			gen.created = ci.Created
+		}
+		gen.durables[p] = ci
+		if ci.NumPending > 0 || ci.NumAckPending > 0 {
+			gen.drained = false
+		}
+		infos[ci.Name] = ci
+	}
+	if err := l.Err(); err != nil {
+		return nil, fmt.Errorf("list consumers of stream %s: %w", g.c.cfg.Stream, err)
+	}
+	for _, gen := range gens {
+		if len(gen.durables) < gen.partitions {
+			gen.drained = false // an incomplete listing proves nothing
+		}
+	}
+	g.infoMu.Lock()
+	g.infos = infos
+	g.infoMu.Unlock()
+	return gens, nil
+}
+
+// removeGeneration deletes a drained older generation. No message can
+// reach its durables any more: the stream's transform writes the new
+// count into every subject since the change.
+func (g *group) removeGeneration(ctx context.Context, gen *generation) {
+	for p := range gen.durables {
+		name := PartitionDurable(g.c.cfg.Name, gen.partitions, p)
+		if err := g.strm.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+			g.log.Warn("delete drained partition durable", zap.String("durable", name), zap.Error(err))
+			return
+		}
+	}
+	g.log.Info("older partition generation drained and removed", zap.Int("partitions", gen.partitions))
+}
+
+// assignment returns the partitions of a count that member owns among
+// members (sorted): partition p goes to members[p mod len(members)].
+func assignment(members []string, member string, partitions int) []int {
+	i := slices.Index(members, member)
+	if i < 0 {
+		return nil
+	}
+	var out []int
+	for p := i; p < partitions; p += len(members) {
+		out = append(out, p)
+	}
+	return out
+}
+
+// assign starts the partitions of gen this member now owns and hands off
+// the others.
+func (g *group) assign(pullCtx context.Context, members []string, gen *generation) {
+	var mine []int
+	want := map[string]bool{}
+	if gen != nil {
+		mine = assignment(members, g.c.cfg.Group.Member, gen.partitions)
+		for _, p := range mine {
+			want[PartitionDurable(g.c.cfg.Name, gen.partitions, p)] = true
+		}
+	}
+	if !slices.Equal(mine, g.assigned) {
+		if g.assigned != nil || mine != nil {
+			g.met.rebalances.Inc()
+		}
+		g.log.Info("partition assignment", zap.Ints("partitions", mine), zap.Strings("members", members))
+		g.assigned = mine
+	}
+	for name, pt := range g.parts {
+		if !want[name] {
+			pt.release()
+		}
+	}
+	for _, p := range mine {
+		name := PartitionDurable(g.c.cfg.Name, gen.partitions, p)
+		if _, running := g.parts[name]; running {
+			continue // running, or still handing off: started again after
+		}
+		cons, err := g.strm.Consumer(pullCtx, name)
+		if err != nil {
+			g.log.Warn("look up partition durable", zap.String("durable", name), zap.Error(err))
+			continue
+		}
+		pt := newPartition(g, gen.partitions, p, cons)
+		g.parts[name] = pt
+		g.wg.Add(1)
+		go func() {
+			defer g.wg.Done()
+			if err := pt.run(pullCtx); err != nil && pullCtx.Err() == nil {
+				select {
+				case g.errs <- err:
+				default:
+				}
+			}
+		}()
+	}
+	owned := 0
+	for _, pt := range g.parts {
+		if !isClosed(pt.handoff) {
+			owned++
+		}
+	}
+	g.met.owned.Set(float64(owned))
+}
+
+// reap forgets partitions whose goroutine has returned.
+func (g *group) reap() {
+	for name, pt := range g.parts {
+		if isClosed(pt.done) {
+			delete(g.parts, name)
+		}
+	}
+}
+
+// shutdown hands off every partition (bounded by DrainTimeout) and leaves
+// the group.
+func (g *group) shutdown() {
+	for _, pt := range g.parts {
+		pt.release()
+	}
+	done := make(chan struct{})
+	go func() { g.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(g.c.cfg.Group.DrainTimeout + 5*time.Second):
+		g.log.Warn("partitions still handing off at shutdown; their pins expire after PinnedTTL")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := g.kv.Delete(ctx, g.c.cfg.Group.Member); err != nil {
+		g.log.Debug("leave group: the member entry expires by itself", zap.Error(err))
+	}
+}
+
+// gone is Consumer.gone for a group: a sequence is gone when it left the
+// stream or is at or below its own partition durable's ack floor.
+func (g *group) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
+	ctx, cancel := context.WithTimeout(ctx, min(g.c.cfg.AckWait/3, 5*time.Second))
+	defer cancel()
+	gone := make(map[uint64]bool, len(seqs))
+	for _, seq := range seqs {
+		raw, err := g.strm.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			gone[seq] = true
+			continue
+		}
+		if err != nil {
+			continue
+		}
+		n, p, ok := contract.SubjectPartition(raw.Subject)
+		if !ok {
+			continue
+		}
+		ci, err := g.strm.Consumer(ctx, PartitionDurable(g.c.cfg.Name, n, p))
+		if errors.Is(err, jetstream.ErrConsumerNotFound) {
+			gone[seq] = true // its generation was drained and removed
+			continue
+		}
+		if err != nil {
+			continue
+		}
+		gone[seq] = seq <= ci.CachedInfo().AckFloor.Stream
+	}
+	return gone
+}

@@ -1,0 +1,284 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+// partitionedStream replaces the fixture's stream with one partitioned
+// into n the way `outbox-relay setup` makes it.
+func (f *fixture) partitionedStream(n int) {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	name := testenv.UniqueName("G")
+	src := name + ".*.*"
+	dst, err := contract.PartitionTransform(src, n)
+	testenv.Must(f.t, err, "partition transform")
+	_, err = f.js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{src}, Storage: jetstream.MemoryStorage,
+		SubjectTransform: &jetstream.SubjectTransformConfig{Source: src, Destination: dst}})
+	testenv.Must(f.t, err, "create partitioned stream")
+	f.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = f.js.DeleteStream(ctx, name)
+		_ = f.js.DeleteKeyValue(ctx, GroupBucket("grp"))
+	})
+	f.stream = name
+}
+
+func groupConfig(f *fixture, partitions int) Config {
+	cfg := f.baseConfig("grp")
+	cfg.AckWait = 2 * time.Second
+	cfg.HandlerTimeout = time.Second
+	cfg.VersionCheck = true
+	cfg.InitialVersion = 1
+	cfg.GapWait = 0
+	cfg.Group = &GroupConfig{Partitions: partitions, MemberTTL: 2 * time.Second}
+	return cfg
+}
+
+// runMember runs a group member until stop is called.
+func (f *fixture) runMember(cfg Config, h Handler, member string) (stop func()) {
+	f.t.Helper()
+	g := *cfg.Group
+	g.Member = member
+	cfg.Group = &g
+	c, err := New(f.pool, f.js, cfg, h, WithLogger(zaptest.NewLogger(f.t).Named(member)))
+	testenv.Must(f.t, err, "new member")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var stopped bool
+	stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		if err := <-done; err != nil {
+			f.t.Errorf("member %s: Run: %v", member, err)
+		}
+	}
+	f.t.Cleanup(stop)
+	return stop
+}
+
+// checkApplied checks that every event of aggs x versions was applied
+// once, each aggregate in version order, and nothing dead-lettered.
+func (f *fixture) checkApplied(name string, aggs, versions int) {
+	f.t.Helper()
+	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM applied WHERE consumer = $1`, name); n != int64(aggs*versions) {
+		f.t.Errorf("applied %d rows, want %d", n, aggs*versions)
+	}
+	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM (SELECT event_id FROM applied WHERE consumer = $1 GROUP BY event_id HAVING count(*) > 1) d`, name); n != 0 {
+		f.t.Errorf("%d events applied more than once", n)
+	}
+	if n := queryInt(f.t, f.pool, `
+		SELECT count(*) FROM (
+			SELECT version, row_number() OVER (PARTITION BY aggregate_id ORDER BY n) AS pos
+			FROM applied WHERE consumer = $1) o
+		WHERE version <> pos`, name); n != 0 {
+		f.t.Errorf("%d applications out of version order", n)
+	}
+	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = $1`, name); n != 0 {
+		f.t.Errorf("%d dead letters", n)
+	}
+}
+
+// TestGroupMembersShareAndHandOff runs three members over an 8-partition
+// stream while events arrive; one leaves, one joins. Every event is
+// applied once and in version order, and the partitions spread.
+func TestGroupMembersShareAndHandOff(t *testing.T) {
+	f := newFixture(t)
+	f.partitionedStream(8)
+	cfg := groupConfig(f, 8)
+	rec := newRecorder("grp")
+	stopA := f.runMember(cfg, rec, "a")
+	f.runMember(cfg, rec, "b")
+	f.runMember(cfg, rec, "c")
+	f.waitMembers("grp", 3)
+	const aggs, versions = 40, 30
+	n := 0
+	for v := 1; v <= versions; v++ {
+		for a := 0; a < aggs; a++ {
+			n++
+			f.publish(event{ID: uuidN(n), AggID: fmt.Sprintf("agg%d", a), Version: int64(v)})
+		}
+		switch v {
+		case 10:
+			f.waitFor("some applied", 30*time.Second, func() bool {
+				return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= aggs*5
+			})
+			stopA() // leaves: its partitions are handed off
+		case 20:
+			f.runMember(cfg, rec, "d")
+			f.waitMembers("grp", 3)
+		}
+	}
+	f.waitFor("all applied", 60*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= aggs*versions
+	})
+	f.waitGroupSettled("grp", 8, 30*time.Second)
+	f.checkApplied("grp", aggs, versions)
+}
+
+func TestGroupConfigErrors(t *testing.T) {
+	f := newFixture(t)
+	base := func() Config { return groupConfig(f, 4) }
+	cases := []struct {
+		name string
+		mod  func(*Config)
+		want string
+	}{
+		{"zero partitions", func(c *Config) { c.Group.Partitions = 0 }, "Group.Partitions is 0: set it to the partition count the stream was set up with"},
+		{"invalid name", func(c *Config) { c.Name = "rewards.v2" }, "is not a valid group name"},
+		{"initial version 0", func(c *Config) { c.InitialVersion = 0 }, "set InitialVersion to the first version your producer writes"},
+		{"filter subjects", func(c *Config) { c.FilterSubjects = []string{"x.>"} }, "FilterSubjects cannot be combined with Group"},
+		{"short pinned ttl", func(c *Config) { c.Group.PinnedTTL = c.AckWait }, "raise PinnedTTL or leave it 0"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := base()
+			g := *cfg.Group
+			cfg.Group = &g
+			tc.mod(&cfg)
+			_, err := New(f.pool, f.js, cfg, newRecorder("x"))
+			if !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("New: %v, want ErrInvalidConfig containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestGroupStreamErrors(t *testing.T) {
+	f := newFixture(t)
+	run := func(cfg Config) error {
+		c, err := New(f.pool, f.js, cfg, newRecorder("x"), WithLogger(zaptest.NewLogger(t)))
+		testenv.Must(t, err, "new")
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		return c.Run(ctx)
+	}
+	// The fixture's stream has no partition transform.
+	cfg := groupConfig(f, 4)
+	if err := run(cfg); !errors.Is(err, ErrGroupStream) || !strings.Contains(err.Error(), "set nats.partitions in the relay config and run `outbox-relay setup`") {
+		t.Fatalf("unpartitioned stream: %v, want ErrGroupStream naming setup", err)
+	}
+	f.partitionedStream(4)
+	cfg = groupConfig(f, 8)
+	if err := run(cfg); !errors.Is(err, ErrGroupMismatch) || !strings.Contains(err.Error(), "set Group.Partitions to 4") {
+		t.Fatalf("other partition count: %v, want ErrGroupMismatch naming the count", err)
+	}
+	// A live member of the same name with another count (the stream
+	// changed under it) is refused as well.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	kv, err := f.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: GroupBucket("grp"), TTL: 2 * time.Second, Storage: jetstream.MemoryStorage})
+	testenv.Must(t, err, "bucket")
+	beat := func() { _, _ = kv.Put(ctx, "old-member", []byte("8")) }
+	beat()
+	stopBeat := make(chan struct{})
+	defer close(stopBeat)
+	go func() { // keeps the other member alive while Run waits for agreement
+		for {
+			select {
+			case <-stopBeat:
+				return
+			case <-time.After(300 * time.Millisecond):
+				beat()
+			}
+		}
+	}()
+	cfg = groupConfig(f, 4)
+	if err := run(cfg); !errors.Is(err, ErrGroupMismatch) || !strings.Contains(err.Error(), "two groups cannot share the name grp") {
+		t.Fatalf("member with other count: %v, want ErrGroupMismatch", err)
+	}
+}
+
+// waitGroupSettled waits until no partition durable has pending or
+// unacknowledged messages.
+func (f *fixture) waitGroupSettled(name string, partitions int, timeout time.Duration) {
+	f.t.Helper()
+	f.waitFor("partitions settled", timeout, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		for p := range partitions {
+			c, err := f.js.Consumer(ctx, f.stream, PartitionDurable(name, partitions, p))
+			if err != nil {
+				return false
+			}
+			info, err := c.Info(ctx)
+			if err != nil || info.NumPending > 0 || info.NumAckPending > 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// waitMembers waits until the group has n live members.
+func (f *fixture) waitMembers(name string, n int) {
+	f.t.Helper()
+	f.waitFor(fmt.Sprintf("%d members", n), 30*time.Second, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		kv, err := f.js.KeyValue(ctx, GroupBucket(name))
+		if err != nil {
+			return false
+		}
+		keys, err := kv.Keys(ctx)
+		return err == nil && len(keys) == n
+	})
+}
+
+// A member exports its group metrics: members, partitions owned,
+// rebalances, and pending and unowned time per partition.
+func TestGroupMetrics(t *testing.T) {
+	f := newFixture(t)
+	f.partitionedStream(4)
+	cfg := groupConfig(f, 4)
+	g := *cfg.Group
+	g.Member = "solo"
+	cfg.Group = &g
+	rec := newRecorder("grp")
+	f.start(cfg, rec)
+	for i := range 20 {
+		f.publish(event{ID: uuidN(i + 1), AggID: fmt.Sprintf("m%d", i), Version: 1})
+	}
+	f.waitFor("applied", 30*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) == 20
+	})
+	value := func(name string) (sum float64, series int) {
+		mfs, err := f.reg.Gather()
+		testenv.Must(t, err, "gather")
+		for _, mf := range mfs {
+			if mf.GetName() != name {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				series++
+				sum += m.GetGauge().GetValue() + m.GetCounter().GetValue()
+			}
+		}
+		return sum, series
+	}
+	f.waitFor("group gauges", 10*time.Second, func() bool {
+		members, _ := value("outbox_consumer_group_members")
+		owned, _ := value("outbox_consumer_group_partitions_owned")
+		rebalances, _ := value("outbox_consumer_group_rebalances_total")
+		pending, ps := value("outbox_consumer_group_partition_pending_messages")
+		_, us := value("outbox_consumer_group_partition_unowned_seconds")
+		return members == 1 && owned == 4 && rebalances >= 1 && ps == 4 && us == 4 && pending == 0
+	})
+}

@@ -1,0 +1,55 @@
+package publisher
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/contract"
+)
+
+// partitionTransform is the subject transform of a partitioned stream.
+func partitionTransform(spec StreamSpec) (*jetstream.SubjectTransformConfig, error) {
+	if len(spec.Subjects) != 1 {
+		return nil, fmt.Errorf("stream %s: nats.partitions needs exactly one stream subject to partition, have %v: use one subject template for all tables (e.g. outbox.{aggregate_type}.{aggregate_id})", spec.Name, spec.Subjects)
+	}
+	dst, err := contract.PartitionTransform(spec.Subjects[0], spec.Partitions)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: nats.partitions: %w", spec.Name, err)
+	}
+	return &jetstream.SubjectTransformConfig{Source: spec.Subjects[0], Destination: dst}, nil
+}
+
+// ensurePartitions checks an existing stream's partition transform, and
+// with spec.UpdatePartitions sets it. Changing the count is safe for
+// consumer groups: events stored from now on carry the new count in their
+// subject, and the members consume them only after every partition of the
+// old count is drained (docs/consumer.md "Changing the number of
+// partitions").
+func ensurePartitions(ctx context.Context, js jetstream.JetStream, spec StreamSpec, info *jetstream.StreamInfo, rep *StreamReport) (*jetstream.StreamInfo, error) {
+	want, err := partitionTransform(spec)
+	if err != nil {
+		return nil, err
+	}
+	have := info.Config.SubjectTransform
+	if have != nil && have.Source == want.Source && have.Destination == want.Destination {
+		return info, nil
+	}
+	if !spec.UpdatePartitions {
+		now := "no partition transform"
+		if have != nil {
+			now = fmt.Sprintf("transform %s -> %s", have.Source, have.Destination)
+		}
+		return nil, fmt.Errorf("stream %s has %s, nats.partitions %d wants %s -> %s: run `outbox-relay setup` to set it (see docs/consumer.md \"Changing the number of partitions\")",
+			spec.Name, now, spec.Partitions, want.Source, want.Destination)
+	}
+	cfg := info.Config
+	cfg.SubjectTransform = want
+	s, err := js.UpdateStream(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s: set partition transform: %w", spec.Name, err)
+	}
+	rep.Partitioned = true
+	return s.Info(ctx)
+}

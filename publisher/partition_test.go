@@ -1,0 +1,70 @@
+package publisher_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/publisher"
+)
+
+// TestEnsureStreamPartitions: a created stream is partitioned, an existing
+// one without the transform (or with another count) is refused with the
+// fix, and setup (UpdatePartitions) sets it; stored subjects then carry
+// "<P>.<p>", and one aggregate always gets the same partition.
+func TestEnsureStreamPartitions(t *testing.T) {
+	js, err := jetstream.New(connectNATS(t))
+	testenv.Must(t, err, "jetstream")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	name := testenv.UniqueName("P")
+	spec := publisher.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}, Duplicates: time.Minute}
+	if _, err := publisher.EnsureStream(ctx, js, spec, true); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), name) })
+	spec.Partitions = 4
+	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
+		t.Fatalf("unpartitioned existing stream: %v, want an error naming setup", err)
+	}
+	spec.UpdatePartitions = true
+	rep, err := publisher.EnsureStream(ctx, js, spec, true)
+	if err != nil || !rep.Partitioned {
+		t.Fatalf("setup: %+v, %v; want the transform set", rep, err)
+	}
+	spec.UpdatePartitions = false
+	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || rep.Partitioned {
+		t.Fatalf("second check: %+v, %v; want nothing to do", rep, err)
+	}
+	spec.Partitions = 8
+	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "nats.partitions 8") {
+		t.Fatalf("other count: %v, want an error naming the count", err)
+	}
+	for range 3 {
+		if _, err := js.Publish(ctx, name+".order.42", []byte("x")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s, err := js.Stream(ctx, name)
+	testenv.Must(t, err, "stream")
+	var subj string
+	for seq := uint64(1); seq <= 3; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		testenv.Must(t, err, "get")
+		if !strings.HasPrefix(m.Subject, name+".order.42.4.") || subj != "" && m.Subject != subj {
+			t.Fatalf("stored subject %q (before %q): want %s.order.42.4.<p>, the same each time", m.Subject, subj, name)
+		}
+		subj = m.Subject
+	}
+	// A created stream is partitioned from the start.
+	spec.Name, spec.Subjects, spec.Partitions = name+"_new", []string{name + "_new.*.*"}, 2
+	rep, err = publisher.EnsureStream(ctx, js, spec, true)
+	if err != nil || rep.Info.Config.SubjectTransform == nil {
+		t.Fatalf("created stream: %+v, %v; want a transform", rep, err)
+	}
+	_ = js.DeleteStream(ctx, spec.Name)
+}
