@@ -78,13 +78,13 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 	rejects := map[int]*RejectError{}
 	for redo := 0; len(todo) > 0; redo++ {
 		if redo > maxBatchRedo {
-			return requeue(out, todo, true)
+			return oneByOne(out, todo)
 		}
 		start := time.Now()
 		res, failedAt, ok := c.batchTx(ctx, its, todo, rejects)
 		c.met.batchTx.Observe(time.Since(start).Seconds())
 		if !ok {
-			return requeue(out, todo, true)
+			return oneByOne(out, todo)
 		}
 		if failedAt < 0 {
 			for k, i := range todo {
@@ -92,13 +92,12 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 			}
 			return out
 		}
-		f := todo[failedAt]
-		if r := res[failedAt]; r.kind == resRejectRedo {
+		f, r := todo[failedAt], res[failedAt]
+		if r.kind == resRejectRedo {
 			rejects[f] = r.reject
 			continue
-		} else {
-			out.res[f] = r
 		}
+		out.res[f] = r
 		rest := todo[:0:0]
 		for _, i := range todo {
 			switch {
@@ -114,11 +113,12 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 	return out
 }
 
-func requeue(out batchOutcome, todo []int, solo bool) batchOutcome {
+// oneByOne sends the untried messages todo back to be taken one at a time.
+func oneByOne(out batchOutcome, todo []int) batchOutcome {
 	for _, i := range todo {
 		out.res[i] = result{kind: resRequeue}
 	}
-	out.solo = solo
+	out.solo = true
 	return out
 }
 

@@ -69,6 +69,17 @@ type Config struct {
 	// Default AckWait/2; must be below AckWait.
 	HandlerTimeout time.Duration
 
+	// BatchSize is how many messages a worker applies in one database
+	// transaction at most: one dedup statement for all of them, the handler
+	// per message in order (or a [BatchHandler] once), one commit, then an
+	// ack for each. A worker never waits for a batch to fill: it takes what
+	// is already queued for it, so under light load every message goes
+	// alone, as soon as it arrives. A failing message does not fail its
+	// neighbours: see the package doc, "Batches". 1 applies every message
+	// in a transaction of its own. Default DefaultBatchSize; a worker's
+	// batches are also bounded by its share of MaxAckPending.
+	BatchSize int
+
 	// VersionCheck declares that this consumer sees every event of each
 	// aggregate it receives, so aggregate versions must follow each other:
 	// current 5 + version 6 is applied, 6 again is a duplicate, 8 is a gap
@@ -124,17 +135,6 @@ type Config struct {
 	// StatsInterval is how often the open dead-letter gauges are refreshed
 	// from the database. Default DefaultStatsInterval.
 	StatsInterval time.Duration
-
-	// BatchSize is how many messages a worker applies in one database
-	// transaction at most: one dedup statement for all of them, the handler
-	// per message in order (or a [BatchHandler] once), one commit, then an
-	// ack for each. A worker never waits for a batch to fill: it takes what
-	// is already queued for it, so under light load every message goes
-	// alone, as soon as it arrives. A failing message does not fail its
-	// neighbours: see the package doc, "Batches". 1 applies every message
-	// in a transaction of its own. Default DefaultBatchSize; a worker's
-	// batches are also bounded by its share of MaxAckPending.
-	BatchSize int
 
 	// Group, when not nil, runs this consumer as one member of the
 	// partitioned consumer group Name: see GroupConfig and docs/consumer.md
@@ -211,6 +211,8 @@ func (c *Config) validate() error {
 		return bad("AckWait %s is below 1s", c.AckWait)
 	case c.HandlerTimeout <= 0 || c.HandlerTimeout >= c.AckWait:
 		return bad("HandlerTimeout %s must be positive and below AckWait %s, or the broker redelivers messages still being handled", c.HandlerTimeout, c.AckWait)
+	case c.BatchSize < 1:
+		return bad("BatchSize is %d: set 1 for one transaction per message, more to apply up to that many messages in one transaction, or leave it 0 for DefaultBatchSize (%d)", c.BatchSize, DefaultBatchSize)
 	case c.MaxAttempts < 1:
 		return bad("MaxAttempts is %d, want at least 1", c.MaxAttempts)
 	case c.TransientAttempts < 0:
@@ -232,8 +234,6 @@ func (c *Config) validate() error {
 		return bad("InitialVersion is %d, want 0 or more", c.InitialVersion)
 	case c.ReplayPollInterval <= 0 || c.ReplayBatch < 1 || c.StatsInterval <= 0:
 		return bad("ReplayPollInterval, ReplayBatch and StatsInterval must be positive")
-	case c.BatchSize < 1:
-		return bad("BatchSize is %d: set 1 for one transaction per message, more to apply up to that many messages in one transaction, or leave it 0 for DefaultBatchSize (%d)", c.BatchSize, DefaultBatchSize)
 	}
 	// Consumer groups (group.go).
 	if c.Group != nil {

@@ -93,6 +93,11 @@ type e2eLatency struct {
 	// after PostgreSQL.
 	InsertToApplied quantiles `json:"insert_to_applied"`
 	CommitToApplied quantiles `json:"commit_to_applied"`
+	// CommitToHandler runs from the outbox commit to the handler's call in
+	// the consumer's transaction (first attempt; redone batches count
+	// again): relay, JetStream, delivery and the worker's queue, without
+	// the consumer's own transaction.
+	CommitToHandler quantiles `json:"commit_to_handler"`
 	MachineCores    float64   `json:"machine_cores"`
 	// Batches and BatchedMessages count the consumer's batch transactions
 	// and the messages in them (outbox_consumer_batch_size); the other
@@ -139,6 +144,18 @@ type benchHandler struct{}
 func (benchHandler) Handle(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 	_, err := tx.Exec(ctx, insertEffect, m.ID, m.AggregateID, m.AggregateVersion, len(m.Payload))
 	return err
+}
+
+// timedHandler is benchHandler calling started first: when the consumer's
+// transaction for a message reaches its handler.
+type timedHandler struct {
+	benchHandler
+	started func(*consumer.Message)
+}
+
+func (h timedHandler) Handle(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+	h.started(m)
+	return h.benchHandler.Handle(ctx, tx, m)
 }
 
 type benchBatchHandler struct{ benchHandler }
@@ -562,7 +579,7 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 	}
 	res.LoadRate = float64(o.events) / loaded.Seconds()
 	logf("end to end: %d events (100 rows/tx) through the relay into the consumer", o.events)
-	err = withPipeline(ctx, o, env, int(o.events), o.consumerBatch, prometheus.NewRegistry(), nil, func(db *benchDB, clock *applyClock, _ *relayProc) error {
+	err = withPipeline(ctx, o, env, int(o.events), o.consumerBatch, prometheus.NewRegistry(), nil, nil, func(db *benchDB, clock *applyClock, _ *relayProc) error {
 		m0 := readMachineCPU()
 		start := time.Now()
 		if _, err := db.load(ctx, 0, o.events, 100, 2, o.aggs, o.pad); err != nil {
@@ -599,8 +616,17 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 	var (
 		mu           sync.Mutex
 		ins2ap, c2ap = make([]time.Duration, 0, total), make([]time.Duration, 0, total)
+		c2h          = make([]time.Duration, 0, total)
 		measureFrom  atomic.Int64 // unix ns; set when the load starts
 	)
+	onHandle := func(m *consumer.Message) {
+		if from := measureFrom.Load(); from != 0 && !m.CommitTime.Before(time.Unix(0, from)) {
+			d := time.Since(m.CommitTime)
+			mu.Lock()
+			c2h = append(c2h, d)
+			mu.Unlock()
+		}
+	}
 	onApplied := func(m *consumer.Message) {
 		now := time.Now()
 		var p struct {
@@ -617,7 +643,7 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 		}
 	}
 	reg := prometheus.NewRegistry()
-	err := withPipeline(ctx, o, env, total, batch, reg, onApplied, func(db *benchDB, clock *applyClock, r *relayProc) error {
+	err := withPipeline(ctx, o, env, total, batch, reg, onHandle, onApplied, func(db *benchDB, clock *applyClock, r *relayProc) error {
 		pm := db.postmasterPID(ctx)
 		m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
 		r0, _ := procCPU(r.pid())
@@ -641,7 +667,7 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 	})
 	res.Batches, res.BatchedMessages = batchStats(reg)
 	mu.Lock()
-	res.InsertToApplied, res.CommitToApplied = quantilesOf(ins2ap), quantilesOf(c2ap)
+	res.InsertToApplied, res.CommitToApplied, res.CommitToHandler = quantilesOf(ins2ap), quantilesOf(c2ap), quantilesOf(c2h)
 	mu.Unlock()
 	return res, err
 }
@@ -662,7 +688,7 @@ func (a *applyClock) wait(ctx context.Context, limit time.Duration) error {
 // handler)
 // applying the relay's stream into the same database, until the consumer
 // has applied events.
-func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch int, reg prometheus.Registerer, onApplied func(*consumer.Message), body func(*benchDB, *applyClock, *relayProc) error) error {
+func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch int, reg prometheus.Registerer, onHandle, onApplied func(*consumer.Message), body func(*benchDB, *applyClock, *relayProc) error) error {
 	const slot = "relay"
 	db, err := consumerDB(ctx, env, slot)
 	if err != nil {
@@ -688,7 +714,11 @@ func withPipeline(ctx context.Context, o *options, env *benchEnv, events, batch 
 	}
 	defer pool.Close()
 	clock := newApplyClock(events)
-	c, err := consumer.New(pool, env.js, consumer.Config{Name: "e2e", Stream: r.stream, Workers: o.consumerWorkers, BatchSize: batch, MaxAckPending: o.consumerPending}, benchHandler{},
+	var h consumer.Handler = benchHandler{}
+	if onHandle != nil {
+		h = timedHandler{started: onHandle}
+	}
+	c, err := consumer.New(pool, env.js, consumer.Config{Name: "e2e", Stream: r.stream, Workers: o.consumerWorkers, BatchSize: batch, MaxAckPending: o.consumerPending}, h,
 		consumer.WithAfterCommit(func(m *consumer.Message) {
 			if onApplied != nil {
 				onApplied(m)

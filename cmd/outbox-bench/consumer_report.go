@@ -132,6 +132,8 @@ func printConsumer(w io.Writer, r *results) {
 				f2(q.P50), f2(q.P99), f2(q.P999), f2(q.Max), f2(l.MachineCores), fmt.Sprintf("%.2f / %.2f / %.2f", l.PostgresCores, l.RelayCores, l.BenchCores))
 			batched := fmt.Sprintf("%.0f%% of messages in %d batches (mean %.1f)", 100*l.BatchedMessages/float64(max(1, l.Events)), l.Batches, l.BatchedMessages/float64(max(1, l.Batches)))
 			row("  of which outbox commit→applied", "", "", f2(c.P50), f2(c.P99), f2(c.P999), f2(c.Max), "", batched)
+			hq := l.CommitToHandler
+			row("  of which outbox commit→handler called", "", "", f2(hq.P50), f2(hq.P99), f2(hq.P999), f2(hq.Max), "", "")
 		}
 		tw.Flush()
 	}
