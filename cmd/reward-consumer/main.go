@@ -15,6 +15,7 @@
 //	--points        REWARD_CONSUMER_POINTS        points per confirmed registration, default 10
 //	--owner         REWARD_CONSUMER_OWNER         owner of the dead letters, default rewards-team
 //	--metrics-listen REWARD_CONSUMER_METRICS_LISTEN  address for /metrics; empty disables
+//	--batch-size    most messages a worker applies in one transaction, default 64
 //	--log-level     REWARD_CONSUMER_LOG_LEVEL     debug, info, warn or error; default info
 //	--log-format    REWARD_CONSUMER_LOG_FORMAT    json (default) or console
 //	--group-partitions REWARD_CONSUMER_GROUP_PARTITIONS  run as a member of the consumer
@@ -74,6 +75,7 @@ type options struct {
 	ledger        string
 	owner         string
 	workers       int
+	batchSize     int
 	ackWait       time.Duration
 	retryMax      time.Duration
 	metricsListen string
@@ -118,6 +120,7 @@ func parseFlags() (options, error) {
 	fs.StringVar(&o.ledger, "ledger", env("LEDGER", "reward_account"), "apply_reward_event's consumer key (names the effect, see README)")
 	fs.StringVar(&o.owner, "owner", env("OWNER", "rewards-team"), "who owns this consumer's dead letters")
 	fs.IntVar(&o.workers, "workers", consumer.DefaultWorkers, "parallel workers (keyed by aggregate)")
+	fs.IntVar(&o.batchSize, "batch-size", consumer.DefaultBatchSize, "most messages a worker applies in one transaction (1: one transaction per message)")
 	fs.DurationVar(&o.ackWait, "ack-wait", consumer.DefaultAckWait, "JetStream ack wait of the durable consumer")
 	fs.DurationVar(&o.retryMax, "retry-max", consumer.DefaultRetryMax, "longest retry backoff; in a group, a dead member's partitions move after ack-wait + retry-max + 3s")
 	fs.StringVar(&o.metricsListen, "metrics-listen", env("METRICS_LISTEN", ""), "address serving /metrics (e.g. 127.0.0.1:9464); empty disables")
@@ -139,6 +142,8 @@ func parseFlags() (options, error) {
 		return o, fmt.Errorf("--group-partitions %d: want 0 (no group) or the stream's partition count", o.groupPartitions)
 	case o.groupPartitions > 0 && o.filterSubject != "":
 		return o, errors.New("--filter-subject cannot be combined with --group-partitions: each partition's durable filters its own partition")
+	case o.batchSize < 1:
+		return o, fmt.Errorf("--batch-size %d: want 1 (one transaction per message) or more (up to that many messages in one transaction; default %d)", o.batchSize, consumer.DefaultBatchSize)
 	case o.points < 1 || o.points > math.MaxInt32:
 		return o, fmt.Errorf("--points %d: want 1 to %d (apply_reward_event takes a positive integer)", o.points, math.MaxInt32)
 	}
@@ -183,12 +188,13 @@ func run() error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	cfg := consumer.Config{
-		Name:     o.name,
-		Stream:   o.stream,
-		Owner:    o.owner,
-		Workers:  o.workers,
-		AckWait:  o.ackWait,
-		RetryMax: o.retryMax,
+		Name:      o.name,
+		Stream:    o.stream,
+		Owner:     o.owner,
+		Workers:   o.workers,
+		BatchSize: o.batchSize,
+		AckWait:   o.ackWait,
+		RetryMax:  o.retryMax,
 		// Registrations change without emitting an event (creation), and
 		// this consumer takes one event type: versions skip legitimately,
 		// so version checking is off; the event id and the ledger dedup.

@@ -191,6 +191,15 @@ func TestCrashBetweenCommitAndAckCreditsOnce(t *testing.T) {
 	}
 }
 
+// A batch size of 0 is refused, naming the fix.
+func TestBatchSizeZeroRefused(t *testing.T) {
+	bin := testenv.BuildBinary(t, "./cmd/reward-consumer")
+	out, err := exec.Command(bin, "--postgres-url", "postgres://x@127.0.0.1:1/x", "--batch-size", "0").CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "--batch-size 0: want 1") {
+		t.Fatalf("--batch-size 0: %v\n%s", err, out)
+	}
+}
+
 // --help prints the flags and exits 0 (it exited 1, as for an error).
 func TestHelpExitsZero(t *testing.T) {
 	bin := testenv.BuildBinary(t, "./cmd/reward-consumer")
