@@ -481,7 +481,9 @@ func TestHungHandlerDelaysOnlyItsWorker(t *testing.T) {
 	cfg := f.baseConfig("hung")
 	cfg.Workers = 2
 	cfg.MaxAckPending = 1000
-	cfg.AckWait = 2 * time.Second
+	// Progress acks go every AckWait/3: 4 s leaves a loaded CI machine
+	// (the race detector, every package at once) room to send them.
+	cfg.AckWait = 4 * time.Second
 	cfg.HandlerTimeout = time.Second
 	c := f.newConsumer(cfg, r)
 	released := false
