@@ -67,6 +67,28 @@ const (
 // JSONContentType is the value of the Content-Type header of events.
 const JSONContentType = "application/json"
 
+// CloudEvents binary content mode headers (the NATS protocol binding of
+// CloudEvents 1.0: every attribute is a header named "ce-" + attribute, the
+// data content type is the "content-type" header). The relay sets them
+// beside the Outbox-* headers on the events of tables and message prefixes
+// whose cloudevents option is on.
+const (
+	CESpecVersion = "ce-specversion"
+	CEID          = "ce-id"
+	CESource      = "ce-source"
+	CEType        = "ce-type"
+	CETime        = "ce-time"
+	CESubject     = "ce-subject"
+	// CEContentType is the binding's lower-case content type header. NATS
+	// header names are case-sensitive, so it is set beside Content-Type,
+	// with the same value.
+	CEContentType = "content-type"
+)
+
+// CESpecVersionValue is the CloudEvents specification version the relay
+// writes in ce-specversion.
+const CESpecVersionValue = "1.0"
+
 // Event is the typed form of an event message's headers and payload.
 type Event struct {
 	ID               string
