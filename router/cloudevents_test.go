@@ -38,6 +38,7 @@ func TestRouteCloudEvents(t *testing.T) {
 		h[contract.CEType] = []string{"RegistrationConfirmed"}
 		h[contract.CESubject] = []string{"registration/r-1"}
 		h[contract.CEContentType] = []string{"application/json"}
+		h[contract.CEAggregateVersion] = []string{"7"}
 		if v, ok := h[contract.OccurredAt]; ok {
 			h[contract.CETime] = v
 		}

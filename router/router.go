@@ -379,7 +379,7 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 	ce := rule.ceSource != ""
 	if ce {
 		nHeaders += ceFixedHeaders
-		extraLen += ceFixedHdrLen + len(rule.ceSource) + len(eventID) + len(eventType) + len(aggType) + len(aggID)
+		extraLen += ceFixedHdrLen + len(rule.ceSource) + len(eventID) + len(eventType) + len(aggType) + len(aggID) + len(versionStr)
 		if hasOccurred {
 			extraLen += hdrLineLen(contract.CETime, len(occurredStr))
 			nHeaders++
@@ -499,13 +499,14 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 		set(contract.Table, rule.qualified)
 		set(contract.ContentType, contract.JSONContentType)
 		if ce {
-			// Shared strings, no formatting: CloudEvents mode costs seven
+			// Shared strings, no formatting: CloudEvents mode costs eight
 			// header slots per row, and the subject's bytes.
 			set(contract.CESpecVersion, contract.CESpecVersionValue)
 			set(contract.CEID, eventIDStr)
 			set(contract.CESource, rule.ceSource)
 			set(contract.CEType, part(partEventType))
 			set(contract.CESubject, part(partCESubject))
+			set(contract.CEAggregateVersion, part(partVersion))
 			set(contract.CEContentType, contract.JSONContentType)
 			if hasOccurred {
 				set(contract.CETime, part(partOccurredAt))
