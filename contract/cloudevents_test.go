@@ -89,3 +89,26 @@ func TestParseCloudEvents(t *testing.T) {
 		})
 	}
 }
+
+// FuzzParseCloudEvents: any ce-* header values either parse into an event
+// whose aggregate rebuilds ce-subject, or fail with a FieldError; never a
+// panic.
+func FuzzParseCloudEvents(f *testing.F) {
+	f.Add("e1", "T", "registration/r-1", "7", "2026-11-29T09:35:21Z")
+	f.Add("e1", "T", "/", "-1", "")
+	f.Add("", "", "", "", "x")
+	f.Fuzz(func(t *testing.T, id, typ, subject, version, ts string) {
+		h := nats.Header{CESpecVersion: {"1.0"}, CEID: {id}, CEType: {typ}, CESubject: {subject}, CEAggregateVersion: {version}, CETime: {ts}}
+		ev, err := Parse(h, nil)
+		if err != nil {
+			var fe *FieldError
+			if !errors.As(err, &fe) {
+				t.Fatalf("error %v is not a FieldError", err)
+			}
+			return
+		}
+		if ev.AggregateType+"/"+ev.AggregateID != subject || ev.AggregateType == "" || ev.ID != id || ev.Type != typ {
+			t.Fatalf("Parse(%q) = %+v", subject, ev)
+		}
+	})
+}
