@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -67,6 +68,32 @@ const (
 // JSONContentType is the value of the Content-Type header of events.
 const JSONContentType = "application/json"
 
+// CloudEvents binary content mode headers (the NATS protocol binding of
+// CloudEvents 1.0: every attribute is a header named "ce-" + attribute, the
+// data content type is the "content-type" header). The relay sets them
+// beside the Outbox-* headers on the events of tables and message prefixes
+// whose cloudevents option is on.
+const (
+	CESpecVersion = "ce-specversion"
+	CEID          = "ce-id"
+	CESource      = "ce-source"
+	CEType        = "ce-type"
+	CETime        = "ce-time"
+	CESubject     = "ce-subject"
+	// CEAggregateVersion is the extension attribute aggregateversion: the
+	// aggregate version, so that an event keeps its order position when a
+	// CloudEvents tool forwards only the ce-* headers.
+	CEAggregateVersion = "ce-aggregateversion"
+	// CEContentType is the binding's lower-case content type header. NATS
+	// header names are case-sensitive, so it is set beside Content-Type,
+	// with the same value.
+	CEContentType = "content-type"
+)
+
+// CESpecVersionValue is the CloudEvents specification version the relay
+// writes in ce-specversion.
+const CESpecVersionValue = "1.0"
+
 // Event is the typed form of an event message's headers and payload.
 type Event struct {
 	ID               string
@@ -102,7 +129,14 @@ func (e *FieldError) Unwrap() error { return ErrInvalidEvent }
 // Parse reads an event from a message's headers and data. It requires the
 // event id, type, aggregate type, aggregate id and aggregate version headers;
 // the time headers are parsed when present.
+//
+// A message without Outbox-Event-Type but with ce-id is read in CloudEvents
+// binary content mode instead (see ParseCloudEvents); a message with both
+// forms is read from its Outbox-* headers.
 func Parse(h nats.Header, data []byte) (Event, error) {
+	if h.Get(EventType) == "" && h.Get(CEID) != "" {
+		return ParseCloudEvents(h, data)
+	}
 	ev := Event{
 		ID:            h.Get(EventID),
 		Type:          h.Get(EventType),
@@ -143,6 +177,46 @@ func Parse(h nats.Header, data []byte) (Event, error) {
 	if s := h.Get(CommitTime); s != "" {
 		if ev.CommitTime, err = time.Parse(time.RFC3339Nano, s); err != nil {
 			return ev, &FieldError{Header: CommitTime, Reason: fmt.Sprintf("is not RFC 3339: %q", s)}
+		}
+	}
+	return ev, nil
+}
+
+// ParseCloudEvents reads an event from CloudEvents binary-mode headers
+// alone: ce-specversion must be 1.0; ce-id is the event id and ce-type its
+// type; ce-subject is "<aggregate type>/<aggregate id>", split at its first
+// '/'; ce-aggregateversion (an extension the relay sets) is the aggregate
+// version; ce-time, when present, is the occurrence time. Commit LSN, commit
+// time and table stay empty: CloudEvents has no attributes for them.
+func ParseCloudEvents(h nats.Header, data []byte) (Event, error) {
+	ev := Event{ID: h.Get(CEID), Type: h.Get(CEType), Payload: data}
+	subject := h.Values(CESubject)
+	switch sv := h.Get(CESpecVersion); {
+	case sv != CESpecVersionValue:
+		return ev, &FieldError{Header: CESpecVersion, Reason: fmt.Sprintf("is %q, want %q", sv, CESpecVersionValue)}
+	case ev.ID == "":
+		return ev, &FieldError{Header: CEID, Reason: "is missing"}
+	case ev.Type == "":
+		return ev, &FieldError{Header: CEType, Reason: "is missing"}
+	case len(subject) == 0:
+		return ev, &FieldError{Header: CESubject, Reason: "is missing (want <aggregate type>/<aggregate id>)"}
+	}
+	var ok bool
+	if ev.AggregateType, ev.AggregateID, ok = strings.Cut(subject[0], "/"); !ok || ev.AggregateType == "" {
+		return ev, &FieldError{Header: CESubject, Reason: fmt.Sprintf("is %q, want <aggregate type>/<aggregate id>", subject[0])}
+	}
+	v := h.Get(CEAggregateVersion)
+	if v == "" {
+		return ev, &FieldError{Header: CEAggregateVersion, Reason: "is missing (the consumer orders each aggregate's events by it)"}
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return ev, &FieldError{Header: CEAggregateVersion, Reason: fmt.Sprintf("is not an int64: %q", v)}
+	}
+	ev.AggregateVersion = n
+	if s := h.Get(CETime); s != "" {
+		if ev.OccurredAt, err = time.Parse(time.RFC3339Nano, s); err != nil {
+			return ev, &FieldError{Header: CETime, Reason: fmt.Sprintf("is not RFC 3339: %q", s)}
 		}
 	}
 	return ev, nil

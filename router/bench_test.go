@@ -12,6 +12,7 @@ func BenchmarkRoute(b *testing.B) {
 	}{
 		{"seed", seedConfig()},
 		{"extra_headers", Config{Tables: []TableConfig{{Table: "outbox", Headers: map[string]string{"publish_state": ""}}}}},
+		{"cloudevents", Config{Tables: []TableConfig{{Table: "outbox", CloudEvents: CloudEventsConfig{Enabled: true}}}}},
 	} {
 		for _, release := range []bool{false, true} {
 			name := bc.name

@@ -77,6 +77,9 @@ type TableConfig struct {
 	// Headers maps extra columns to header names; an empty name means
 	// contract.ExtraPrefix + column. A NULL value omits the header.
 	Headers map[string]string `yaml:"headers"`
+	// CloudEvents adds CloudEvents binary-mode headers beside the Outbox-*
+	// ones; off by default.
+	CloudEvents CloudEventsConfig `yaml:"cloudevents"`
 }
 
 // ColumnsConfig names the columns of an outbox table. EventID, AggregateID,
@@ -126,6 +129,8 @@ type tableRule struct {
 	occurredCol                                 string
 	occurredExplicit                            bool
 	extras                                      []extraHeader // sorted by header name
+	// ceSource is the ce-source value; empty when CloudEvents mode is off.
+	ceSource string
 }
 
 type extraHeader struct {
@@ -296,6 +301,10 @@ func (c *Config) compile() ([]*tableRule, error) {
 				bad(key, "header name %q %s", h, msg)
 				continue
 			}
+			if tc.CloudEvents.Enabled && isCEHeader(h) {
+				bad(key, "header name %q collides with a CloudEvents header, which the relay sets itself with cloudevents.enabled (choose another name)", h)
+				continue
+			}
 			if other, dup := byName[strings.ToLower(h)]; dup {
 				bad(key, "header %q is also mapped from column %q (header names are compared case-insensitively; rename one)", h, other)
 				continue
@@ -305,6 +314,18 @@ func (c *Config) compile() ([]*tableRule, error) {
 			r.extras = append(r.extras, extraHeader{column: column, header: h})
 		}
 		sort.Slice(r.extras, func(a, b int) bool { return r.extras[a].header < r.extras[b].header })
+
+		if ce := &tc.CloudEvents; ce.Enabled {
+			if ce.Source == "" && r.qualified != "" {
+				ce.Source = DefaultCloudEventsSourcePrefix + r.qualified
+			}
+			if msg := checkCloudEventsSource(ce.Source); msg != "" {
+				bad(".cloudevents.source", "%q %s", ce.Source, msg)
+			}
+			r.ceSource = ce.Source
+		} else if ce.Source != "" {
+			bad(".cloudevents.source", "is set but cloudevents.enabled is false (enable it or remove source)")
+		}
 
 		if ok {
 			rules = append(rules, r)

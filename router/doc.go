@@ -22,6 +22,15 @@
 // (a new one arrives after ALTER TABLE), so an added column costs nothing
 // and a dropped mapped column turns into missing_column errors at once.
 //
+// # CloudEvents
+//
+// A table with CloudEventsConfig.Enabled also gets CloudEvents binary
+// content mode headers (ce-specversion, ce-id, ce-source, ce-type,
+// ce-subject, ce-time, ce-aggregateversion, content-type; see
+// https://github.com/cloudevents/spec/blob/main/cloudevents/bindings/nats-protocol-binding.md),
+// beside the contract's, never instead of them. Their values reuse the
+// strings of the contract headers, and they count against the header limits.
+//
 // # Subjects and escaping
 //
 // A subject template such as "outbox.{aggregate_type}.{aggregate_id}" may

@@ -253,6 +253,7 @@ const (
 	partAggID
 	partVersion
 	partOccurredAt
+	partCESubject
 	numParts
 )
 
@@ -375,6 +376,15 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 		extraLen += hdrLineLen(contract.OccurredAt, len(occurredStr))
 		nHeaders++
 	}
+	ce := rule.ceSource != ""
+	if ce {
+		nHeaders += ceFixedHeaders
+		extraLen += ceFixedHdrLen + len(rule.ceSource) + len(eventID) + len(eventType) + len(aggType) + len(aggID) + len(versionStr)
+		if hasOccurred {
+			extraLen += hdrLineLen(contract.CETime, len(occurredStr))
+			nHeaders++
+		}
+	}
 	lsnStr, timeStr := r.commitStrings(commit)
 	hdrLen := fixedHdrLen + extraLen + 2*len(eventID) + len(eventType) + len(aggType) + len(aggID) +
 		len(versionStr) + len(lsnStr) + len(timeStr) + len(rule.qualified)
@@ -420,6 +430,12 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 	buf = append(buf, versionStr...)
 	off[partOccurredAt] = len(buf)
 	buf = append(buf, occurredStr...)
+	off[partCESubject] = len(buf)
+	if ce {
+		buf = append(buf, aggType...)
+		buf = append(buf, '/')
+		buf = append(buf, aggID...)
+	}
 	off[numParts] = len(buf)
 	extrasStart := len(buf)
 	for _, e := range p.extras {
@@ -476,12 +492,26 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 		set(contract.AggregateID, part(partAggID))
 		set(contract.AggregateVersion, part(partVersion))
 		if hasOccurred {
-			set(contract.OccurredAt, s[off[partOccurredAt]:off[numParts]])
+			set(contract.OccurredAt, part(partOccurredAt))
 		}
 		set(contract.CommitLSN, lsnStr)
 		set(contract.CommitTime, timeStr)
 		set(contract.Table, rule.qualified)
 		set(contract.ContentType, contract.JSONContentType)
+		if ce {
+			// Shared strings, no formatting: CloudEvents mode costs eight
+			// header slots per row, and the subject's bytes.
+			set(contract.CESpecVersion, contract.CESpecVersionValue)
+			set(contract.CEID, eventIDStr)
+			set(contract.CESource, rule.ceSource)
+			set(contract.CEType, part(partEventType))
+			set(contract.CESubject, part(partCESubject))
+			set(contract.CEAggregateVersion, part(partVersion))
+			set(contract.CEContentType, contract.JSONContentType)
+			if hasOccurred {
+				set(contract.CETime, part(partOccurredAt))
+			}
+		}
 		pos := extrasStart
 		for _, e := range p.extras {
 			if b, _ := rd.text(e.idx, false); b != nil {

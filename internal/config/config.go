@@ -82,6 +82,10 @@ type Message struct {
 	Prefix        string `yaml:"prefix"`
 	Subject       string `yaml:"subject"`
 	AggregateType string `yaml:"aggregate_type"`
+	// CloudEvents adds CloudEvents binary-mode headers, as
+	// tables[].cloudevents; the default source names the prefix's
+	// synthetic table, /outbox-relay/pg_logical_message.<prefix>.
+	CloudEvents router.CloudEventsConfig `yaml:"cloudevents"`
 }
 
 // Postgres configures the replication source.
@@ -378,7 +382,7 @@ func (c *Config) Validate() error {
 			continue
 		}
 		seenPrefix[m.Prefix] = true
-		c.Router.Tables = append(c.Router.Tables, router.TableConfig{Table: relay.MessageSchema + "." + m.Prefix, Subject: m.Subject, AggregateType: m.AggregateType})
+		c.Router.Tables = append(c.Router.Tables, router.TableConfig{Table: relay.MessageSchema + "." + m.Prefix, Subject: m.Subject, AggregateType: m.AggregateType, CloudEvents: m.CloudEvents})
 	}
 	if err := c.Router.Validate(); err != nil {
 		// The router joins one error per problem: convert each, so that

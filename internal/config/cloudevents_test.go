@@ -1,0 +1,44 @@
+package config_test
+
+import (
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/router"
+)
+
+// TestReadmeCloudEventsExample loads the README's CloudEvents example (its
+// first yaml block) and checks that both the table and the message prefix
+// reach the router with CloudEvents on and their sources.
+func TestReadmeCloudEventsExample(t *testing.T) {
+	t.Parallel()
+	b, err := os.ReadFile(repoFile("README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, sec, ok := strings.Cut(string(b), "\n## CloudEvents\n")
+	_, block, ok2 := strings.Cut(sec, "```yaml\n")
+	block, _, ok3 := strings.Cut(block, "```")
+	if !ok || !ok2 || !ok3 {
+		t.Fatal("README has no CloudEvents section with a yaml block")
+	}
+	c, err := config.Load(config.Sources{File: writeConfig(t, pg+block)})
+	if err != nil {
+		t.Fatalf("the README example does not load: %v", err)
+	}
+	want := map[string]router.CloudEventsConfig{
+		"public.outbox":                    {Enabled: true, Source: "/outbox-relay/shop/public.outbox"},
+		"pg_logical_message.outbox_events": {Enabled: true, Source: "/outbox-relay/pg_logical_message.outbox_events"},
+	}
+	rc := c.Relay().Router
+	if len(rc.Tables) != len(want) {
+		t.Fatalf("router tables %+v", rc.Tables)
+	}
+	for _, tc := range rc.Tables {
+		if tc.CloudEvents != want[tc.Table] {
+			t.Errorf("%s: cloudevents %+v, want %+v", tc.Table, tc.CloudEvents, want[tc.Table])
+		}
+	}
+}
