@@ -165,6 +165,11 @@ func (c *Consumer) writeDeadLetter(ctx context.Context, it *item, r deadLetterRe
 // aggregateIDOrNil keeps an empty aggregate id (legal in the contract) apart
 // from a missing one.
 func aggregateIDOrNil(it *item) *string {
+	if it.err == nil && it.m.AggregateID != "" {
+		// Parsed, from the Outbox-* headers or a CloudEvents-only message.
+		id := it.m.AggregateID
+		return &id
+	}
 	ids := it.m.Header.Values(contract.AggregateID)
 	if len(ids) == 0 {
 		return nil
@@ -174,6 +179,10 @@ func aggregateIDOrNil(it *item) *string {
 
 // versionOrNil is the aggregate version when the header holds a valid one.
 func versionOrNil(it *item) *int64 {
+	if it.err == nil && it.m.AggregateVersion != 0 {
+		v := it.m.AggregateVersion
+		return &v
+	}
 	v, err := strconv.ParseInt(it.m.Header.Get(contract.AggregateVersion), 10, 64)
 	if err != nil {
 		return nil
