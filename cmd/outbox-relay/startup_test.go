@@ -56,6 +56,24 @@ type forwarder struct {
 	target string
 }
 
+// postgresLater points the fixture's postgres.url at a forwarder to its
+// server that nothing listens on until the test starts it.
+func postgresLater(t *testing.T, f *opsFixture) *forwarder {
+	t.Helper()
+	u, err := url.Parse(f.cfg.Postgres.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	port, err := testenv.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fw := &forwarder{port: port, target: u.Host}
+	u.Host = fmt.Sprintf("127.0.0.1:%d", port)
+	f.cfg.Postgres.URL = u.String()
+	return fw
+}
+
 func (f *forwarder) start(t *testing.T) {
 	ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", f.port))
 	if err != nil {
@@ -89,17 +107,7 @@ func (f *forwarder) start(t *testing.T) {
 func TestRunWaitsForServersAtStart(t *testing.T) {
 	t.Parallel()
 	f := newOpsFixture(t)
-	u, err := url.Parse(f.cfg.Postgres.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	port, err := testenv.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	fw := &forwarder{port: port, target: u.Host}
-	u.Host = fmt.Sprintf("127.0.0.1:%d", port)
-	f.cfg.Postgres.URL = u.String()
+	fw := postgresLater(t, f)
 	f.ns.Stop()
 
 	stop := testenv.Background(context.Background(), t, func(ctx context.Context) error {
@@ -229,17 +237,7 @@ func TestGaugesPolledWhenStreamingBegins(t *testing.T) {
 	t.Parallel()
 	f := newOpsFixture(t)
 	f.cfg.Metrics.PollInterval = time.Hour
-	u, err := url.Parse(f.cfg.Postgres.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	port, err := testenv.FreePort()
-	if err != nil {
-		t.Fatal(err)
-	}
-	fw := &forwarder{port: port, target: u.Host}
-	u.Host = fmt.Sprintf("127.0.0.1:%d", port)
-	f.cfg.Postgres.URL = u.String()
+	fw := postgresLater(t, f)
 	testenv.Background(context.Background(), t, func(ctx context.Context) error {
 		return run(ctx, f.cfg, zaptest.NewLogger(t))
 	})

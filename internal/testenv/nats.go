@@ -60,6 +60,10 @@ func StartNATS(opts ...NATSOption) (*NATS, error) {
 
 func externalNATS(url string) *NATS { return &NATS{URL: url, external: true} }
 
+// natsReadyTimeout bounds how long a starting embedded server may take to
+// accept connections.
+const natsReadyTimeout = time.Minute
+
 // Start starts a stopped embedded server on the same port and store directory,
 // so streams and their messages survive a Stop/Start cycle.
 func (n *NATS) Start() error {
@@ -75,9 +79,11 @@ func (n *NATS) Start() error {
 		return fmt.Errorf("nats server: %w", err)
 	}
 	go srv.Start()
-	if !srv.ReadyForConnections(20 * time.Second) {
+	// A cluster node also waits for its routes and JetStream: on a CI
+	// machine running every package at once that took over 20 s.
+	if !srv.ReadyForConnections(natsReadyTimeout) {
 		srv.Shutdown()
-		return fmt.Errorf("nats server on port %d not ready within 20s", n.opts.Port)
+		return fmt.Errorf("nats server on port %d not ready within %s", n.opts.Port, natsReadyTimeout)
 	}
 	n.srv = srv
 	return nil
