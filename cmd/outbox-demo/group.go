@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/internal/reward"
@@ -79,6 +80,7 @@ func (d *demo) groupRewards(ctx context.Context) error {
 		return errors.New("the two members did not join the group")
 	}
 	d.out.detail("member-a and member-b joined group %s; partition p goes to the (p mod 2)-th live member, each partition pinned to one member by JetStream", groupName)
+	d.out.detail("the stream's events of the first stage name registrations this service's database does not map: the members dead-letter them (consumer_dead_letter; `outbox-relay dlq list`), as a new service joining an existing stream would, and carry on")
 
 	players := map[string]string{}
 	confirmN := func(n int) ([]confirmedEvent, error) {
@@ -234,7 +236,7 @@ func (d *demo) startMember(ctx context.Context, url, name string, credits chan<-
 		RetryMax:   500 * time.Millisecond,
 		EventTypes: []string{rewardEvent},
 		Group:      &consumer.GroupConfig{Partitions: demoPartitions, Member: name, MemberTTL: 2 * time.Second},
-	}, &h, consumer.WithLogger(d.log.Named(name)), consumer.WithRegisterer(prometheus.NewRegistry()), consumer.WithAfterCommit(after))
+	}, &h, consumer.WithLogger(d.log.Named(name).WithOptions(zap.IncreaseLevel(zap.ErrorLevel))), consumer.WithRegisterer(prometheus.NewRegistry()), consumer.WithAfterCommit(after))
 	if err != nil {
 		nc.Close()
 		pool.Close()
