@@ -3,6 +3,7 @@ package consumer
 import (
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"os"
 	"regexp"
 	"strconv"
@@ -57,6 +58,23 @@ type GroupConfig struct {
 
 // groupNameRE: the group name is part of durable consumer and bucket names.
 var groupNameRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
+
+// maxPriorityGroup is JetStream's limit on a priority group's name.
+const maxPriorityGroup = 16
+
+// priorityGroup is the pinned-client priority group of the group's
+// partition durables: the group name itself when JetStream accepts it (as
+// members since the first release have used), else a shortened name with a
+// hash of the whole, so that a long group name still works and two long
+// names do not meet (each partition durable has its own group anyway).
+func priorityGroup(name string) string {
+	if len(name) <= maxPriorityGroup {
+		return name
+	}
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(name))
+	return fmt.Sprintf("%s-%08x", name[:maxPriorityGroup-9], h.Sum32())
+}
 
 // memberRE: member ids are key-value keys.
 var memberRE = regexp.MustCompile(`^[A-Za-z0-9_=-][A-Za-z0-9_=.-]{0,199}$`)

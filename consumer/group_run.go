@@ -241,7 +241,7 @@ func (g *group) durableConfig(partitions, p int) jetstream.ConsumerConfig {
 	cfg.FilterSubjects = nil
 	cfg.FilterSubject = contract.PartitionFilter(g.source, partitions, p)
 	cfg.PriorityPolicy = jetstream.PriorityPolicyPinned
-	cfg.PriorityGroups = []string{c.cfg.Name}
+	cfg.PriorityGroups = []string{priorityGroup(c.cfg.Name)}
 	cfg.PinnedTTL = c.cfg.Group.PinnedTTL
 	cfg.Metadata = map[string]string{
 		metaDatabase: g.id.database(), metaFilter: cfg.FilterSubject,

@@ -133,6 +133,38 @@ func TestGroupMembersShareAndHandOff(t *testing.T) {
 	f.checkApplied("grp", aggs, versions)
 }
 
+// TestGroupLongName: JetStream limits a priority group's name to 16
+// characters; a longer group name must still consume (the first release
+// passed the name through, and every pull failed with error 10162).
+func TestGroupLongName(t *testing.T) {
+	f := newFixture(t)
+	f.partitionedStream(4)
+	const name = "reward-service-consumers"
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = f.js.DeleteKeyValue(ctx, GroupBucket(name))
+	})
+	cfg := groupConfig(f, 4)
+	cfg.Name = name
+	f.runMember(cfg, newRecorder(name), "a")
+	const aggs, versions = 8, 3
+	n := 0
+	for v := 1; v <= versions; v++ {
+		for a := 0; a < aggs; a++ {
+			n++
+			f.publish(event{ID: uuidN(n), AggID: fmt.Sprintf("agg%d", a), Version: int64(v)})
+		}
+	}
+	f.waitFor("all applied", 30*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = $1`, name) >= aggs*versions
+	})
+	f.checkApplied(name, aggs, versions)
+	if got := priorityGroup(name); len(got) > maxPriorityGroup || got == priorityGroup(name+"x") {
+		t.Errorf("priorityGroup(%q) = %q: want at most %d characters, distinct from a longer name's", name, got, maxPriorityGroup)
+	}
+}
+
 func TestGroupConfigErrors(t *testing.T) {
 	f := newFixture(t)
 	base := func() Config { return groupConfig(f, 4) }

@@ -140,7 +140,7 @@ func (pt *partition) run(ctx context.Context) error {
 
 func (pt *partition) pull() (jetstream.MessagesContext, error) {
 	c := pt.g.c
-	return pt.cons.Messages(jetstream.PullPriorityGroup(c.cfg.Name), jetstream.PullMaxMessages(max(1, min(c.cfg.MaxAckPending, 256))),
+	return pt.cons.Messages(jetstream.PullPriorityGroup(priorityGroup(c.cfg.Name)), jetstream.PullMaxMessages(max(1, min(c.cfg.MaxAckPending, 256))),
 		jetstream.PullExpiry(groupPullExpiry))
 }
 
@@ -326,7 +326,7 @@ func (pt *partition) handOff(ctx context.Context, iter jetstream.MessagesContext
 		case <-time.After(wait):
 		}
 	}
-	if err := pt.g.strm.UnpinConsumer(fctx, pt.durable, c.cfg.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+	if err := pt.g.strm.UnpinConsumer(fctx, pt.durable, priorityGroup(c.cfg.Name)); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 		log.Debug("unpin failed; the pin expires by itself after PinnedTTL", zap.Error(err))
 	}
 	log.Info("partition handed off", zap.Duration("took", time.Since(start)))

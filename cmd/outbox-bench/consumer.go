@@ -42,7 +42,11 @@ type consumerPhase struct {
 	Ceilings []consumerFigure `json:"apply_ceilings,omitempty"`
 	// Runs are the library draining a backlog already in a stream.
 	Runs []consumerFigure `json:"consumer_runs,omitempty"`
-	E2E  *e2eResult       `json:"end_to_end,omitempty"`
+	// GroupRuns drain a partitioned copy of the backlog with 1 and with
+	// several member processes of one consumer group.
+	GroupRuns       []consumerFigure `json:"group_runs,omitempty"`
+	GroupPartitions int              `json:"group_partitions,omitempty"`
+	E2E             *e2eResult       `json:"end_to_end,omitempty"`
 }
 
 // consumerFigure is one apply ceiling or one consumer run.
@@ -116,7 +120,7 @@ type consumerSpec struct {
 	name      string
 	batch     bool // a BatchHandler: one statement per batch
 	batchSize int
-	processes int
+	processes int // group member processes; 0: one consumer in the bench process
 }
 
 func (s consumerSpec) handler() string {
@@ -309,10 +313,11 @@ func consumerPhases(ctx context.Context, o *options, env *benchEnv, res *results
 		}
 		defer drop()
 		specs := map[string]consumerSpec{
-			"single":  {name: "per-message handler, 1 message/tx", batchSize: 1, processes: 1},
-			"batched": {name: "per-message handler, batched", batchSize: o.consumerBatch, processes: 1},
-			"batch":   {name: "batch handler", batch: true, batchSize: o.consumerBatch, processes: 1},
+			"single":  {name: "per-message handler, 1 message/tx", batchSize: 1},
+			"batched": {name: "per-message handler, batched", batchSize: o.consumerBatch},
+			"batch":   {name: "batch handler", batch: true, batchSize: o.consumerBatch},
 		}
+		var runSpecs []consumerSpec
 		for _, key := range o.consumerRuns {
 			s, ok := specs[key]
 			if !ok {
@@ -335,6 +340,12 @@ func consumerPhases(ctx context.Context, o *options, env *benchEnv, res *results
 			}
 			r.Ceiling, r.Ratio = c.Rate, ratio(r.Rate, c.Rate)
 			p.Runs = append(p.Runs, r)
+			runSpecs = append(runSpecs, s)
+		}
+		if o.groupProcesses > 1 {
+			if err := groupPhase(ctx, o, env, p, runSpecs); err != nil {
+				return err
+			}
 		}
 	}
 	if o.phases["e2e"] {
@@ -466,11 +477,6 @@ func ceilingTx(ctx context.Context, conn *pgx.Conn, evs []contract.Event, hashes
 // server) is profiled meanwhile.
 func consumerRun(ctx context.Context, env *benchEnv, stream string, events int, s consumerSpec, workers, pending int, profile string) (consumerFigure, error) {
 	f := consumerFigure{Name: s.name, Handler: s.handler(), BatchSize: s.batchSize, Processes: s.processes, Events: events}
-	if s.processes != 1 {
-		// The hook for consumer groups (several processes sharing the
-		// stream in partitions): a member per process, each timed alike.
-		return f, fmt.Errorf("%d processes: consumer groups are not measured by this build", s.processes)
-	}
 	db, err := consumerDB(ctx, env)
 	if err != nil {
 		return f, err

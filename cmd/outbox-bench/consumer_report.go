@@ -31,6 +31,14 @@ func judgeConsumer(r *results) []target {
 			ceiling = max(ceiling, run.Ceiling)
 		}
 	}
+	one := map[string]float64{}
+	for _, run := range p.GroupRuns {
+		if run.Processes == 1 {
+			one[run.Handler] = run.Rate
+		} else if base, ok := one[run.Handler]; ok {
+			add(fmt.Sprintf("%d processes ÷ 1 process, %s handler (group)", run.Processes, run.Handler), run.Rate/base, 1, false)
+		}
+	}
 	if e := p.E2E; e != nil {
 		bound := ceiling
 		for _, b := range r.Backlogs {
@@ -115,7 +123,14 @@ func printConsumer(w io.Writer, r *results) {
 		for _, c := range p.Ceilings {
 			row("  "+c.Name, fmt.Sprint(c.BatchSize), num(c.Rate), "", "", f2(c.PostgresCores), f2(c.BenchCores), f2(c.MachineCores))
 		}
-		row("3 processes (consumer groups)", "", "not measured here", "", "", "", "", "")
+		tw.Flush()
+	}
+	if len(p.GroupRuns) > 0 {
+		fmt.Fprintf(w, "\nConsumer groups: the same backlog in a stream with %d partitions, member processes of one group (%d workers each), from the first commit to the last\n", p.GroupPartitions, p.Workers)
+		row("", "per tx", "processes", "events/s", "apply ceiling", "÷ ceiling", "PostgreSQL cores", "bench + members cores", "machine cores")
+		for _, run := range p.GroupRuns {
+			row(run.Name, fmt.Sprint(run.BatchSize), fmt.Sprint(run.Processes), num(run.Rate), num(run.Ceiling), f2(run.Ratio), f2(run.PostgresCores), f2(run.BenchCores), f2(run.MachineCores))
+		}
 		tw.Flush()
 	}
 	if e := p.E2E; e != nil {

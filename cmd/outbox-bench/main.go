@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/consumer"
+	"github.com/outbox-relay/outbox-relay/contract"
 )
 
 type options struct {
@@ -60,11 +61,20 @@ type options struct {
 	consumerBatch   int
 	consumerPending int
 	consumerRuns    []string
+	groupProcesses  int
+	groupPartitions int
 	e2eRates        []int
 	e2eRepeat       int
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == memberCommand {
+		if err := runMember(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "consumer member:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if len(os.Args) > 1 && os.Args[1] == readerCommand {
 		if err := runReader(os.Args[2:]); err != nil {
 			fmt.Fprintln(os.Stderr, "decode reader:", err)
@@ -109,6 +119,8 @@ func parseFlags(args []string) (*options, error) {
 	fs.IntVar(&o.consumerWorkers, "consumer-workers", consumer.DefaultWorkers, "consumer, e2e: the consumer's Workers (and the apply ceiling's connections)")
 	fs.IntVar(&o.consumerBatch, "consumer-batch", consumer.DefaultBatchSize, "consumer, e2e: the consumer's BatchSize for the batched runs (and the apply ceiling's)")
 	fs.IntVar(&o.consumerPending, "consumer-max-ack-pending", 0, "consumer, e2e: the consumer's MaxAckPending (0: the library's default)")
+	fs.IntVar(&o.groupProcesses, "group-processes", 3, "consumer: after the batched runs, the same runs as a consumer group of 1 and of this many member processes (0 or 1: none)")
+	fs.IntVar(&o.groupPartitions, "group-partitions", 12, "consumer: the group runs' partition count")
 	consumerRuns := fs.String("consumer-runs", "single,batched,batch", "consumer: which runs, each beside its apply ceiling: single (per-message handler, 1 message/tx), batched (per-message handler, batched), batch (batch handler)")
 	fs.IntVar(&o.e2eRepeat, "e2e-repeat", 1, "e2e: alternate the batch size 1 and batched latency runs this many times at each rate (the least disturbed of each counts)")
 	e2eRates := fs.String("e2e-rates", "100,2000", "e2e: offered loads in events/s for insert→applied latency, each with batch size 1 and --consumer-batch")
@@ -139,6 +151,9 @@ func parseFlags(args []string) (*options, error) {
 	var err error
 	if o.consumerWorkers < 1 || o.consumerBatch < 1 {
 		return nil, fmt.Errorf("--consumer-workers %d, --consumer-batch %d: each must be at least 1 (--consumer-batch 1 is one transaction per message)", o.consumerWorkers, o.consumerBatch)
+	}
+	if o.groupProcesses > 1 && (o.groupPartitions < 1 || o.groupPartitions > contract.MaxPartitions) {
+		return nil, fmt.Errorf("--group-partitions %d: want 1 to %d", o.groupPartitions, contract.MaxPartitions)
 	}
 	for _, r := range strings.Split(*consumerRuns, ",") {
 		if r = strings.TrimSpace(r); r != "" {
