@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"errors"
-	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -132,8 +131,7 @@ func (p *pipeline) insert(ctx context.Context, ins *replication.Insert) error {
 // or dead-letters it with reason preErr or the router's reason.
 func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr error) error {
 	r := p.r
-	o := getOutbound()
-	o.r, o.tx, o.commitTime = r, p.tx, p.commit.Time
+	o := &outbound{r: r, tx: p.tx, commitTime: p.commit.Time}
 	err := preErr
 	if err == nil {
 		o.rm, err = r.router.Route(ins, p.commit)
@@ -144,53 +142,29 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 		dl := r.router.DeadLetter(ins, p.commit, err)
 		r.obs.Unroutable(reasonClass(err))
 		r.log.Warn("dead-lettering unroutable row", zap.String("table", ins.Relation.QualifiedName()), zap.Stringer("lsn", ins.LSN), zap.Error(err))
-		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.done}
+		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.settled}
 		o.tx.Add()
 		return p.publish(ctx, r.pub, &o.msg)
 	}
 	rm := o.rm
-	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
+	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetterRecord, Done: o.settled}
 	o.tx.Add()
 	return p.publish(ctx, r.eventPublisher(), &o.msg)
 }
 
-// outbound is one row on its way through the publisher. It is recycled once
-// settled, its Done and DeadLetter functions bound once, so that a row
-// costs the pipeline no allocation (three per row otherwise, a tenth of
-// the relay's garbage).
+// outbound is one row on its way through the publisher.
 type outbound struct {
 	msg        publisher.Message
 	r          *Relay
 	tx         *publisher.Tx
 	commitTime time.Time
 	rm         *router.Message // nil for a dead-letter record
-
-	done       func(publisher.Result)
-	deadLetter func(error) *publisher.Message
 }
 
-// outbounds holds settled outbounds for reuse.
-var outbounds sync.Pool
-
-func getOutbound() *outbound {
-	if o, ok := outbounds.Get().(*outbound); ok {
-		return o
-	}
-	o := &outbound{}
-	o.done, o.deadLetter = o.settled, o.deadLetterRecord
-	return o
-}
-
-// settled is the message's Done: the publisher reads neither the message
-// nor its buffers afterwards.
+// settled is the message's Done.
 func (o *outbound) settled(res publisher.Result) {
 	o.tx.Settle()
 	o.r.obs.Settled(res, o.commitTime)
-	// Every attempt has returned and the dead-letter record, if any, is
-	// built: the router may reuse rm's buffers for a later row.
-	o.r.router.Release(o.rm)
-	*o = outbound{done: o.done, deadLetter: o.deadLetter}
-	outbounds.Put(o)
 }
 
 func (o *outbound) deadLetterRecord(reason error) *publisher.Message {
