@@ -10,6 +10,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 // pipeline is one replication session's read → route → publish loop. It
@@ -17,9 +18,9 @@ import (
 type pipeline struct {
 	r       *Relay
 	st      *replication.Stream
-	tracker *publisher.Tracker
+	tracker *watermark.Tracker
 
-	tx     *publisher.Tx
+	tx     *watermark.Tx
 	commit router.CommitInfo
 	msgs   *messageRoutes
 	wait   *time.Timer // reused by pause: a context per wait allocated
@@ -156,7 +157,7 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 type outbound struct {
 	msg        publisher.Message
 	r          *Relay
-	tx         *publisher.Tx
+	tx         *watermark.Tx
 	commitTime time.Time
 	rm         *router.Message // nil for a dead-letter record
 }

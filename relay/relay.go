@@ -18,6 +18,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 // Config configures a Relay.
@@ -92,7 +93,7 @@ type Relay struct {
 	// event stream's settings are known and changed back to pub when the
 	// stream stops allowing batches.
 	events  atomic.Pointer[eventPublisher]
-	tracker atomic.Pointer[publisher.Tracker]
+	tracker atomic.Pointer[watermark.Tracker]
 	ready   func(bool)
 	durable atomic.Int32 // 1 when the event stream's acks are durable, 0 when not, -1 unknown
 	// paused is set while the pipeline waits for the unsettled tail to
@@ -178,7 +179,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 		}
 		r.batch = b
 	}
-	r.tracker.Store(publisher.NewTracker(0))
+	r.tracker.Store(watermark.NewTracker(0))
 	return r, nil
 }
 
@@ -250,7 +251,7 @@ func streamLookup(js jetstream.JetStream, stream string) func(ctx context.Contex
 func (r *Relay) StreamDurable() int { return int(r.durable.Load()) }
 
 // Tracker returns the ack tracker, for metrics.
-func (r *Relay) Tracker() *publisher.Tracker { return r.tracker.Load() }
+func (r *Relay) Tracker() *watermark.Tracker { return r.tracker.Load() }
 
 // Run streams until ctx ends, then waits (up to ShutdownTimeout) for
 // in-flight acks, confirms the final watermark and returns nil. It returns
@@ -399,7 +400,7 @@ const connectRetryMax = time.Second
 // unfinished: a standby must not overtake a backfill (the walsender lets go
 // of a new slot while its snapshot is still being published), and nobody
 // may stream past an interrupted one.
-func (r *Relay) open(ctx context.Context, tracker *publisher.Tracker) (*replication.Stream, error) {
+func (r *Relay) open(ctx context.Context, tracker *watermark.Tracker) (*replication.Stream, error) {
 	// Whatever postgres.auto_setup says: a table missing from the
 	// publication would be relayed as nothing, the slot confirming past it.
 	// A missing publication is left to Open, which names a missing slot
@@ -434,7 +435,7 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	// Messages still in flight from a previous session settle in the old
 	// tracker; the server re-sends everything after the confirmed LSN, and
 	// the publisher's per-key queue keeps those re-sends behind them.
-	tracker := publisher.NewTracker(0)
+	tracker := watermark.NewTracker(0)
 	r.tracker.Store(tracker)
 	// Connecting and starting replication get a deadline of their own: a
 	// blackholed network would otherwise hang a reconnect forever.
