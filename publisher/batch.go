@@ -181,11 +181,9 @@ func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opt
 	if bcfg.AckEvery > 65535 {
 		return nil, fmt.Errorf("%w: ack_every %d exceeds 65535", ErrInvalidConfig, bcfg.AckEvery)
 	}
-	// The options are the per-key publisher's; apply them to one to read
-	// the logger and observer.
-	o := &Publisher{log: zap.NewNop(), obs: nopObserver{}}
-	for _, opt := range opts {
-		opt(o)
+	o, err := applyOptions(opts)
+	if err != nil {
+		return nil, err
 	}
 	b := &Batch{
 		cfg:     cfg,
@@ -204,7 +202,6 @@ func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opt
 		stopped: make(chan struct{}),
 	}
 	b.pubAck = jetstream.PubAck{Stream: bcfg.Stream}
-	var err error
 	if b.prefix, b.sub, err = subscribeAcks(nc, ">", b.onReply); err != nil {
 		return nil, err
 	}

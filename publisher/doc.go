@@ -16,7 +16,7 @@
 // aggregate): the next message of an aggregate leaves only after the
 // previous one is acked, so a retry can never overtake or be overtaken.
 // Different aggregates pipeline freely. A single hot aggregate is limited to
-// one round trip per event (about 4,000 events/s on loopback); that is the
+// one round trip per event (bench/README.md has the rate); that is the
 // price of correctness that does not depend on server features.
 //
 // [Batch] publishes one stream's messages as fast-ingest batches (nats-server

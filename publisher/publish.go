@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strconv"
 	"sync"
 	"time"
@@ -13,6 +12,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/internal/backoff"
 )
 
 // Message is one message to publish.
@@ -48,90 +49,6 @@ type Result struct {
 	Reason       error
 	// Attempts counts publish attempts, retries included.
 	Attempts int
-}
-
-// Config configures a Publisher.
-type Config struct {
-	// MaxInFlight bounds unacknowledged plus queued messages. Default 4096.
-	MaxInFlight int
-	// MaxInFlightBytes bounds their total size. Default 64 MiB. A single
-	// message larger than this is still sent, alone.
-	MaxInFlightBytes int
-	// AckTimeout is how long to wait for an ack before retrying. Default 5s.
-	AckTimeout time.Duration
-	// RetryMin and RetryMax bound the exponential retry backoff. Defaults
-	// 50ms and 5s.
-	RetryMin, RetryMax time.Duration
-}
-
-func (c *Config) setDefaults() error {
-	if c.MaxInFlight == 0 {
-		c.MaxInFlight = 4096
-	}
-	if c.MaxInFlightBytes == 0 {
-		c.MaxInFlightBytes = 64 << 20
-	}
-	if c.AckTimeout == 0 {
-		c.AckTimeout = 5 * time.Second
-	}
-	if c.RetryMin == 0 {
-		c.RetryMin = 50 * time.Millisecond
-	}
-	if c.RetryMax == 0 {
-		c.RetryMax = 5 * time.Second
-	}
-	switch {
-	case c.MaxInFlight < 1:
-		return fmt.Errorf("%w: max_in_flight %d must be at least 1", ErrInvalidConfig, c.MaxInFlight)
-	case c.MaxInFlightBytes < 1:
-		return fmt.Errorf("%w: max_in_flight_bytes %d must be at least 1", ErrInvalidConfig, c.MaxInFlightBytes)
-	case c.AckTimeout < 10*time.Millisecond:
-		return fmt.Errorf("%w: ack_timeout %s is too short", ErrInvalidConfig, c.AckTimeout)
-	case c.RetryMin <= 0 || c.RetryMax < c.RetryMin:
-		return fmt.Errorf("%w: retry backoff %s..%s is not a range", ErrInvalidConfig, c.RetryMin, c.RetryMax)
-	}
-	return nil
-}
-
-// Observer receives publisher events, for metrics. Methods are called from
-// publisher goroutines and must not block.
-type Observer interface {
-	Published(subject string, duplicate bool, latency time.Duration)
-	Retried(class string)
-	DeadLettered(class string)
-}
-
-type nopObserver struct{}
-
-func (nopObserver) Published(string, bool, time.Duration) {}
-func (nopObserver) Retried(string)                        {}
-func (nopObserver) DeadLettered(string)                   {}
-
-// Option configures a Publisher.
-type Option func(*Publisher)
-
-// WithLogger sets the logger (default: no logging).
-func WithLogger(l *zap.Logger) Option { return func(p *Publisher) { p.log = l } }
-
-// WithObserver sets the metrics observer.
-func WithObserver(o Observer) Option { return func(p *Publisher) { p.obs = o } }
-
-// WithStreamLookup sets how the publisher asks whether any stream is bound
-// to a subject after repeated "no responders" answers (default: the
-// JetStream API of the connection). The function returns ErrNoStream when
-// none is.
-func WithStreamLookup(f func(ctx context.Context, subject string) error) Option {
-	return func(p *Publisher) { p.lookup = f }
-}
-
-// WithExpectedStream sets which stream must store a message, by its
-// subject (default: any stream). An answer that looks like an ack but
-// names another stream is not an ack: a core NATS subscriber on the
-// subject answering in JetStream's shape, or a stream other than the one
-// meant. It is logged with what it claimed and the message is retried, so
-// it is never settled as stored.
-func WithExpectedStream(f func(subject string) string) Option {
-	return func(p *Publisher) { p.expect = f }
 }
 
 // pending is one message on its way: in flight, waiting to retry, or queued
@@ -232,11 +149,17 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
+	o, err := applyOptions(opts)
+	if err != nil {
+		return nil, err
+	}
 	p := &Publisher{
 		cfg:      cfg,
 		nc:       nc,
-		log:      zap.NewNop(),
-		obs:      nopObserver{},
+		log:      o.log,
+		obs:      o.obs,
+		lookup:   o.lookup,
+		expect:   o.expect,
 		window:   newWindow(cfg),
 		in:       make(chan admitted, cfg.MaxInFlight),
 		replies:  make(chan ackReply, replyQueue),
@@ -246,9 +169,6 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 		inflight: map[uint64]*pending{},
 		keys:     map[string]*keyState{},
 		checking: map[*pending]bool{},
-	}
-	for _, o := range opts {
-		o(p)
 	}
 	if p.lookup == nil {
 		js, err := jetstream.New(nc)
@@ -269,7 +189,6 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 	// one subscription matching the reply subject, and nats.go's request
 	// mux already listens on NewRespInbox's prefix once any request ran on
 	// the connection; sharing it would hide every "no responders" from us.
-	var err error
 	if p.prefix, p.sub, err = subscribeAcks(nc, "*", p.onReply); err != nil {
 		return nil, err
 	}
@@ -564,15 +483,7 @@ func (p *Publisher) fail(pd *pending, perr *PublishError) {
 }
 
 func (p *Publisher) backoff(attempts int) time.Duration {
-	d := p.cfg.RetryMin
-	for i := 1; i < attempts && d < p.cfg.RetryMax; i++ {
-		d *= 2
-	}
-	if d > p.cfg.RetryMax {
-		d = p.cfg.RetryMax
-	}
-	// ±25% jitter, so many relays retrying after one outage do not stampede.
-	return d*3/4 + time.Duration(rand.Int64N(int64(d/2)+1))
+	return backoff.Jitter(backoff.Step(p.cfg.RetryMin, p.cfg.RetryMax, attempts))
 }
 
 // settle completes pd: Done, its capacity back, the next message of its

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +14,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/outbox-relay/outbox-relay/internal/backoff"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -368,7 +368,7 @@ func (r *Relay) stream(ctx context.Context) error {
 			attempt = 0
 		}
 		attempt++
-		wait := backoff(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt)
+		wait := backoff.Jitter(backoff.Step(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt))
 		if replication.IsConnectFailure(err) {
 			// No host took the session (a primary down, a standby not yet
 			// promoted): asking again costs one connection attempt, and a
@@ -419,15 +419,6 @@ func (r *Relay) open(ctx context.Context, tracker *watermark.Tracker) (*replicat
 // BackfillIncomplete reports whether the relay found the slot's backfill
 // interrupted (and so refuses to stream from it).
 func (r *Relay) BackfillIncomplete() bool { return r.backfillIncomplete.Load() }
-
-func backoff(minD, maxD time.Duration, attempt int) time.Duration {
-	d := minD
-	for i := 1; i < attempt && d < maxD; i++ {
-		d *= 2
-	}
-	d = min(d, maxD)
-	return d*3/4 + time.Duration(rand.Int64N(int64(d/2)+1))
-}
 
 // streamOnce runs one replication session. It reports whether streaming
 // started, so the reconnect backoff resets after a session that worked.
