@@ -14,11 +14,17 @@ import (
 )
 
 // pipeline is one replication session's read → route → publish loop. It
-// runs on one goroutine, which owns the replication connection.
+// runs on one goroutine, which owns the replication connection. It reaches
+// the stream and the publishers through the narrow interfaces below, so
+// its settle, watermark and dead-letter logic is tested without servers.
 type pipeline struct {
-	r       *Relay
-	st      *replication.Stream
-	tracker *watermark.Tracker
+	r  *Relay // configuration, router, observer, logger, the paused flag
+	st changeStream
+	// events returns where routed events go now (the batch or the per-key
+	// publisher); deadLetters takes the records of unroutable rows.
+	events      func() publishTarget
+	deadLetters publishTarget
+	tracker     *watermark.Tracker
 
 	tx     *watermark.Tx
 	commit router.CommitInfo
@@ -27,6 +33,21 @@ type pipeline struct {
 	// pausedLog is when admitTx last warned; later pauses within
 	// StallWarning log at debug level.
 	pausedLog time.Time
+}
+
+// changeStream is what the pipeline reads: a replication session.
+type changeStream interface {
+	// Next returns the next change (*replication.Begin, *Insert, *Commit,
+	// *Truncate, *Message; others are skipped).
+	Next(ctx context.Context) (any, error)
+	// Heartbeat sends a standby status update if one is due.
+	Heartbeat(ctx context.Context) error
+}
+
+// publishTarget is what the pipeline hands messages to.
+type publishTarget interface {
+	TryPublish(m *publisher.Message) (bool, error)
+	Space() <-chan struct{}
 }
 
 // waitSlice is how long the loop waits for publish capacity before it sends
@@ -145,12 +166,12 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 		r.log.Warn("dead-lettering unroutable row", zap.String("table", ins.Relation.QualifiedName()), zap.Stringer("lsn", ins.LSN), zap.Error(err))
 		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.settled}
 		o.tx.Add()
-		return p.publish(ctx, r.pub, &o.msg)
+		return p.publish(ctx, p.deadLetters, &o.msg)
 	}
 	rm := o.rm
 	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetterRecord, Done: o.settled}
 	o.tx.Add()
-	return p.publish(ctx, r.eventPublisher(), &o.msg)
+	return p.publish(ctx, p.events(), &o.msg)
 }
 
 // outbound is one row on its way through the publisher.
@@ -175,7 +196,7 @@ func (o *outbound) deadLetterRecord(reason error) *publisher.Message {
 
 // publish hands m to pub, waiting for capacity without going silent
 // towards PostgreSQL.
-func (p *pipeline) publish(ctx context.Context, pub eventPublisher, m *publisher.Message) error {
+func (p *pipeline) publish(ctx context.Context, pub publishTarget, m *publisher.Message) error {
 	for {
 		ok, err := pub.TryPublish(m)
 		if err != nil {

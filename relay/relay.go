@@ -185,8 +185,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 
 // eventPublisher takes routed events: a per-aggregate Publisher or a Batch.
 type eventPublisher interface {
-	TryPublish(m *publisher.Message) (bool, error)
-	Space() <-chan struct{}
+	publishTarget
 	Drain(ctx context.Context) error
 	InFlight() int
 }
@@ -255,26 +254,50 @@ func (r *Relay) Tracker() *watermark.Tracker { return r.tracker.Load() }
 
 // Run streams until ctx ends, then waits (up to ShutdownTimeout) for
 // in-flight acks, confirms the final watermark and returns nil. It returns
-// an error only for conditions that need an operator.
+// an error only for conditions that need an operator, including a
+// publisher that stopped for good (publisher.ErrClosed: the NATS
+// connection closed); it returns after every goroutine it started.
 func (r *Relay) Run(ctx context.Context) error {
 	if err := r.checkStreams(ctx); err != nil {
 		return err
 	}
+	// The publishers outlive ctx: a graceful stop drains them before it
+	// confirms the final watermark.
 	pubCtx, stopPub := context.WithCancel(context.Background())
-	g, _ := errgroup.WithContext(pubCtx)
-	g.Go(func() error { return r.pub.Run(pubCtx) })
+	defer stopPub()
+	g, gctx := errgroup.WithContext(pubCtx)
+	g.Go(func() error { return publisherStopped(r.pub.Run(gctx)) })
 	if r.batch != nil {
-		g.Go(func() error { return r.batch.Run(pubCtx) })
+		g.Go(func() error { return publisherStopped(r.batch.Run(gctx)) })
 	}
-	g.Go(func() error { r.watchStall(pubCtx); return nil })
-	g.Go(func() error { r.watchPublication(pubCtx); return nil })
-	err := r.stream(ctx)
+	g.Go(func() error { r.watchStall(gctx); return nil })
+	g.Go(func() error { r.watchPublication(gctx); return nil })
+	// A publisher that stops for good (its NATS connection closed) ends
+	// streaming too, and Run returns why.
+	sctx, stopStream := context.WithCancel(ctx)
+	defer stopStream()
+	stopAfter := context.AfterFunc(gctx, stopStream)
+	err := r.stream(sctx)
+	stopAfter()
 	stopPub()
-	_ = g.Wait()
+	gerr := g.Wait()
 	if r.batch != nil {
 		_ = r.batch.Close()
 	}
 	_ = r.pub.Close()
+	if err != nil {
+		return err
+	}
+	return gerr
+}
+
+// publisherStopped is the error a publisher's Run ending means for the
+// relay: none when Run stopped it, or when the batch publisher found that
+// the stream no longer allows batches (stream then publishes per aggregate).
+func publisherStopped(err error) error {
+	if errors.Is(err, context.Canceled) || errors.Is(err, publisher.ErrBatchDisabled) {
+		return nil
+	}
 	return err
 }
 
@@ -444,7 +467,8 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	tracker.Raise(st.StartLSN())
 	r.streaming.Store(true)
 	r.setReady()
-	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
+	p := pipeline{r: r, st: st, events: func() publishTarget { return r.eventPublisher() }, deadLetters: r.pub,
+		tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
 	err = p.run(ctx)
 	if ctx.Err() != nil {
 		// Graceful stop: wait for the acks, then confirm them.
