@@ -108,6 +108,9 @@ type Relay struct {
 	streaming  atomic.Bool
 	pubProblem atomic.Pointer[error]
 	readyMu    sync.Mutex
+	// endSession ends the running replication session with a cause; nil
+	// between sessions.
+	endSession atomic.Pointer[context.CancelCauseFunc]
 }
 
 // Option configures a Relay.
@@ -268,7 +271,20 @@ func (r *Relay) Run(ctx context.Context) error {
 	g, gctx := errgroup.WithContext(pubCtx)
 	g.Go(func() error { return publisherStopped(r.pub.Run(gctx)) })
 	if r.batch != nil {
-		g.Go(func() error { return publisherStopped(r.batch.Run(gctx)) })
+		g.Go(func() error {
+			err := r.batch.Run(gctx)
+			if errors.Is(err, publisher.ErrBatchDisabled) {
+				// The pipeline learns it from TryPublish, but one that
+				// handed every message over already would wait for acks
+				// that never come: end the session, so that stream
+				// switches to per-aggregate publishing and the next one
+				// re-sends what the batch did not confirm.
+				if end := r.endSession.Load(); end != nil {
+					(*end)(err)
+				}
+			}
+			return publisherStopped(err)
+		})
 	}
 	g.Go(func() error { r.watchStall(gctx); return nil })
 	g.Go(func() error { r.watchPublication(gctx); return nil })
@@ -469,7 +485,14 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	r.setReady()
 	p := pipeline{r: r, st: st, events: func() publishTarget { return r.eventPublisher() }, deadLetters: r.pub,
 		tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
-	err = p.run(ctx)
+	sctx, end := context.WithCancelCause(ctx)
+	defer end(nil)
+	r.endSession.Store(&end)
+	defer r.endSession.Store(nil)
+	err = p.run(sctx)
+	if ctx.Err() == nil && sctx.Err() != nil {
+		err = context.Cause(sctx)
+	}
 	if ctx.Err() != nil {
 		// Graceful stop: wait for the acks, then confirm them.
 		dctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
