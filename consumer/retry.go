@@ -3,6 +3,8 @@ package consumer
 import (
 	"math/rand/v2"
 	"time"
+
+	expbackoff "github.com/outbox-relay/outbox-relay/internal/backoff"
 )
 
 // backoff returns the redelivery delay after the attempt-th failure (1-based):
@@ -11,16 +13,7 @@ import (
 // not come back in lock-step, while the delay still grows with every attempt.
 // rnd returns a float in [0, 1).
 func backoff(attempt int, base, max time.Duration, rnd func() float64) time.Duration {
-	if attempt < 1 {
-		attempt = 1
-	}
-	d := base
-	for i := 1; i < attempt && d < max; i++ {
-		d *= 2
-	}
-	if d > max || d <= 0 { // d <= 0: overflow
-		d = max
-	}
+	d := expbackoff.Step(base, max, attempt)
 	half := d / 2
 	return half + time.Duration(rnd()*float64(d-half))
 }

@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -22,6 +20,12 @@ var ErrBatchDisabled = errors.New("stream does not allow batched publishing")
 
 // Batch publishes every message of one stream, in the order handed over,
 // as fast-ingest batches (nats-server 2.14 or later, stream allow_batched).
+//
+// Its Run goroutine owns the queue and the current batch: it sends every
+// message and commit, reads every answer and calls every Done. Producers,
+// the reply subscription and the per-key publisher (for the isolated
+// message) hand it events over bounded channels; only the window's
+// capacity is shared, under its own lock.
 //
 // A batch is one ordered, flow-controlled publishing session in "gap: fail"
 // mode: the server acknowledges every few hundred messages, and an
@@ -63,19 +67,31 @@ type Batch struct {
 	idBase string // unique start of every batch id
 	sub    *nats.Subscription
 
-	// sendMu serialises sending: batch sequence order must be wire order,
-	// and a commit must follow the batch's last message.
-	sendMu sync.Mutex
-
 	window
+
+	// Hand-over to Run. in holds admitted messages only, so it never
+	// fills; replies blocks the reply subscription while Run catches up;
+	// isoDone holds the one isolated message's result.
+	in      chan admitted
+	replies chan batchAnswer
+	isoDone chan Result
+	oldestQ chan stuckQuery
+	stopped chan struct{} // closed when Run returns
+
+	// Owned by Run.
+	batchState
+}
+
+// batchState is what Run owns: the queue and the current batch.
+type batchState struct {
 	queue []*bpending // unsettled, in publish order, from head
 	free  []*bpending // settled, for reuse
-	// ack is what Result.Ack points to: fast-ingest acks carry no
+	// pubAck is what Result.Ack points to: fast-ingest acks carry no
 	// per-message stream sequence, so it names the stream only.
 	pubAck jetstream.PubAck
 	head   int
 	sent   int // queue[head:head+sent] were sent in the current batch
-	state  batchState
+	state  batchPhase
 	id     string // current batch id
 	// subject is the current batch's first subject: its commit goes to
 	// the same stream.
@@ -91,24 +107,25 @@ type Batch struct {
 	failed  error
 	lastAck time.Time // last ack of the current batch, or its start
 	endBy   time.Time // deadline for the final answer once ending
-	iso     Message   // the message isolated after a failure, with Done = isoDone
+	iso     Message   // the message isolated after a failure, with Done = isoSettled
 	isoSent bool      // iso is with the per-key publisher
-	isoDone func(Result)
 	// isoRest counts the messages still to go alone after iso, the rest of
 	// a batch that ended without its final answer (finishUnanswered sets
 	// it to -1 for finish to fill in).
 	isoRest  int
 	failures int // consecutive failed batches, for logging
-
-	lastSend  atomic.Int64 // counts sends, so the flusher sees a lull
-	flushIdle atomic.Bool  // the flusher waits for a kick
-	kick      chan struct{}
+	// sends counts messages sent; idleAt is its value when the idle timer
+	// was armed, so a timer that fires after more sends waits again.
+	sends     uint64
+	idleAt    uint64
+	idleArmed bool
+	reply     []byte // reply subject buffer
 }
 
-type batchState int
+type batchPhase int
 
 const (
-	batchIdle      batchState = iota // no batch: the next send starts one
+	batchIdle      batchPhase = iota // no batch: the next send starts one
 	batchOpen                        // sending
 	batchEnding                      // committing or failed: waiting for the final answer
 	batchIsolating                   // the first unconfirmed message is with the per-key publisher
@@ -149,8 +166,8 @@ const (
 )
 
 // NewBatch returns a fast-ingest publisher on nc that hands failures to
-// keyed (which must be running). Run must be running for the idle commit,
-// timeouts and failure handling to happen.
+// keyed (whose Run must be running). Run must be running for messages to
+// be sent.
 func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opts ...Option) (*Batch, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
@@ -164,28 +181,27 @@ func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opt
 	if bcfg.AckEvery > 65535 {
 		return nil, fmt.Errorf("%w: ack_every %d exceeds 65535", ErrInvalidConfig, bcfg.AckEvery)
 	}
-	// The options are the per-key publisher's; apply them to one to read
-	// the logger and observer.
-	o := &Publisher{log: zap.NewNop(), obs: nopObserver{}}
-	for _, opt := range opts {
-		opt(o)
+	o, err := applyOptions(opts)
+	if err != nil {
+		return nil, err
 	}
 	b := &Batch{
-		cfg:    cfg,
-		nc:     nc,
-		keyed:  keyed,
-		log:    o.log,
-		obs:    o.obs,
-		idle:   bcfg.IdleCommit,
-		flow:   strconv.Itoa(bcfg.AckEvery),
-		stream: bcfg.Stream,
-		pubAck: jetstream.PubAck{Stream: bcfg.Stream},
-		window: newWindow(cfg),
-		kick:   make(chan struct{}, 1),
+		cfg:     cfg,
+		nc:      nc,
+		keyed:   keyed,
+		log:     o.log,
+		obs:     o.obs,
+		idle:    bcfg.IdleCommit,
+		flow:    strconv.Itoa(bcfg.AckEvery),
+		stream:  bcfg.Stream,
+		window:  newWindow(cfg),
+		in:      make(chan admitted, cfg.MaxInFlight),
+		replies: make(chan batchAnswer, replyQueue),
+		isoDone: make(chan Result, 1),
+		oldestQ: make(chan stuckQuery),
+		stopped: make(chan struct{}),
 	}
-	b.isoDone = b.isolatedSettled
-	b.flushIdle.Store(true)
-	var err error
+	b.pubAck = jetstream.PubAck{Stream: bcfg.Stream}
 	if b.prefix, b.sub, err = subscribeAcks(nc, ">", b.onReply); err != nil {
 		return nil, err
 	}
@@ -200,15 +216,71 @@ func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opt
 	return b, nil
 }
 
-// TryPublish queues m if the window has room and reports whether it did.
-// Messages are stored in the order they are handed over.
+// TryPublish hands m to Run if the window has room and reports whether it
+// did. Messages are stored in the order they are handed over.
 func (b *Batch) TryPublish(m *Message) (bool, error) {
 	size := msgSize(m)
-	b.mu.Lock()
 	if ok, err := b.admit(size); !ok {
-		b.mu.Unlock()
 		return false, err
 	}
+	b.in <- admitted{m: m, size: size, first: time.Now()}
+	return true, nil
+}
+
+// Run sends batches, commits them after a lull, reads their answers and
+// handles timeouts and failures until ctx ends or the publisher closes. It
+// returns the reason the publisher closed, or ctx's error. It may be called
+// once.
+func (b *Batch) Run(ctx context.Context) error {
+	defer close(b.stopped)
+	tick := time.NewTicker(tickEvery)
+	defer tick.Stop()
+	idle := time.NewTimer(time.Hour)
+	idle.Stop()
+	defer idle.Stop()
+	for {
+		select {
+		case a := <-b.in:
+			b.enqueue(a)
+			// Take what else was handed over, so that the next batch is
+			// sized by the whole queue.
+			for more := true; more; {
+				select {
+				case a := <-b.in:
+					b.enqueue(a)
+				default:
+					more = false
+				}
+			}
+		case a := <-b.replies:
+			b.answer(a)
+		case res := <-b.isoDone:
+			b.isolatedSettled(res)
+		case q := <-b.oldestQ:
+			s, ok := b.oldest()
+			q <- stuckAnswer{s, ok}
+		case <-idle.C:
+			b.idleArmed = false
+			b.idleFired()
+		case <-tick.C:
+			b.tick()
+		case <-b.done:
+			return b.stopErr(ctx)
+		case <-ctx.Done():
+			return b.stopErr(ctx)
+		}
+		b.step()
+		if !b.idleArmed && b.state == batchOpen && b.commitAt == 0 && b.seq > 0 {
+			// Only a batch left open needs the idle commit: one committed
+			// by its last message is answered anyway.
+			b.idleArmed, b.idleAt = true, b.sends
+			idle.Reset(b.idle)
+		}
+	}
+}
+
+// enqueue appends a handed-over message to the queue.
+func (b *Batch) enqueue(a admitted) {
 	var pd *bpending
 	if n := len(b.free); n > 0 {
 		pd = b.free[n-1]
@@ -217,55 +289,66 @@ func (b *Batch) TryPublish(m *Message) (bool, error) {
 	} else {
 		pd = &bpending{}
 	}
-	pd.m, pd.size, pd.first = m, size, time.Now()
+	pd.m, pd.size, pd.first = a.m, a.size, a.first
 	b.queue = append(b.queue, pd)
-	b.mu.Unlock()
-	b.pump()
-	return true, nil
+}
+
+// step does what the state allows after an event: ask a failed batch for
+// its count, hand the isolated message over, send what the current batch
+// may take. Each case leaves a state the previous ones do not act on
+// again, so the loop ends.
+func (b *Batch) step() {
+	for b.closedErr() == nil {
+		switch {
+		case b.state == batchEnding && b.failed != nil && b.eob == 0:
+			b.commit()
+		case b.state == batchIsolating && !b.isoSent:
+			b.sendIsolated()
+			return
+		case (b.state == batchIdle || b.state == batchOpen) && b.head+b.sent < len(b.queue):
+			b.pump()
+			if b.state != batchEnding || b.failed == nil || b.eob != 0 {
+				return
+			}
+		default:
+			return
+		}
+	}
 }
 
 // pump sends the queued messages the current batch may take.
 func (b *Batch) pump() {
-	var reply []byte
-	for {
-		more, failed := b.sendOne(&reply)
-		if failed {
-			b.commitIfFailed()
-			b.afterFinish()
-			return
-		}
-		if !more {
+	for (b.state == batchIdle || b.state == batchOpen) && b.head+b.sent < len(b.queue) {
+		if !b.sendOne() {
 			return
 		}
 	}
 }
 
-// sendOne sends the next queued message if the current batch may take it.
-// It reports whether it sent one, and whether the batch failed.
-func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
-	b.sendMu.Lock()
-	defer b.sendMu.Unlock()
-	b.mu.Lock()
-	if b.closed != nil || (b.state != batchIdle && b.state != batchOpen) || b.head+b.sent == len(b.queue) {
-		b.mu.Unlock()
-		return false, false
+// startBatch opens a new batch for the queued messages.
+func (b *Batch) startBatch() {
+	b.ids++
+	b.id = b.idBase + strconv.FormatUint(b.ids, 36)
+	b.seq, b.acked, b.eob, b.failed = 0, 0, 0, nil
+	b.state = batchOpen
+	b.lastAck = time.Now()
+	b.subject = b.queue[b.head+b.sent].m.Subject
+	// A short queue (what arrived while the previous batch was answered,
+	// at moderate load) goes as a batch committed by its last message: no
+	// idle wait, no separate commit, and for a single message one answer
+	// instead of three. A longer one opens a batch that stays open while
+	// messages keep coming.
+	b.commitAt = 0
+	if k := len(b.queue) - b.head - b.sent; k <= shortBatch {
+		b.commitAt = uint64(k)
 	}
+}
+
+// sendOne sends the next queued message in the current batch, starting one
+// if none is open. It reports false when the message could not be sent.
+func (b *Batch) sendOne() bool {
 	if b.state == batchIdle {
-		b.ids++
-		b.id = b.idBase + strconv.FormatUint(b.ids, 36)
-		b.seq, b.acked, b.eob, b.failed = 0, 0, 0, nil
-		b.state = batchOpen
-		b.lastAck = time.Now()
-		b.subject = b.queue[b.head+b.sent].m.Subject
-		// A short queue (what arrived while the previous batch was
-		// answered, at moderate load) goes as a batch committed by its
-		// last message: no idle wait, no separate commit, and for a
-		// single message one answer instead of three. A longer one opens
-		// a batch that stays open while messages keep coming.
-		b.commitAt = 0
-		if k := len(b.queue) - b.head - b.sent; k <= shortBatch {
-			b.commitAt = uint64(k)
-		}
+		b.startBatch()
 	}
 	pd := b.queue[b.head+b.sent]
 	b.sent++
@@ -281,37 +364,19 @@ func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
 	case b.seq == 1:
 		op = opStart
 	}
-	*reply = b.reply((*reply)[:0], b.seq, op)
-	m, id, seq := pd.m, b.id, b.seq
-	// Only a batch left open needs the flusher: one committed by its last
-	// message is answered anyway.
-	open := b.commitAt == 0
-	b.mu.Unlock()
-
-	msg := nats.Msg{Subject: m.Subject, Reply: string(*reply), Header: m.Header, Data: m.Data}
+	b.reply = b.replySubject(b.reply[:0], b.seq, op)
+	m := pd.m
+	msg := nats.Msg{Subject: m.Subject, Reply: string(b.reply), Header: m.Header, Data: m.Data}
 	err := b.nc.PublishMsg(&msg)
-	b.lastSend.Add(1)
-	if open && b.flushIdle.CompareAndSwap(true, false) {
-		select {
-		case b.kick <- struct{}{}:
-		default:
-		}
-	}
+	b.sends++
 	if err == nil {
-		return true, false
+		return true
 	}
 	if errors.Is(err, nats.ErrConnectionClosed) {
 		b.close(fmt.Errorf("%w: nats connection closed", ErrClosed))
-		return false, false
+		return false
 	}
-	// Not on the wire (and, sendMu held, nothing after it): the batch ends
-	// before it, unless an answer ended the batch meanwhile (then pd is
-	// unsent already).
-	b.mu.Lock()
-	if b.id != id || pd.bseq != seq {
-		b.mu.Unlock()
-		return false, false
-	}
+	// Not on the wire (and nothing after it): the batch ends before it.
 	pd.bseq = 0
 	b.sent--
 	if b.eob == b.seq {
@@ -319,12 +384,11 @@ func (b *Batch) sendOne(reply *[]byte) (sent, failed bool) {
 	}
 	b.seq--
 	b.failBatch(fmt.Errorf("publish to %s: %w", m.Subject, err))
-	b.mu.Unlock()
-	return false, true
+	return false
 }
 
-// reply appends the reply subject of batch sequence seq; b.mu is held.
-func (b *Batch) reply(dst []byte, seq uint64, op string) []byte {
+// replySubject appends the reply subject of batch sequence seq.
+func (b *Batch) replySubject(dst []byte, seq uint64, op string) []byte {
 	dst = append(dst, b.prefix...)
 	dst = append(dst, b.id...)
 	dst = append(dst, '.')
@@ -337,8 +401,7 @@ func (b *Batch) reply(dst []byte, seq uint64, op string) []byte {
 }
 
 // failBatch records the current batch's first failure and stops sending;
-// b.mu is held. commitIfFailed then asks the server for the count it
-// stored.
+// step then asks the server for the count it stored.
 func (b *Batch) failBatch(err error) {
 	if b.failed == nil {
 		b.failed = err
@@ -353,19 +416,12 @@ func (b *Batch) failBatch(err error) {
 // one already. The server answers with a PubAck counting the messages it
 // stored.
 func (b *Batch) commit() {
-	b.sendMu.Lock()
-	b.mu.Lock()
 	if (b.state != batchOpen && b.state != batchEnding) || b.eob != 0 {
-		b.mu.Unlock()
-		b.sendMu.Unlock()
 		return
 	}
 	if b.seq == 0 {
 		// Nothing of this batch reached the server: no answer comes.
 		b.finish(0)
-		b.mu.Unlock()
-		b.sendMu.Unlock()
-		b.afterFinish()
 		return
 	}
 	if b.state == batchOpen {
@@ -373,22 +429,11 @@ func (b *Batch) commit() {
 		b.endBy = time.Now().Add(b.cfg.AckTimeout)
 	}
 	b.eob = b.seq + 1
-	id := b.id
-	reply := string(b.reply(nil, b.eob, opCommitEOB))
-	subject := b.subject
-	b.mu.Unlock()
-	err := b.nc.PublishMsg(&nats.Msg{Subject: subject, Reply: reply})
-	b.sendMu.Unlock()
-	if err == nil {
-		return
-	}
-	b.mu.Lock()
-	if b.id == id && b.state == batchEnding {
+	err := b.nc.PublishMsg(&nats.Msg{Subject: b.subject, Reply: string(b.replySubject(nil, b.eob, opCommitEOB))})
+	if err != nil {
 		b.failBatch(fmt.Errorf("commit batch: %w", err))
 		b.finishUnanswered()
 	}
-	b.mu.Unlock()
-	b.afterFinish()
 }
 
 // batchReply is any answer of the server to a fast-ingest batch: a flow
@@ -402,6 +447,16 @@ type batchReply struct {
 	Batch  string              `json:"batch"`
 	Count  uint64              `json:"count"`
 	Error  *jetstream.APIError `json:"error"`
+}
+
+// batchAnswer is a decoded answer, handed from the reply subscription to
+// Run: the batch and sequence its subject names, and its body.
+type batchAnswer struct {
+	id           string
+	seq          uint64
+	noResponders bool
+	r            batchReply
+	data         []byte
 }
 
 // parseReplySubject returns the batch id and sequence a reply subject names.
@@ -425,25 +480,34 @@ func (b *Batch) parseReplySubject(subj string) (id string, seq uint64, ok bool) 
 	return parts[0], seq, true
 }
 
+// onReply decodes an answer on the reply subscription's goroutine and hands
+// it to Run.
 func (b *Batch) onReply(msg *nats.Msg) {
 	id, seq, ok := b.parseReplySubject(msg.Subject)
 	if !ok {
 		return
 	}
-	var r batchReply
-	noResponders := len(msg.Data) == 0 && msg.Header.Get("Status") == "503"
-	if !noResponders {
-		if err := json.Unmarshal(msg.Data, &r); err != nil {
-			r = batchReply{Type: "err", Seq: seq, Error: &jetstream.APIError{Description: "unreadable answer: " + err.Error()}}
+	a := batchAnswer{id: id, seq: seq, data: msg.Data}
+	a.noResponders = len(msg.Data) == 0 && msg.Header.Get("Status") == "503"
+	if !a.noResponders {
+		if err := json.Unmarshal(msg.Data, &a.r); err != nil {
+			a.r = batchReply{Type: "err", Seq: seq, Error: &jetstream.APIError{Description: "unreadable answer: " + err.Error()}}
 		}
 	}
-	b.mu.Lock()
-	if id != b.id || (b.state != batchOpen && b.state != batchEnding) {
-		b.mu.Unlock()
+	select {
+	case b.replies <- a:
+	case <-b.done:
+	}
+}
+
+// answer acts on the server's answer to the current batch.
+func (b *Batch) answer(a batchAnswer) {
+	if a.id != b.id || (b.state != batchOpen && b.state != batchEnding) {
 		return // an earlier batch's late answer
 	}
+	r, seq := a.r, a.seq
 	switch {
-	case noResponders:
+	case a.noResponders:
 		b.failBatch(&PublishError{Subject: b.subjectAt(seq), Class: "no_responders", Err: ErrTransient})
 		// Nothing reached a stream: no final answer comes.
 		b.finish(b.acked)
@@ -458,17 +522,30 @@ func (b *Batch) onReply(msg *nats.Msg) {
 	case r.Type == "err":
 		b.failBatch(b.apiFailure(r.Seq, r.Error))
 	case r.Error != nil:
-		if r.Error.ErrorCode == errCodeBatchDisabled {
-			b.mu.Unlock()
-			b.close(fmt.Errorf("%w: stream %s: set allow_batched on it, or publish per key (nats.batch_publish: off)", ErrBatchDisabled, b.stream))
-			return
-		}
-		b.failBatch(b.apiFailure(seq, r.Error))
-		if seq == 1 || seq == b.eob || r.Error.ErrorCode == errCodeBatchUnknown || r.Error.ErrorCode == errCodeNotLeader {
-			// The server dropped the batch (its first message failed, or
-			// it is unknown here): no final answer comes.
-			b.finish(b.acked)
-		}
+		b.refused(seq, r.Error)
+	default:
+		b.pubAckAnswer(seq, r, a.data)
+	}
+}
+
+// refused acts on a PubAck refusing message seq of the current batch.
+func (b *Batch) refused(seq uint64, api *jetstream.APIError) {
+	if api.ErrorCode == errCodeBatchDisabled {
+		b.close(fmt.Errorf("%w: stream %s: set allow_batched on it, or publish per key (nats.batch_publish: off)", ErrBatchDisabled, b.stream))
+		return
+	}
+	b.failBatch(b.apiFailure(seq, api))
+	if seq == 1 || seq == b.eob || api.ErrorCode == errCodeBatchUnknown || api.ErrorCode == errCodeNotLeader {
+		// The server dropped the batch (its first message failed, or it is
+		// unknown here): no final answer comes.
+		b.finish(b.acked)
+	}
+}
+
+// pubAckAnswer acts on a PubAck without an error: the batch's final answer,
+// or a lone publish's ack from a server that does not know batches.
+func (b *Batch) pubAckAnswer(seq uint64, r batchReply, data []byte) {
+	switch {
 	case (r.Batch != "" || r.Stream != "") && r.Stream != b.stream:
 		// Not the stream's answer: nothing is known to be stored.
 		b.log.Warn("bad batch ack: the answer names another stream; failing the batch (is something other than JetStream answering on the subjects?)",
@@ -485,15 +562,10 @@ func (b *Batch) onReply(msg *nats.Msg) {
 		// A plain PubAck: the server took the message as a lone publish,
 		// so it does not know fast-ingest batches, and pipelined lone
 		// publishes could be reordered by a failure.
-		b.mu.Unlock()
 		b.close(fmt.Errorf("%w: the server answered a batch message with a plain ack (fast-ingest batches need nats-server 2.14 or later)", ErrBatchDisabled))
-		return
 	default:
-		b.failBatch(fmt.Errorf("%w: unexpected batch answer %q", ErrTransient, msg.Data))
+		b.failBatch(fmt.Errorf("%w: unexpected batch answer %q", ErrTransient, data))
 	}
-	b.mu.Unlock()
-	b.afterFinish()
-	b.commitIfFailed()
 }
 
 // JetStream error codes of fast-ingest batches.
@@ -510,8 +582,7 @@ func (b *Batch) apiFailure(seq uint64, api *jetstream.APIError) error {
 	return classifyAPIError(b.subjectAt(seq), api)
 }
 
-// subjectAt returns the subject of the current batch's message seq; b.mu is
-// held.
+// subjectAt returns the subject of the current batch's message seq.
 func (b *Batch) subjectAt(seq uint64) string {
 	if seq >= 1 && seq <= b.seq {
 		if i := b.head + int(seq-b.acked) - 1; i >= b.head && i < len(b.queue) && b.queue[i].bseq == seq {
@@ -521,8 +592,7 @@ func (b *Batch) subjectAt(seq uint64) string {
 	return b.stream
 }
 
-// ack settles the current batch's messages up to batch sequence n; b.mu is
-// held, also while Done runs (Done must not block).
+// ack settles the current batch's messages up to batch sequence n.
 func (b *Batch) ack(n uint64) {
 	if n <= b.acked || n > b.seq {
 		return
@@ -537,18 +607,18 @@ func (b *Batch) ack(n uint64) {
 		b.queue[b.head] = nil
 		b.head++
 		b.sent--
-		b.settleLocked(pd, Result{Ack: &b.pubAck, Attempts: 1})
+		b.settle(pd, Result{Ack: &b.pubAck, Attempts: 1})
 	}
 	b.queue, b.head = compactFront(b.queue, b.head)
 }
 
-// settleLocked frees pd's capacity and calls its Done; b.mu is held.
-func (b *Batch) settleLocked(pd *bpending, res Result) {
-	b.release(pd.size)
+// settle calls pd's Done and frees its capacity.
+func (b *Batch) settle(pd *bpending, res Result) {
 	b.obs.Published(pd.m.Subject, false, time.Since(pd.first))
 	if done := pd.m.Done; done != nil {
 		done(res)
 	}
+	b.release(pd.size)
 	if len(b.free) < b.cfg.MaxInFlight {
 		*pd = bpending{}
 		b.free = append(b.free, pd)
@@ -556,12 +626,12 @@ func (b *Batch) settleLocked(pd *bpending, res Result) {
 }
 
 // finishUnanswered ends the current batch without its final answer (no
-// answer in time, or none to trust), with what flow acks confirmed; b.mu is
-// held. Every message it sent beyond that then goes alone through the
-// per-key publisher before batching resumes: the server may still hold
-// them as proposals not yet committed, and a new batch reaching the same
-// leader would skip each as a duplicate "in process" (10158) and count it
-// as stored, though the leader may yet lose it. A lone publish of such a
+// answer in time, or none to trust), with what flow acks confirmed. Every
+// message it sent beyond that then goes alone through the per-key
+// publisher before batching resumes: the server may still hold them as
+// proposals not yet committed, and a new batch reaching the same leader
+// would skip each as a duplicate "in process" (10158) and count it as
+// stored, though the leader may yet lose it. A lone publish of such a
 // message is answered with that error instead, and retried until the
 // proposal is stored (a duplicate ack) or lost (stored anew).
 func (b *Batch) finishUnanswered() {
@@ -570,7 +640,7 @@ func (b *Batch) finishUnanswered() {
 }
 
 // finish ends the current batch with its first n messages stored: the rest
-// are sent again; b.mu is held.
+// are sent again.
 func (b *Batch) finish(n uint64) {
 	b.ack(n)
 	unanswered := b.isoRest < 0
@@ -602,15 +672,19 @@ func (b *Batch) finish(n uint64) {
 	b.isolate()
 }
 
-// isolate hands the first queued message to the per-key publisher next;
-// b.mu is held.
+// isolate makes the first queued message the one to go alone through the
+// per-key publisher next.
 func (b *Batch) isolate() {
 	b.state = batchIsolating
 	b.isoSent = false
 	pd := b.queue[b.head]
 	b.iso = *pd.m
-	b.iso.Done = b.isoDone
+	b.iso.Done = b.isoSettled
 }
+
+// isoSettled is the isolated message's Done, on the per-key publisher's
+// Run goroutine: it hands the result to this one's.
+func (b *Batch) isoSettled(res Result) { b.isoDone <- res }
 
 func failureClass(err error) string {
 	var pe *PublishError
@@ -620,57 +694,22 @@ func failureClass(err error) string {
 	return "batch"
 }
 
-// afterFinish starts what follows a finished batch: the isolated message,
-// or the next batch.
-func (b *Batch) afterFinish() {
-	b.mu.Lock()
-	state, isoSent, closed := b.state, b.isoSent, b.closed
-	b.mu.Unlock()
-	switch {
-	case closed != nil:
-	case state == batchIsolating && !isoSent:
-		b.sendIsolated()
-	case state == batchIdle:
-		b.pump()
-	}
-}
-
-// commitIfFailed sends the commit of a failed batch, so that the server
-// answers with what it stored.
-func (b *Batch) commitIfFailed() {
-	b.mu.Lock()
-	need := b.state == batchEnding && b.failed != nil && b.eob == 0
-	b.mu.Unlock()
-	if need {
-		b.commit()
-	}
-}
-
 // sendIsolated hands the first unconfirmed message to the per-key
-// publisher; when its window is full, Run tries again.
+// publisher; when its window is full, the next tick tries again.
 func (b *Batch) sendIsolated() {
-	b.mu.Lock()
-	if b.state != batchIsolating || b.isoSent {
-		b.mu.Unlock()
-		return
-	}
-	b.isoSent = true
-	b.mu.Unlock()
 	ok, err := b.keyed.TryPublish(&b.iso)
-	if ok && err == nil {
-		return
-	}
-	b.mu.Lock()
-	b.isoSent = false
-	b.mu.Unlock()
-	if err != nil {
+	switch {
+	case err != nil:
 		b.close(err)
+	case ok:
+		b.isoSent = true
 	}
 }
 
-// isolatedSettled is the isolated message's Done.
+// isolatedSettled settles the isolated message with the per-key
+// publisher's result and goes on: the rest of an unanswered batch alone,
+// or the next batch.
 func (b *Batch) isolatedSettled(res Result) {
-	b.mu.Lock()
 	pd := b.queue[b.head]
 	b.queue[b.head] = nil
 	b.head++
@@ -678,41 +717,19 @@ func (b *Batch) isolatedSettled(res Result) {
 	b.state = batchIdle
 	b.isoSent = false
 	b.iso = Message{}
-	b.settleLocked(pd, res)
-	if b.isoRest > 0 && b.head < len(b.queue) && b.closed == nil {
+	b.settle(pd, res)
+	if b.isoRest > 0 && b.head < len(b.queue) && b.closedErr() == nil {
 		// The rest of a batch that ended unanswered goes alone too.
 		b.isoRest--
 		b.isolate()
-		b.mu.Unlock()
-		b.sendIsolated()
 		return
 	}
 	b.isoRest = 0
-	b.mu.Unlock()
-	b.pump()
 }
 
-// Run commits batches after a lull and handles timeouts until ctx ends.
-// It returns the reason the publisher closed, or ctx's error.
-func (b *Batch) Run(ctx context.Context) error {
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		b.flushLoop(ctx)
-	}()
-	defer wg.Wait()
-	return b.ticks(ctx, b.tick)
-}
-
-func (b *Batch) tick() error {
+// tick fails a batch whose answers are overdue.
+func (b *Batch) tick() {
 	now := time.Now()
-	b.mu.Lock()
-	if b.closed != nil {
-		err := b.closed
-		b.mu.Unlock()
-		return err
-	}
 	switch {
 	case b.state == batchOpen && b.sent > 0 && now.Sub(b.lastAck) > b.cfg.AckTimeout && now.Sub(b.queue[b.head].first) > b.cfg.AckTimeout:
 		b.failBatch(&PublishError{Subject: b.stream, Class: "timeout", Err: fmt.Errorf("%w: no batch ack within %s", ErrTransient, b.cfg.AckTimeout)})
@@ -721,69 +738,29 @@ func (b *Batch) tick() error {
 		b.failBatch(&PublishError{Subject: b.stream, Class: "timeout", Err: fmt.Errorf("%w: no final batch answer", ErrTransient)})
 		b.finishUnanswered()
 	}
-	b.mu.Unlock()
-	b.commitIfFailed()
-	b.afterFinish()
-	return nil
 }
 
-// flushLoop commits the current batch once no message was sent for the
-// idle interval: the server acknowledges a batch's last messages only then.
-func (b *Batch) flushLoop(ctx context.Context) {
-	t := time.NewTimer(time.Hour)
-	t.Stop()
-	defer t.Stop()
-	for {
-		select {
-		case <-b.kick:
-		case <-ctx.Done():
-			return
-		}
-		last := b.lastSend.Load()
-		for {
-			t.Reset(b.idle)
-			select {
-			case <-t.C:
-			case <-ctx.Done():
-				return
-			}
-			now := b.lastSend.Load()
-			if now != last {
-				last = now
-				continue
-			}
-			b.commitIdle()
-			// Sleep until the next send kicks; a send between the commit
-			// and the flag did not kick, so look once more.
-			b.flushIdle.Store(true)
-			if b.lastSend.Load() == last || !b.flushIdle.CompareAndSwap(true, false) {
-				break
-			}
-			last = b.lastSend.Load()
-		}
-	}
-}
-
-// commitIdle commits the open batch if all it holds is sent. Even a batch
-// whose messages flow acks all confirmed is committed: the server abandons
-// a batch that receives nothing for its max batch timeout (10 s by
-// default), and the next message would find it gone ("batch unknown",
-// 10208) and fail.
-func (b *Batch) commitIdle() {
-	b.mu.Lock()
-	need := b.state == batchOpen && b.seq > 0 && b.head+b.sent == len(b.queue)
-	b.mu.Unlock()
-	if need {
+// idleFired commits the open batch once no message was sent for the idle
+// interval: the server acknowledges a batch's last messages only then.
+// Even a batch whose messages flow acks all confirmed is committed: the
+// server abandons a batch that receives nothing for its max batch timeout
+// (10 s by default), and the next message would find it gone ("batch
+// unknown", 10208) and fail. A send since the timer was armed makes Run
+// arm it again.
+func (b *Batch) idleFired() {
+	if b.sends == b.idleAt && b.state == batchOpen && b.seq > 0 && b.head+b.sent == len(b.queue) {
 		b.commit()
 	}
 }
 
 // Oldest returns the oldest unsettled message of the batch publisher, and
-// false when there is none; Attempts counts the batches that failed in a
-// row. It is the one holding the watermark when events are batched.
-func (b *Batch) Oldest() (Stuck, bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
+// false when there is none or Run has returned; Attempts counts the
+// batches that failed in a row. It is the one holding the watermark when
+// events are batched.
+func (b *Batch) Oldest() (Stuck, bool) { return askOldest(b.oldestQ, b.stopped) }
+
+// oldest is Oldest on the Run goroutine.
+func (b *Batch) oldest() (Stuck, bool) {
 	if b.head == len(b.queue) {
 		return Stuck{}, false
 	}
@@ -791,8 +768,9 @@ func (b *Batch) Oldest() (Stuck, bool) {
 	return Stuck{Key: pd.m.Key, Subject: pd.m.Subject, Since: pd.first, Attempts: b.failures}, true
 }
 
-// Close unsubscribes from acks. Unsettled messages stay unsettled: the
-// watermark never passes them, so they are re-sent after a restart.
+// Close stops Run and unsubscribes from acks. Unsettled messages stay
+// unsettled: the watermark never passes them, so they are re-sent after a
+// restart.
 func (b *Batch) Close() error {
 	b.close(ErrClosed)
 	return b.sub.Unsubscribe()

@@ -450,7 +450,7 @@ func TestBatchPlainAckServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = b.Close(); _ = keyed.Close() })
+	runBatch(t, keyed, b)
 	if ok, err := b.TryPublish(&publisher.Message{Subject: "plain.a", Data: []byte("x")}); !ok || err != nil {
 		t.Fatalf("publish: %v %v", ok, err)
 	}
@@ -485,6 +485,7 @@ func TestBatchAfterPublisherDied(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	runBatch(t, keyed, dead)
 	const stale = 100
 	for i := range stale {
 		id := "dead-" + strconv.Itoa(i)
@@ -507,4 +508,21 @@ func TestBatchAfterPublisherDied(t *testing.T) {
 		}
 	}
 	checkInOrder(t, mine, n, nil)
+}
+
+// runBatch runs keyed and b until the test ends: Run sends what TryPublish
+// hands over.
+func runBatch(t *testing.T, keyed *publisher.Publisher, b *publisher.Batch) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 2)
+	go func() { done <- keyed.Run(ctx) }()
+	go func() { done <- b.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		<-done
+		_ = b.Close()
+		_ = keyed.Close()
+	})
 }

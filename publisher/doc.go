@@ -1,6 +1,6 @@
 // Package publisher is the third stage of the relay's data path: it publishes
-// routed messages to JetStream and turns the acknowledgements into the LSN
-// watermark that the replication stage confirms to PostgreSQL.
+// routed messages to JetStream and reports each message settled (acked,
+// or its dead-letter record acked) through its Done.
 //
 // # Ordering under pipelining
 //
@@ -16,7 +16,7 @@
 // aggregate): the next message of an aggregate leaves only after the
 // previous one is acked, so a retry can never overtake or be overtaken.
 // Different aggregates pipeline freely. A single hot aggregate is limited to
-// one round trip per event (about 4,000 events/s on loopback); that is the
+// one round trip per event (bench/README.md has the rate); that is the
 // price of correctness that does not depend on server features.
 //
 // [Batch] publishes one stream's messages as fast-ingest batches (nats-server
@@ -46,10 +46,8 @@
 //
 // # Watermark
 //
-// [Tracker] keeps transactions in commit order; a transaction's end LSN
-// becomes confirmable when it and every earlier transaction are settled.
-// Its Unsettled tail is what the relay bounds: per key, one stuck message
-// lets later ones settle while the watermark stands still.
+// Done tells the caller a message is settled; package watermark turns that
+// into the LSN the replication stage may confirm.
 //
 // See https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication.
 package publisher

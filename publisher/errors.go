@@ -20,6 +20,8 @@ var (
 	ErrClosed = errors.New("publisher closed")
 	// ErrInvalidConfig reports a bad Config value.
 	ErrInvalidConfig = errors.New("invalid publisher config")
+	// ErrInvalidOption reports an Option given a value it cannot use.
+	ErrInvalidOption = errors.New("invalid publisher option")
 )
 
 // PublishError describes why one publish attempt failed.
@@ -49,19 +51,17 @@ func (e *PublishError) Unwrap() error { return e.Err }
 // ReasonClass is the dead-letter reason class.
 func (e *PublishError) ReasonClass() string { return e.Class }
 
-// IsTransient reports whether a retry may cure err.
-func IsTransient(err error) bool { return errors.Is(err, ErrTransient) }
-
-// JetStream error codes that no retry can cure.
+// JetStream error codes that no retry can cure, beyond nats.go's
+// jetstream.JSErrCodeStreamMessageExceedsMaximum (stream max_msg_size
+// exceeded), which it does not export for these.
 const (
-	errCodeMessageTooLarge = 10054 // stream max_msg_size exceeded
-	errCodeStreamMismatch  = 10060 // expected stream does not match
-	errCodeHeaderTooLarge  = 10097 // header block over 64 KiB
+	errCodeStreamMismatch = 10060 // expected stream does not match
+	errCodeHeaderTooLarge = 10097 // header block over 64 KiB
 )
 
 func classifyAPIError(subject string, api *jetstream.APIError) *PublishError {
 	switch api.ErrorCode {
-	case errCodeMessageTooLarge:
+	case jetstream.JSErrCodeStreamMessageExceedsMaximum:
 		return &PublishError{Subject: subject, Class: "too_large", API: api, Err: ErrRejected}
 	case errCodeHeaderTooLarge:
 		return &PublishError{Subject: subject, Class: "header_too_large", API: api, Err: ErrRejected}

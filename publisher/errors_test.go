@@ -13,7 +13,7 @@ func TestClassifyAPIError(t *testing.T) {
 		class     string
 		permanent bool
 	}{
-		{errCodeMessageTooLarge, "too_large", true},
+		{jetstream.JSErrCodeStreamMessageExceedsMaximum, "too_large", true},
 		// Regression (issue 16, case 2): retrying a header block over
 		// 64 KiB blocked its key, or a whole batch, forever.
 		{errCodeHeaderTooLarge, "header_too_large", true},
@@ -22,8 +22,8 @@ func TestClassifyAPIError(t *testing.T) {
 	}
 	for _, tt := range tests {
 		e := classifyAPIError("s", &jetstream.APIError{ErrorCode: tt.code})
-		if e.Class != tt.class || errors.Is(e, ErrRejected) != tt.permanent || IsTransient(e) == tt.permanent {
-			t.Errorf("%d: class %s, rejected %v, transient %v", tt.code, e.Class, errors.Is(e, ErrRejected), IsTransient(e))
+		if e.Class != tt.class || errors.Is(e, ErrRejected) != tt.permanent || errors.Is(e, ErrTransient) == tt.permanent {
+			t.Errorf("%d: class %s, rejected %v, transient %v", tt.code, e.Class, errors.Is(e, ErrRejected), errors.Is(e, ErrTransient))
 		}
 	}
 }

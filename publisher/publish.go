@@ -5,16 +5,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math/rand/v2"
-	"runtime"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/internal/backoff"
 )
 
 // Message is one message to publish.
@@ -33,11 +32,9 @@ type Message struct {
 	// rejects permanently. Without it a rejection is retried like a
 	// transient failure, so nothing is ever dropped.
 	DeadLetter func(reason error) *Message
-	// Done is called once, from a publisher goroutine, when the message
-	// (or its dead-letter record) is acknowledged. It must not block. Every
-	// publish attempt of the message has returned by then and the publisher
-	// does not read the message afterwards, so Done may recycle the
-	// Message, its Header and its Data.
+	// Done is called once, on the Run goroutine of the publisher the
+	// message was handed to, when the message (or its dead-letter record)
+	// is acknowledged. It must not block.
 	Done func(Result)
 }
 
@@ -54,106 +51,18 @@ type Result struct {
 	Attempts int
 }
 
-// Config configures a Publisher.
-type Config struct {
-	// MaxInFlight bounds unacknowledged plus queued messages. Default 4096.
-	MaxInFlight int
-	// MaxInFlightBytes bounds their total size. Default 64 MiB. A single
-	// message larger than this is still sent, alone.
-	MaxInFlightBytes int
-	// AckTimeout is how long to wait for an ack before retrying. Default 5s.
-	AckTimeout time.Duration
-	// RetryMin and RetryMax bound the exponential retry backoff. Defaults
-	// 50ms and 5s.
-	RetryMin, RetryMax time.Duration
-}
-
-func (c *Config) setDefaults() error {
-	if c.MaxInFlight == 0 {
-		c.MaxInFlight = 4096
-	}
-	if c.MaxInFlightBytes == 0 {
-		c.MaxInFlightBytes = 64 << 20
-	}
-	if c.AckTimeout == 0 {
-		c.AckTimeout = 5 * time.Second
-	}
-	if c.RetryMin == 0 {
-		c.RetryMin = 50 * time.Millisecond
-	}
-	if c.RetryMax == 0 {
-		c.RetryMax = 5 * time.Second
-	}
-	switch {
-	case c.MaxInFlight < 1:
-		return fmt.Errorf("%w: max_in_flight %d must be at least 1", ErrInvalidConfig, c.MaxInFlight)
-	case c.MaxInFlightBytes < 1:
-		return fmt.Errorf("%w: max_in_flight_bytes %d must be at least 1", ErrInvalidConfig, c.MaxInFlightBytes)
-	case c.AckTimeout < 10*time.Millisecond:
-		return fmt.Errorf("%w: ack_timeout %s is too short", ErrInvalidConfig, c.AckTimeout)
-	case c.RetryMin <= 0 || c.RetryMax < c.RetryMin:
-		return fmt.Errorf("%w: retry backoff %s..%s is not a range", ErrInvalidConfig, c.RetryMin, c.RetryMax)
-	}
-	return nil
-}
-
-// Observer receives publisher events, for metrics. Methods are called from
-// publisher goroutines and must not block.
-type Observer interface {
-	Published(subject string, duplicate bool, latency time.Duration)
-	Retried(class string)
-	DeadLettered(class string)
-}
-
-type nopObserver struct{}
-
-func (nopObserver) Published(string, bool, time.Duration) {}
-func (nopObserver) Retried(string)                        {}
-func (nopObserver) DeadLettered(string)                   {}
-
-// Option configures a Publisher.
-type Option func(*Publisher)
-
-// WithLogger sets the logger (default: no logging).
-func WithLogger(l *zap.Logger) Option { return func(p *Publisher) { p.log = l } }
-
-// WithObserver sets the metrics observer.
-func WithObserver(o Observer) Option { return func(p *Publisher) { p.obs = o } }
-
-// WithStreamLookup sets how the publisher asks whether any stream is bound
-// to a subject after repeated "no responders" answers (default: the
-// JetStream API of the connection). The function returns ErrNoStream when
-// none is.
-func WithStreamLookup(f func(ctx context.Context, subject string) error) Option {
-	return func(p *Publisher) { p.lookup = f }
-}
-
-// WithExpectedStream sets which stream must store a message, by its
-// subject (default: any stream). An answer that looks like an ack but
-// names another stream is not an ack: a core NATS subscriber on the
-// subject answering in JetStream's shape, or a stream other than the one
-// meant. It is logged with what it claimed and the message is retried, so
-// it is never settled as stored.
-func WithExpectedStream(f func(subject string) string) Option {
-	return func(p *Publisher) { p.expect = f }
-}
-
 // pending is one message on its way: in flight, waiting to retry, or queued
-// behind its key.
+// behind its key. Only Run touches it.
 type pending struct {
 	m        *Message
 	cur      *Message // m, or its dead-letter record
 	reason   error    // set once dead-lettering
 	size     int
 	seq      uint64 // the current attempt's reply token
-	deadline time.Time
 	retryAt  time.Time
 	attempts int
 	noResp   int // consecutive no-responders answers
 	first    time.Time
-	// sending counts attempts inside PublishMsg. An attempt that timed out
-	// may still be there (its goroutine descheduled) when a retry is acked.
-	sending atomic.Int32
 	// ack is the broker's answer, which Result points to: it lives here so
 	// that an ack allocates nothing.
 	ack jetstream.PubAck
@@ -171,7 +80,29 @@ type keyState struct {
 	queue []*pending
 }
 
+// ackReply is a decoded answer to one attempt, handed from the ack
+// subscription to Run.
+type ackReply struct {
+	seq          uint64
+	noResponders bool
+	ack          jetstream.PubAck
+	api          *jetstream.APIError // JetStream refused the message
+	bad          error               // not an ack: unreadable, or without a stream
+}
+
+// lookupResult is a finished no-stream look-up, handed to Run.
+type lookupResult struct {
+	pd  *pending
+	err error
+}
+
 // Publisher publishes messages with a bounded window, keeping per-key order.
+//
+// Its Run goroutine owns every message on its way (in flight, waiting to
+// retry, queued behind its key), sends every attempt and calls every Done;
+// producers, the ack subscription and the no-stream look-ups hand it events
+// over bounded channels. Only the window's capacity is shared, under its
+// own lock.
 type Publisher struct {
 	cfg    Config
 	nc     *nats.Conn
@@ -185,9 +116,19 @@ type Publisher struct {
 
 	window
 
+	// Hand-over to Run. in holds admitted messages only, so it never
+	// fills (its capacity is MaxInFlight); replies and looked block their
+	// sender while Run catches up.
+	in      chan admitted
+	replies chan ackReply
+	looked  chan lookupResult
+	oldestQ chan stuckQuery
+	stopped chan struct{} // closed when Run returns
+
+	// Owned by Run.
 	seq      uint64
 	inflight map[uint64]*pending // by reply token
-	attempts []attemptRef        // in send order, from attemptsHead
+	attempts []attemptRef        // in send order, from attHead
 	attHead  int
 	keys     map[string]*keyState
 	freeKeys []*keyState // recycled, so a key's first message allocates none
@@ -196,27 +137,38 @@ type Publisher struct {
 	checking map[*pending]bool // no-stream look-ups in progress
 	lookups  sync.WaitGroup
 
-	stream string // interned stream name of the acks, onReply's alone
+	stream string // interned stream name of the acks, the ack subscription's alone
 }
 
-// New returns a publisher on nc. Run must be running for timeouts and
-// retries to happen.
+// replyQueue bounds the decoded answers waiting for Run.
+const replyQueue = 1024
+
+// New returns a publisher on nc. Run must be running for messages to be
+// sent.
 func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	o, err := applyOptions(opts)
+	if err != nil {
 		return nil, err
 	}
 	p := &Publisher{
 		cfg:      cfg,
 		nc:       nc,
-		log:      zap.NewNop(),
-		obs:      nopObserver{},
+		log:      o.log,
+		obs:      o.obs,
+		lookup:   o.lookup,
+		expect:   o.expect,
+		window:   newWindow(cfg),
+		in:       make(chan admitted, cfg.MaxInFlight),
+		replies:  make(chan ackReply, replyQueue),
+		looked:   make(chan lookupResult),
+		oldestQ:  make(chan stuckQuery),
+		stopped:  make(chan struct{}),
 		inflight: map[uint64]*pending{},
 		keys:     map[string]*keyState{},
 		checking: map[*pending]bool{},
-		window:   newWindow(cfg),
-	}
-	for _, o := range opts {
-		o(p)
 	}
 	if p.lookup == nil {
 		js, err := jetstream.New(nc)
@@ -237,7 +189,6 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 	// one subscription matching the reply subject, and nats.go's request
 	// mux already listens on NewRespInbox's prefix once any request ran on
 	// the connection; sharing it would hide every "no responders" from us.
-	var err error
 	if p.prefix, p.sub, err = subscribeAcks(nc, "*", p.onReply); err != nil {
 		return nil, err
 	}
@@ -273,46 +224,15 @@ func msgSize(m *Message) int {
 	return n
 }
 
-// TryPublish publishes m if the window has room and reports whether it
+// TryPublish hands m to Run if the window has room and reports whether it
 // did. Messages of one key must be handed over in order.
 func (p *Publisher) TryPublish(m *Message) (bool, error) {
 	size := msgSize(m)
-	p.mu.Lock()
 	if ok, err := p.admit(size); !ok {
-		p.mu.Unlock()
 		return false, err
 	}
-	pd := p.newPending()
-	pd.m, pd.cur, pd.size, pd.first = m, m, size, time.Now()
-	if m.Key != "" {
-		if ks, busy := p.keys[m.Key]; busy {
-			ks.queue = append(ks.queue, pd)
-			p.mu.Unlock()
-			return true, nil
-		}
-		var ks *keyState
-		if n := len(p.freeKeys); n > 0 {
-			ks = p.freeKeys[n-1]
-			p.freeKeys = p.freeKeys[:n-1]
-		} else {
-			ks = &keyState{}
-		}
-		p.keys[m.Key] = ks
-	}
-	p.mu.Unlock()
-	p.send(pd)
+	p.in <- admitted{m: m, size: size, first: time.Now()}
 	return true, nil
-}
-
-// newPending returns a recycled or new pending; p.mu is held.
-func (p *Publisher) newPending() *pending {
-	if n := len(p.free); n > 0 {
-		pd := p.free[n-1]
-		p.free[n-1] = nil
-		p.free = p.free[:n-1]
-		return pd
-	}
-	return &pending{}
 }
 
 // spaceRecheck is how often Publish tries again without a signal.
@@ -346,35 +266,109 @@ func (p *Publisher) Publish(ctx context.Context, m *Message) error {
 	}
 }
 
+// Run sends, times out and retries messages until ctx ends or the
+// publisher closes. It returns the reason the publisher closed, or ctx's
+// error. It may be called once.
+func (p *Publisher) Run(ctx context.Context) error {
+	defer close(p.stopped)
+	lctx, cancel := context.WithCancel(ctx)
+	defer p.lookups.Wait()
+	defer cancel()
+	t := time.NewTicker(tickEvery)
+	defer t.Stop()
+	for {
+		select {
+		case a := <-p.in:
+			p.accept(a)
+		case r := <-p.replies:
+			p.answer(r)
+		case l := <-p.looked:
+			p.lookedUp(l)
+		case q := <-p.oldestQ:
+			s, ok := p.oldest()
+			q <- stuckAnswer{s, ok}
+		case <-t.C:
+			p.tick(lctx)
+		case <-p.done:
+			return p.stopErr(ctx)
+		case <-ctx.Done():
+			return p.stopErr(ctx)
+		}
+		p.takeReady()
+	}
+}
+
+// readyBurst bounds how many messages and answers Run takes in a row
+// before it looks at its timer and queries again.
+const readyBurst = 256
+
+// takeReady handles the messages and answers already waiting: under load
+// Run then goes through its full select (and parks) once per burst, not
+// once per event.
+func (p *Publisher) takeReady() {
+	for range readyBurst {
+		select {
+		case a := <-p.in:
+			p.accept(a)
+		case r := <-p.replies:
+			p.answer(r)
+		default:
+			return
+		}
+	}
+}
+
+// accept starts a handed-over message, or queues it behind its key.
+func (p *Publisher) accept(a admitted) {
+	pd := p.newPending()
+	pd.m, pd.cur, pd.size, pd.first = a.m, a.m, a.size, a.first
+	if k := a.m.Key; k != "" {
+		if ks, busy := p.keys[k]; busy {
+			ks.queue = append(ks.queue, pd)
+			return
+		}
+		var ks *keyState
+		if n := len(p.freeKeys); n > 0 {
+			ks = p.freeKeys[n-1]
+			p.freeKeys = p.freeKeys[:n-1]
+		} else {
+			ks = &keyState{}
+		}
+		p.keys[k] = ks
+	}
+	p.send(pd)
+}
+
+// newPending returns a recycled or new pending.
+func (p *Publisher) newPending() *pending {
+	if n := len(p.free); n > 0 {
+		pd := p.free[n-1]
+		p.free[n-1] = nil
+		p.free = p.free[:n-1]
+		return pd
+	}
+	return &pending{}
+}
+
 // send starts one attempt of pd.
 func (p *Publisher) send(pd *pending) {
-	deadline := time.Now().Add(p.cfg.AckTimeout)
-	p.mu.Lock()
 	p.seq++
 	seq := p.seq
 	pd.seq = seq
 	pd.attempts++
-	pd.deadline = deadline
 	pd.retryAt = time.Time{}
 	p.inflight[seq] = pd
-	p.attempts = append(p.attempts, attemptRef{seq: seq, deadline: deadline})
-	p.mu.Unlock()
+	p.attempts = append(p.attempts, attemptRef{seq: seq, deadline: time.Now().Add(p.cfg.AckTimeout)})
 
 	m := pd.cur
 	var buf [96]byte
 	reply := strconv.AppendUint(append(buf[:0], p.prefix...), seq, 36)
-	// On the stack: a retry after an ack timeout may start while this
-	// attempt is still inside PublishMsg.
 	msg := nats.Msg{Subject: m.Subject, Reply: string(reply), Header: m.Header, Data: m.Data}
-	pd.sending.Add(1)
 	err := p.nc.PublishMsg(&msg)
-	pd.sending.Add(-1)
 	if err == nil {
 		return
 	}
-	p.mu.Lock()
 	delete(p.inflight, seq)
-	p.mu.Unlock()
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
 		p.fail(pd, &PublishError{Subject: m.Subject, Class: "too_large", Err: fmt.Errorf("%w: %v", ErrRejected, err)})
@@ -391,42 +385,66 @@ type pubAckResponse struct {
 	Error *jetstream.APIError `json:"error,omitempty"`
 }
 
+// onReply decodes an answer on the ack subscription's goroutine and hands
+// it to Run.
 func (p *Publisher) onReply(msg *nats.Msg) {
 	seq, err := strconv.ParseUint(msg.Subject[len(p.prefix):], 36, 64)
 	if err != nil {
 		return // not an answer to this publisher
 	}
-	p.mu.Lock()
-	pd, ok := p.inflight[seq]
-	if ok {
-		delete(p.inflight, seq)
+	select {
+	case p.replies <- decodeAck(seq, msg, &p.stream):
+	case <-p.done:
 	}
-	p.mu.Unlock()
+}
+
+// decodeAck reads JetStream's answer to attempt seq; stream interns the
+// stream name.
+func decodeAck(seq uint64, msg *nats.Msg, stream *string) ackReply {
+	r := ackReply{seq: seq}
+	if len(msg.Data) == 0 && msg.Header.Get("Status") == "503" {
+		r.noResponders = true
+		return r
+	}
+	if !parsePubAck(msg.Data, &r.ack, stream) {
+		var resp pubAckResponse
+		if err := json.Unmarshal(msg.Data, &resp); err != nil {
+			r.bad = err
+			return r
+		}
+		if resp.Error != nil {
+			r.api = resp.Error
+			return r
+		}
+		r.ack = resp.PubAck
+	}
+	if r.ack.Stream == "" {
+		r.bad = errors.New("ack without stream")
+	}
+	return r
+}
+
+// answer settles or fails the attempt r answers.
+func (p *Publisher) answer(r ackReply) {
+	pd, ok := p.inflight[r.seq]
 	if !ok {
 		return // a late answer to an attempt that already timed out
 	}
+	delete(p.inflight, r.seq)
 	subject := pd.cur.Subject
-	if len(msg.Data) == 0 && msg.Header.Get("Status") == "503" {
+	switch {
+	case r.noResponders:
 		pd.noResp++
 		p.fail(pd, &PublishError{Subject: subject, Class: "no_responders", Err: ErrTransient})
 		return
-	}
-	if !parsePubAck(msg.Data, &pd.ack, &p.stream) {
-		var resp pubAckResponse
-		if err := json.Unmarshal(msg.Data, &resp); err != nil {
-			p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: %v", ErrTransient, err)})
-			return
-		}
-		if resp.Error != nil {
-			p.fail(pd, classifyAPIError(subject, resp.Error))
-			return
-		}
-		pd.ack = resp.PubAck
-	}
-	if pd.ack.Stream == "" {
-		p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: ack without stream", ErrTransient)})
+	case r.bad != nil:
+		p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: %v", ErrTransient, r.bad)})
+		return
+	case r.api != nil:
+		p.fail(pd, classifyAPIError(subject, r.api))
 		return
 	}
+	pd.ack = r.ack
 	if p.expect != nil {
 		if want := p.expect(subject); want != "" && pd.ack.Stream != want {
 			p.log.Warn("bad ack: the answer names another stream than the one meant to store the message; retrying (is something other than JetStream answering on the subject?)",
@@ -460,41 +478,22 @@ func (p *Publisher) fail(pd *pending, perr *PublishError) {
 	if pd.attempts == 1 || pd.attempts%10 == 0 {
 		p.log.Warn("publish failed, retrying", zap.String("subject", perr.Subject), zap.Int("attempt", pd.attempts), zap.Duration("backoff", backoff), zap.Error(perr))
 	}
-	p.mu.Lock()
 	pd.retryAt = time.Now().Add(backoff)
 	p.retries = append(p.retries, pd)
-	p.mu.Unlock()
 }
 
 func (p *Publisher) backoff(attempts int) time.Duration {
-	d := p.cfg.RetryMin
-	for i := 1; i < attempts && d < p.cfg.RetryMax; i++ {
-		d *= 2
-	}
-	if d > p.cfg.RetryMax {
-		d = p.cfg.RetryMax
-	}
-	// ±25% jitter, so many relays retrying after one outage do not stampede.
-	return d*3/4 + time.Duration(rand.Int64N(int64(d/2)+1))
+	return backoff.Jitter(backoff.Step(p.cfg.RetryMin, p.cfg.RetryMax, attempts))
 }
 
-// settle completes pd, frees its capacity and sends the next message of its
-// key.
+// settle completes pd: Done, its capacity back, the next message of its
+// key sent. Every attempt of pd was sent on this goroutine, so none is
+// still inside PublishMsg.
 func (p *Publisher) settle(pd *pending, res Result) {
-	// The ack can overtake the return from PublishMsg (of this attempt, or
-	// of one that timed out): wait for it, so that Done may reuse the
-	// message. The wait is short: PublishMsg blocks only while the
-	// connection is blocked, and the acked attempt went through it.
-	for pd.sending.Load() != 0 {
-		runtime.Gosched()
-	}
-	// Nothing reads pd.m after Done: Done may recycle the Message itself.
 	key := pd.m.Key
 	if done := pd.m.Done; done != nil {
 		done(res)
 	}
-	var next *pending
-	p.mu.Lock()
 	p.release(pd.size)
 	// Nothing refers to pd any more: its attempt left inflight when the
 	// ack came, a settled message is never in retries or checking, and
@@ -503,32 +502,23 @@ func (p *Publisher) settle(pd *pending, res Result) {
 		*pd = pending{}
 		p.free = append(p.free, pd)
 	}
-	if k := key; k != "" {
-		ks := p.keys[k]
-		if len(ks.queue) > 0 {
-			next = ks.queue[0]
-			ks.queue[0] = nil
-			ks.queue = ks.queue[1:]
-		} else {
-			delete(p.keys, k)
-			// Recycle the state; never more than the window holds keys.
-			if len(p.freeKeys) < p.cfg.MaxInFlight && cap(ks.queue) <= maxKeptQueue {
-				ks.queue = ks.queue[:0]
-				p.freeKeys = append(p.freeKeys, ks)
-			}
-		}
+	if key == "" {
+		return
 	}
-	p.mu.Unlock()
-	if next != nil {
+	ks := p.keys[key]
+	if len(ks.queue) > 0 {
+		next := ks.queue[0]
+		ks.queue[0] = nil
+		ks.queue = ks.queue[1:]
 		p.send(next)
+		return
 	}
-}
-
-// Run handles ack timeouts and retries until ctx ends. It returns the
-// reason the publisher closed, or ctx's error.
-func (p *Publisher) Run(ctx context.Context) error {
-	defer p.lookups.Wait()
-	return p.ticks(ctx, func() error { return p.tick(ctx) })
+	delete(p.keys, key)
+	// Recycle the state; never more than the window holds keys.
+	if len(p.freeKeys) < p.cfg.MaxInFlight && cap(ks.queue) <= maxKeptQueue {
+		ks.queue = ks.queue[:0]
+		p.freeKeys = append(p.freeKeys, ks)
+	}
 }
 
 // maxKeptQueue is the largest per-key queue capacity kept for reuse.
@@ -538,15 +528,10 @@ const maxKeptQueue = 64
 // the publisher ask whether any stream is bound to the subject at all.
 const noStreamCheckAfter = 3
 
-func (p *Publisher) tick(ctx context.Context) error {
+// tick fails the attempts whose ack is overdue and resends the retries
+// that are due.
+func (p *Publisher) tick(ctx context.Context) {
 	now := time.Now()
-	var due, timedOut []*pending
-	p.mu.Lock()
-	if p.closed != nil {
-		err := p.closed
-		p.mu.Unlock()
-		return err
-	}
 	// Attempts answered since the last tick are dropped from the front;
 	// the first unanswered one that has not expired ends the scan.
 	for p.attHead < len(p.attempts) {
@@ -556,29 +541,22 @@ func (p *Publisher) tick(ctx context.Context) error {
 				break
 			}
 			delete(p.inflight, a.seq)
-			timedOut = append(timedOut, pd)
+			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: "timeout", Err: fmt.Errorf("%w: no ack within %s", ErrTransient, p.cfg.AckTimeout)})
 		}
 		p.attHead++
 	}
 	p.attempts, p.attHead = compactFront(p.attempts, p.attHead)
+	var due []*pending
 	keep := p.retries[:0]
 	for _, pd := range p.retries {
-		switch {
-		case p.checking[pd]:
-			keep = append(keep, pd)
-		case !now.Before(pd.retryAt):
+		if !p.checking[pd] && !now.Before(pd.retryAt) {
 			due = append(due, pd)
-		default:
+		} else {
 			keep = append(keep, pd)
 		}
 	}
 	clear(p.retries[len(keep):])
 	p.retries = keep
-	p.mu.Unlock()
-
-	for _, pd := range timedOut {
-		p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: "timeout", Err: fmt.Errorf("%w: no ack within %s", ErrTransient, p.cfg.AckTimeout)})
-	}
 	for _, pd := range due {
 		if pd.noResp >= noStreamCheckAfter && pd.reason == nil && pd.m.DeadLetter != nil {
 			p.checkNoStream(ctx, pd)
@@ -586,40 +564,43 @@ func (p *Publisher) tick(ctx context.Context) error {
 		}
 		p.send(pd)
 	}
-	return nil
 }
 
-// checkNoStream asks, off the tick goroutine, whether a subject that keeps
+// checkNoStream asks, off the Run goroutine, whether a subject that keeps
 // getting "no responders" is bound to any stream. A leader election also
 // answers "no responders" for a while, so only the API's word that no
 // stream matches makes the message a permanent rejection.
 func (p *Publisher) checkNoStream(ctx context.Context, pd *pending) {
-	p.mu.Lock()
 	p.checking[pd] = true
-	p.mu.Unlock()
+	subject := pd.cur.Subject
 	p.lookups.Add(1)
 	go func() {
 		defer p.lookups.Done()
 		lctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-		err := p.lookup(lctx, pd.cur.Subject)
+		err := p.lookup(lctx, subject)
 		cancel()
-		p.mu.Lock()
-		delete(p.checking, pd)
-		p.mu.Unlock()
-		if errors.Is(err, ErrNoStream) {
-			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: "no_stream", Err: fmt.Errorf("%w: %w", ErrRejected, ErrNoStream)})
-			return
-		}
-		if err != nil {
-			// Typically the configured stream itself is gone: an outage to
-			// wait out, never a reason to dead-letter.
-			p.log.Warn("publish keeps failing with no responders", zap.String("subject", pd.cur.Subject), zap.Int("attempt", pd.attempts), zap.Error(err))
-		}
-		pd.noResp = 0
-		if ctx.Err() == nil {
-			p.send(pd)
+		select {
+		case p.looked <- lookupResult{pd: pd, err: err}:
+		case <-ctx.Done():
 		}
 	}()
+}
+
+// lookedUp acts on a finished no-stream look-up.
+func (p *Publisher) lookedUp(l lookupResult) {
+	pd := l.pd
+	delete(p.checking, pd)
+	if errors.Is(l.err, ErrNoStream) {
+		p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: "no_stream", Err: fmt.Errorf("%w: %w", ErrRejected, ErrNoStream)})
+		return
+	}
+	if l.err != nil {
+		// Typically the configured stream itself is gone: an outage to
+		// wait out, never a reason to dead-letter.
+		p.log.Warn("publish keeps failing with no responders", zap.String("subject", pd.cur.Subject), zap.Int("attempt", pd.attempts), zap.Error(l.err))
+	}
+	pd.noResp = 0
+	p.send(pd)
 }
 
 // Stuck describes the oldest unsettled message of a publisher: with
@@ -633,11 +614,13 @@ type Stuck struct {
 }
 
 // Oldest returns the oldest message in flight or waiting to retry, and
-// false when there is none. It walks the window (at most MaxInFlight
-// messages): call it on a timer, not per message.
-func (p *Publisher) Oldest() (Stuck, bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+// false when there is none or Run has returned. Run walks the window (at
+// most MaxInFlight messages) to answer: call it on a timer, not per
+// message.
+func (p *Publisher) Oldest() (Stuck, bool) { return askOldest(p.oldestQ, p.stopped) }
+
+// oldest is Oldest on the Run goroutine.
+func (p *Publisher) oldest() (Stuck, bool) {
 	var old *pending
 	consider := func(pd *pending) {
 		if old == nil || pd.first.Before(old.first) {
@@ -659,8 +642,9 @@ func (p *Publisher) Oldest() (Stuck, bool) {
 	return Stuck{Key: old.m.Key, Subject: old.cur.Subject, Since: old.first, Attempts: old.attempts}, true
 }
 
-// Close unsubscribes from acks. Unsettled messages stay unsettled: the
-// watermark never passes them, so they are re-sent after a restart.
+// Close stops Run and unsubscribes from acks. Unsettled messages stay
+// unsettled: the watermark never passes them, so they are re-sent after a
+// restart.
 func (p *Publisher) Close() error {
 	p.close(ErrClosed)
 	return p.sub.Unsubscribe()

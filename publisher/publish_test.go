@@ -128,7 +128,7 @@ func TestSpaceSignalsAtLowWater(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = p.Close() })
+	runPublisher(t, p)
 	var settled atomic.Int32
 	msg := func(i int) *publisher.Message {
 		return &publisher.Message{Subject: "spacetest.x", Key: string(rune('a' + i)), Data: []byte("x"), Done: func(publisher.Result) { settled.Add(1) }}
@@ -185,7 +185,7 @@ func TestPublishConcurrentProducers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = p.Close() })
+	runPublisher(t, p)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	const producers, each = 4, 200

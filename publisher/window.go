@@ -9,8 +9,11 @@ import (
 
 // window is the capacity unsettled messages hold, shared by Publisher and
 // Batch: a count and a byte size bound, the signal that wakes a refused
-// producer, and the reason the publisher closed. Its mutex is the
-// publisher's.
+// producer, and the reason the publisher closed. It is the one piece of a
+// publisher that producers and the publisher's Run goroutine both touch,
+// so it has a lock of its own and nothing else is under it. Admission also
+// bounds the hand-over channel to Run: it never holds more messages than
+// the window admits.
 type window struct {
 	mu       sync.Mutex
 	count    int // messages holding window capacity
@@ -18,11 +21,12 @@ type window struct {
 	maxCount int
 	maxBytes int
 	closed   error
+	// done is closed with the first close, so that Run stops.
+	done chan struct{}
 	// space is signalled when a refused producer may succeed: once the
 	// window has drained to its low-water mark (lowCount, lowBytes), not
 	// on every ack. A full window then costs the waiting producer one
-	// wake-up per quarter window instead of one per message, which on two
-	// cores was a cross-thread hand-off per event.
+	// wake-up per quarter window instead of one per message.
 	space    chan struct{}
 	waiting  bool // a producer was refused since the last signal
 	lowCount int
@@ -33,6 +37,7 @@ func newWindow(cfg Config) window {
 	return window{
 		maxCount: cfg.MaxInFlight,
 		maxBytes: cfg.MaxInFlightBytes,
+		done:     make(chan struct{}),
 		space:    make(chan struct{}, 1),
 		lowCount: cfg.MaxInFlight - (cfg.MaxInFlight+3)/4,
 		lowBytes: cfg.MaxInFlightBytes - (cfg.MaxInFlightBytes+3)/4,
@@ -40,10 +45,12 @@ func newWindow(cfg Config) window {
 }
 
 // admit takes capacity for a message of size bytes. It refuses with the
-// reason once the publisher closed, and without one when the window is full,
-// remembering that a producer waits; w.mu is held. A single message larger
-// than the byte bound is admitted alone.
+// reason once the publisher closed, and without one when the window is
+// full, remembering that a producer waits. A single message larger than the
+// byte bound is admitted alone.
 func (w *window) admit(size int) (bool, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
 	if w.closed != nil {
 		return false, w.closed
 	}
@@ -57,12 +64,17 @@ func (w *window) admit(size int) (bool, error) {
 }
 
 // release frees a settled message's capacity and signals a waiting
-// producer at the low-water mark; w.mu is held.
+// producer at the low-water mark.
 func (w *window) release(size int) {
+	w.mu.Lock()
 	w.count--
 	w.bytes -= size
-	if w.waiting && (w.count == 0 || w.count <= w.lowCount && w.bytes <= w.lowBytes) {
+	wake := w.waiting && (w.count == 0 || w.count <= w.lowCount && w.bytes <= w.lowBytes)
+	if wake {
 		w.waiting = false
+	}
+	w.mu.Unlock()
+	if wake {
 		w.signal()
 	}
 }
@@ -88,36 +100,36 @@ func (w *window) InFlight() int {
 	return w.count
 }
 
-// close records why the publisher stopped (the first reason wins) and
-// wakes a waiting producer to see it.
+// close records why the publisher stopped (the first reason wins), stops
+// Run and wakes a waiting producer to see it.
 func (w *window) close(err error) {
 	w.mu.Lock()
 	if w.closed == nil {
 		w.closed = err
+		close(w.done)
 	}
 	w.mu.Unlock()
 	w.signal()
 }
 
-// ticks calls tick every 20ms until it fails or ctx ends, and returns the
-// reason the publisher closed, or ctx's error.
-func (w *window) ticks(ctx context.Context, tick func() error) error {
-	t := time.NewTicker(20 * time.Millisecond)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			if err := w.closedErr(); err != nil {
-				return err
-			}
-			return ctx.Err()
-		case <-t.C:
-		}
-		if err := tick(); err != nil {
-			return err
-		}
-	}
+// closedErr returns the reason the publisher closed, or nil.
+func (w *window) closedErr() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.closed
 }
+
+// stopErr is what Run returns when ctx ended or the publisher closed: the
+// reason it closed, or ctx's error.
+func (w *window) stopErr(ctx context.Context) error {
+	if err := w.closedErr(); err != nil {
+		return err
+	}
+	return ctx.Err()
+}
+
+// tickEvery is how often Run looks for ack timeouts and due retries.
+const tickEvery = 20 * time.Millisecond
 
 // compactFront drops s[:head], a consumed front whose entries the caller
 // has already cleared: an empty slice is reset, and a front of more than
@@ -133,13 +145,6 @@ func compactFront[T any](s []T, head int) ([]T, int) {
 		return s[:n], 0
 	}
 	return s, head
-}
-
-// closedErr returns the reason the publisher closed, or nil.
-func (w *window) closedErr() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.closed
 }
 
 // Drain waits until every message handed over is settled or ctx ends.
@@ -162,4 +167,32 @@ func (w *window) Drain(ctx context.Context) error {
 		case <-t.C:
 		}
 	}
+}
+
+// admitted is a message handed to Run with the capacity it holds.
+type admitted struct {
+	m     *Message
+	size  int
+	first time.Time // when it was handed over, for the publish latency
+}
+
+// stuckQuery asks Run for the oldest unsettled message.
+type stuckQuery chan stuckAnswer
+
+type stuckAnswer struct {
+	s  Stuck
+	ok bool
+}
+
+// askOldest asks Run, through q, for its oldest unsettled message; it
+// reports none once Run has returned (stopped closed).
+func askOldest(q chan stuckQuery, stopped <-chan struct{}) (Stuck, bool) {
+	ans := make(stuckQuery, 1)
+	select {
+	case q <- ans:
+	case <-stopped:
+		return Stuck{}, false
+	}
+	a := <-ans
+	return a.s, a.ok
 }

@@ -92,37 +92,16 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 	if err != nil {
 		return rep, err
 	}
-	pub, err := publisher.New(nc, cfg.Publisher, publisher.WithLogger(log.Named("publisher")), publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)),
-		publisher.WithExpectedStream(expectedStream(cfg)))
+	pub, stopPub, err := startBackfillPublisher(nc, js, cfg, log)
 	if err != nil {
 		return rep, err
 	}
-	defer pub.Close()
-	pctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- pub.Run(pctx) }()
-	defer func() { stop(); <-done }()
-
-	ccfg, err := pgx.ParseConfig(cfg.Replication.URL)
-	if err != nil {
-		return rep, fmt.Errorf("connect for backfill: %w", err)
-	}
-	// The rows are read as text and routed like pgoutput's text output:
-	// the same DateStyle and TimeZone as the replication connection.
-	ccfg.RuntimeParams["DateStyle"], ccfg.RuntimeParams["TimeZone"] = "ISO", "UTC"
-	conn, err := pgx.ConnectConfig(ctx, ccfg)
-	if err != nil {
-		return rep, fmt.Errorf("connect for backfill: %w", err)
-	}
-	defer conn.Close(context.Background())
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	defer stopPub()
+	tx, closeTx, err := snapshotTx(ctx, cfg.Replication.URL, snap.Snapshot)
 	if err != nil {
 		return rep, err
 	}
-	defer func() { _ = tx.Rollback(context.Background()) }()
-	if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT '"+snap.Snapshot+"'"); err != nil {
-		return rep, fmt.Errorf("import snapshot %s: %w", snap.Snapshot, err)
-	}
+	defer closeTx()
 	// The rows are already committed; as commit information they carry the
 	// slot's consistent point (committed before it) and the backfill time.
 	commit := router.CommitInfo{LSN: snap.ConsistentPoint, Time: time.Now()}
@@ -147,6 +126,48 @@ func Backfill(ctx context.Context, cfg Config, nc *nats.Conn, log *zap.Logger, p
 		return rep, fmt.Errorf("backfill: wait for acks: %w", err)
 	}
 	return rep, guard.Finish(ctx)
+}
+
+// startBackfillPublisher runs a per-key publisher for the backfill; stop
+// ends its Run, waits for it and closes it.
+func startBackfillPublisher(nc *nats.Conn, js jetstream.JetStream, cfg Config, log *zap.Logger) (pub *publisher.Publisher, stop func(), err error) {
+	pub, err = publisher.New(nc, cfg.Publisher, publisher.WithLogger(log.Named("publisher")), publisher.WithStreamLookup(streamLookup(js, cfg.Stream.Name)),
+		publisher.WithExpectedStream(expectedStream(cfg)))
+	if err != nil {
+		return nil, nil, err
+	}
+	pctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- pub.Run(pctx) }()
+	return pub, func() { cancel(); <-done; _ = pub.Close() }, nil
+}
+
+// snapshotTx opens a read-only transaction on the slot's exported
+// snapshot; closeTx rolls it back and closes its connection.
+func snapshotTx(ctx context.Context, url, snapshot string) (tx pgx.Tx, closeTx func(), err error) {
+	ccfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect for backfill: %w", err)
+	}
+	// The rows are read as text and routed like pgoutput's text output:
+	// the same DateStyle and TimeZone as the replication connection.
+	ccfg.RuntimeParams["DateStyle"], ccfg.RuntimeParams["TimeZone"] = "ISO", "UTC"
+	conn, err := pgx.ConnectConfig(ctx, ccfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect for backfill: %w", err)
+	}
+	closeConn := func() { _ = conn.Close(context.Background()) }
+	tx, err = conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
+		closeConn()
+		return nil, nil, err
+	}
+	closeTx = func() { _ = tx.Rollback(context.Background()); closeConn() }
+	if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT '"+snapshot+"'"); err != nil {
+		closeTx()
+		return nil, nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
+	}
+	return tx, closeTx, nil
 }
 
 // createBackfillSlot creates the slot with its snapshot under the backfill
@@ -207,46 +228,19 @@ func tableConfig(c router.Config, table string) router.TableConfig {
 }
 
 func backfillTable(ctx context.Context, tx pgx.Tx, table string, tc router.TableConfig, rt *router.Router, pub *publisher.Publisher, commit router.CommitInfo, progress Progress, known streamed) (published, dead, skipped int, err error) {
-	schema, name, _ := strings.Cut(table, ".")
-	ident := pgx.Identifier{schema, name}.Sanitize()
-	rel := &replication.Relation{Namespace: schema, Name: name}
-	rows, err := tx.Query(ctx, `SELECT a.attname, a.atttypid, c.oid FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
-WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum`, ident)
+	rel, ident, err := tableRelation(ctx, tx, table)
 	if err != nil {
-		return 0, 0, 0, err
-	}
-	for rows.Next() {
-		var col replication.Column
-		if err := rows.Scan(&col.Name, &col.TypeOID, &rel.ID); err != nil {
-			return 0, 0, 0, err
-		}
-		rel.Columns = append(rel.Columns, col)
-	}
-	if err := rows.Err(); err != nil {
 		return 0, 0, 0, err
 	}
 	where := ""
 	if rel.ColumnIndex(pendingColumn) >= 0 {
 		where = " WHERE " + pgx.Identifier{"src", pendingColumn}.Sanitize() + " = 'PENDING'"
 	}
-	aggCol, verCol := or(tc.Columns.AggregateID, router.DefaultAggregateIDColumn), or(tc.Columns.AggregateVersion, router.DefaultAggregateVersionColumn)
 	var total int
 	if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+ident+" AS src"+where).Scan(&total); err != nil {
 		return 0, 0, 0, err
 	}
-	sel := make([]string, len(rel.Columns))
-	for i, c := range rel.Columns {
-		sel[i] = pgx.Identifier{c.Name}.Sanitize() + "::text"
-	}
-	q := "SELECT " + strings.Join(sel, ", ") + " FROM " + ident + " AS src" + where
-	// Aggregate order, so each aggregate's events reach the stream by
-	// version; a table without those columns is read as it is and every
-	// row is dead-lettered by the router with the reason.
-	if rel.ColumnIndex(aggCol) >= 0 && rel.ColumnIndex(verCol) >= 0 {
-		// Qualified: a bare name would sort by the ::text output column.
-		q += " ORDER BY " + pgx.Identifier{"src", aggCol}.Sanitize() + ", " + pgx.Identifier{"src", verCol}.Sanitize()
-	}
-	rows, err = tx.Query(ctx, q)
+	rows, err := tx.Query(ctx, backfillSelect(rel, tc, ident, where))
 	if err != nil {
 		return 0, 0, 0, err
 	}
@@ -273,18 +267,9 @@ WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY
 		// deterministic read order stands in, so a re-run's dead-letter
 		// records get the same ids.
 		ins := &replication.Insert{Relation: rel, Values: vals, LSN: replication.LSN(read)}
-		var m *publisher.Message
-		rm, rerr := rt.Route(ins, commit)
-		if rerr != nil {
-			dl := rt.DeadLetter(ins, commit, rerr)
-			m = &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
+		m, unroutable := backfillMessage(rt, ins, commit)
+		if unroutable {
 			dead++
-		} else {
-			m = &publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, Key: rm.Key,
-				DeadLetter: func(reason error) *publisher.Message {
-					dl := rt.DeadLetterMessage(rm, reason)
-					return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
-				}}
 		}
 		if err := pub.Publish(ctx, m); err != nil {
 			return published, dead, skipped, err
@@ -299,6 +284,62 @@ WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY
 		progress(table, read, total)
 	}
 	return published, dead, skipped, rows.Err()
+}
+
+// tableRelation reads table's columns from the catalog, as a relation the
+// router maps like pgoutput's, and returns its quoted name.
+func tableRelation(ctx context.Context, tx pgx.Tx, table string) (*replication.Relation, string, error) {
+	schema, name, _ := strings.Cut(table, ".")
+	ident := pgx.Identifier{schema, name}.Sanitize()
+	rel := &replication.Relation{Namespace: schema, Name: name}
+	rows, err := tx.Query(ctx, `SELECT a.attname, a.atttypid, c.oid FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum`, ident)
+	if err != nil {
+		return nil, "", err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var col replication.Column
+		if err := rows.Scan(&col.Name, &col.TypeOID, &rel.ID); err != nil {
+			return nil, "", err
+		}
+		rel.Columns = append(rel.Columns, col)
+	}
+	return rel, ident, rows.Err()
+}
+
+// backfillSelect returns the query reading the rows a backfill publishes,
+// every column as text.
+func backfillSelect(rel *replication.Relation, tc router.TableConfig, ident, where string) string {
+	sel := make([]string, len(rel.Columns))
+	for i, c := range rel.Columns {
+		sel[i] = pgx.Identifier{c.Name}.Sanitize() + "::text"
+	}
+	q := "SELECT " + strings.Join(sel, ", ") + " FROM " + ident + " AS src" + where
+	// Aggregate order, so each aggregate's events reach the stream by
+	// version; a table without those columns is read as it is and every
+	// row is dead-lettered by the router with the reason.
+	aggCol, verCol := or(tc.Columns.AggregateID, router.DefaultAggregateIDColumn), or(tc.Columns.AggregateVersion, router.DefaultAggregateVersionColumn)
+	if rel.ColumnIndex(aggCol) >= 0 && rel.ColumnIndex(verCol) >= 0 {
+		// Qualified: a bare name would sort by the ::text output column.
+		q += " ORDER BY " + pgx.Identifier{"src", aggCol}.Sanitize() + ", " + pgx.Identifier{"src", verCol}.Sanitize()
+	}
+	return q
+}
+
+// backfillMessage routes a backfilled row, or builds its dead-letter
+// record (unroutable reports that).
+func backfillMessage(rt *router.Router, ins *replication.Insert, commit router.CommitInfo) (m *publisher.Message, unroutable bool) {
+	rm, err := rt.Route(ins, commit)
+	if err != nil {
+		dl := rt.DeadLetter(ins, commit, err)
+		return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}, true
+	}
+	return &publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, Key: rm.Key,
+		DeadLetter: func(reason error) *publisher.Message {
+			dl := rt.DeadLetterMessage(rm, reason)
+			return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
+		}}, false
 }
 
 func or(v, def string) string {

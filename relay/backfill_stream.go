@@ -53,38 +53,12 @@ type waiting struct {
 // one id per event of those tables stored since then, and per such row.
 func streamedIDs(ctx context.Context, js jetstream.JetStream, tx pgx.Tx, cfg Config) (streamed, error) {
 	out := streamed{ids: map[string]map[string]struct{}{}}
-	tables := make(map[string]waiting, len(cfg.Replication.Tables))
-	var from time.Time
-	fromStart, someRows := false, false
 	for _, table := range cfg.Replication.Tables {
 		out.ids[table] = map[string]struct{}{}
-		w, err := waitingRows(ctx, tx, table, tableConfig(cfg.Router, table))
-		if err != nil {
-			return out, err
-		}
-		tables[table] = w
-		if w.timeCol == "" {
-			fromStart = true
-			continue
-		}
-		var oldest *time.Time
-		if err := tx.QueryRow(ctx, "SELECT min("+w.timeCol+") FROM "+w.ident+w.where).Scan(&oldest); err != nil {
-			return out, fmt.Errorf("read the oldest row of %s: %w", table, err)
-		}
-		if oldest != nil {
-			someRows = true
-			if from.IsZero() || oldest.Before(from) {
-				from = *oldest
-			}
-		}
 	}
-	switch {
-	case fromStart:
-		from = time.Time{}
-	case !someRows:
-		return out, nil // no waiting row: nothing to look up
-	default:
-		from = from.Add(-reconcile.DefaultClockSkew)
+	tables, from, some, err := oldestWaiting(ctx, tx, cfg)
+	if err != nil || !some {
+		return out, err // no waiting row: nothing to look up
 	}
 	// Every subject, as reconcile reads it: an event stored under an
 	// earlier subject template, or without Outbox-Table (a polling
@@ -109,6 +83,50 @@ func streamedIDs(ctx context.Context, js jetstream.JetStream, tx pgx.Tx, cfg Con
 	if before.IsZero() {
 		return out, nil
 	}
+	err = markExpired(ctx, tx, cfg, tables, before, &out)
+	return out, err
+}
+
+// oldestWaiting returns the waiting rows of each table and where the scan
+// of the stream starts: the oldest waiting row's time less the clock-skew
+// margin, or the stream's beginning (zero) when a table has no such column.
+// some is false when no row waits.
+func oldestWaiting(ctx context.Context, tx pgx.Tx, cfg Config) (tables map[string]waiting, from time.Time, some bool, err error) {
+	tables = make(map[string]waiting, len(cfg.Replication.Tables))
+	fromStart := false
+	for _, table := range cfg.Replication.Tables {
+		w, err := waitingRows(ctx, tx, table, tableConfig(cfg.Router, table))
+		if err != nil {
+			return nil, from, false, err
+		}
+		tables[table] = w
+		if w.timeCol == "" {
+			fromStart = true
+			continue
+		}
+		var oldest *time.Time
+		if err := tx.QueryRow(ctx, "SELECT min("+w.timeCol+") FROM "+w.ident+w.where).Scan(&oldest); err != nil {
+			return nil, from, false, fmt.Errorf("read the oldest row of %s: %w", table, err)
+		}
+		if oldest != nil {
+			some = true
+			if from.IsZero() || oldest.Before(from) {
+				from = *oldest
+			}
+		}
+	}
+	switch {
+	case fromStart:
+		return tables, time.Time{}, true, nil
+	case !some:
+		return tables, from, false, nil
+	}
+	return tables, from.Add(-reconcile.DefaultClockSkew), true, nil
+}
+
+// markExpired adds to out the rows older than before, the stream's first
+// stored message: they are skipped, and counted as expired.
+func markExpired(ctx context.Context, tx pgx.Tx, cfg Config, tables map[string]waiting, before time.Time, out *streamed) error {
 	for table, w := range tables {
 		if w.timeCol == "" {
 			continue
@@ -119,13 +137,13 @@ func streamedIDs(ctx context.Context, js jetstream.JetStream, tx pgx.Tx, cfg Con
 		}
 		rows, err := tx.Query(ctx, "SELECT "+w.eventID+"::text FROM "+w.ident+cond+w.timeCol+" < $1", before)
 		if err != nil {
-			return out, fmt.Errorf("read the rows of %s older than stream %s: %w", table, cfg.Stream.Name, err)
+			return fmt.Errorf("read the rows of %s older than stream %s: %w", table, cfg.Stream.Name, err)
 		}
 		for rows.Next() {
 			var id *string // NULL: the router dead-letters the row
 			if err := rows.Scan(&id); err != nil {
 				rows.Close()
-				return out, fmt.Errorf("read the rows of %s older than stream %s: %w", table, cfg.Stream.Name, err)
+				return fmt.Errorf("read the rows of %s older than stream %s: %w", table, cfg.Stream.Name, err)
 			}
 			if id == nil {
 				continue
@@ -136,10 +154,10 @@ func streamedIDs(ctx context.Context, js jetstream.JetStream, tx pgx.Tx, cfg Con
 			}
 		}
 		if err := rows.Err(); err != nil {
-			return out, fmt.Errorf("read the rows of %s older than stream %s: %w", table, cfg.Stream.Name, err)
+			return fmt.Errorf("read the rows of %s older than stream %s: %w", table, cfg.Stream.Name, err)
 		}
 	}
-	return out, nil
+	return nil
 }
 
 // waitingRows returns the SQL selecting the rows a backfill of table

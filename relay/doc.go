@@ -2,7 +2,7 @@
 // long-running component:
 //
 //	replication (WAL → decoded change) → router (row → message)
-//	  → publisher (message → JetStream ack) → Tracker (ack → LSN watermark)
+//	  → publisher (message → JetStream ack) → watermark (ack → LSN)
 //	  → replication (standby status: confirmed LSN)
 //
 // One goroutine reads the replication stream, routes each row and hands it to

@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"errors"
-	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -11,22 +10,44 @@ import (
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 // pipeline is one replication session's read → route → publish loop. It
-// runs on one goroutine, which owns the replication connection.
+// runs on one goroutine, which owns the replication connection. It reaches
+// the stream and the publishers through the narrow interfaces below, so
+// its settle, watermark and dead-letter logic is tested without servers.
 type pipeline struct {
-	r       *Relay
-	st      *replication.Stream
-	tracker *publisher.Tracker
+	r  *Relay // configuration, router, observer, logger, the paused flag
+	st changeStream
+	// events returns where routed events go now (the batch or the per-key
+	// publisher); deadLetters takes the records of unroutable rows.
+	events      func() publishTarget
+	deadLetters publishTarget
+	tracker     *watermark.Tracker
 
-	tx     *publisher.Tx
+	tx     *watermark.Tx
 	commit router.CommitInfo
 	msgs   *messageRoutes
 	wait   *time.Timer // reused by pause: a context per wait allocated
 	// pausedLog is when admitTx last warned; later pauses within
 	// StallWarning log at debug level.
 	pausedLog time.Time
+}
+
+// changeStream is what the pipeline reads: a replication session.
+type changeStream interface {
+	// Next returns the next change (*replication.Begin, *Insert, *Commit,
+	// *Truncate, *Message; others are skipped).
+	Next(ctx context.Context) (any, error)
+	// Heartbeat sends a standby status update if one is due.
+	Heartbeat(ctx context.Context) error
+}
+
+// publishTarget is what the pipeline hands messages to.
+type publishTarget interface {
+	TryPublish(m *publisher.Message) (bool, error)
+	Space() <-chan struct{}
 }
 
 // waitSlice is how long the loop waits for publish capacity before it sends
@@ -132,8 +153,7 @@ func (p *pipeline) insert(ctx context.Context, ins *replication.Insert) error {
 // or dead-letters it with reason preErr or the router's reason.
 func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr error) error {
 	r := p.r
-	o := getOutbound()
-	o.r, o.tx, o.commitTime = r, p.tx, p.commit.Time
+	o := &outbound{r: r, tx: p.tx, commitTime: p.commit.Time}
 	err := preErr
 	if err == nil {
 		o.rm, err = r.router.Route(ins, p.commit)
@@ -144,53 +164,29 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 		dl := r.router.DeadLetter(ins, p.commit, err)
 		r.obs.Unroutable(reasonClass(err))
 		r.log.Warn("dead-lettering unroutable row", zap.String("table", ins.Relation.QualifiedName()), zap.Stringer("lsn", ins.LSN), zap.Error(err))
-		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.done}
+		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.settled}
 		o.tx.Add()
-		return p.publish(ctx, r.pub, &o.msg)
+		return p.publish(ctx, p.deadLetters, &o.msg)
 	}
 	rm := o.rm
-	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
+	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetterRecord, Done: o.settled}
 	o.tx.Add()
-	return p.publish(ctx, r.eventPublisher(), &o.msg)
+	return p.publish(ctx, p.events(), &o.msg)
 }
 
-// outbound is one row on its way through the publisher. It is recycled once
-// settled, its Done and DeadLetter functions bound once, so that a row
-// costs the pipeline no allocation (three per row otherwise, a tenth of
-// the relay's garbage).
+// outbound is one row on its way through the publisher.
 type outbound struct {
 	msg        publisher.Message
 	r          *Relay
-	tx         *publisher.Tx
+	tx         *watermark.Tx
 	commitTime time.Time
 	rm         *router.Message // nil for a dead-letter record
-
-	done       func(publisher.Result)
-	deadLetter func(error) *publisher.Message
 }
 
-// outbounds holds settled outbounds for reuse.
-var outbounds sync.Pool
-
-func getOutbound() *outbound {
-	if o, ok := outbounds.Get().(*outbound); ok {
-		return o
-	}
-	o := &outbound{}
-	o.done, o.deadLetter = o.settled, o.deadLetterRecord
-	return o
-}
-
-// settled is the message's Done: the publisher reads neither the message
-// nor its buffers afterwards.
+// settled is the message's Done.
 func (o *outbound) settled(res publisher.Result) {
 	o.tx.Settle()
 	o.r.obs.Settled(res, o.commitTime)
-	// Every attempt has returned and the dead-letter record, if any, is
-	// built: the router may reuse rm's buffers for a later row.
-	o.r.router.Release(o.rm)
-	*o = outbound{done: o.done, deadLetter: o.deadLetter}
-	outbounds.Put(o)
 }
 
 func (o *outbound) deadLetterRecord(reason error) *publisher.Message {
@@ -200,7 +196,7 @@ func (o *outbound) deadLetterRecord(reason error) *publisher.Message {
 
 // publish hands m to pub, waiting for capacity without going silent
 // towards PostgreSQL.
-func (p *pipeline) publish(ctx context.Context, pub eventPublisher, m *publisher.Message) error {
+func (p *pipeline) publish(ctx context.Context, pub publishTarget, m *publisher.Message) error {
 	for {
 		ok, err := pub.TryPublish(m)
 		if err != nil {

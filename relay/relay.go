@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,9 +14,11 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/outbox-relay/outbox-relay/internal/backoff"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 // Config configures a Relay.
@@ -92,7 +93,7 @@ type Relay struct {
 	// event stream's settings are known and changed back to pub when the
 	// stream stops allowing batches.
 	events  atomic.Pointer[eventPublisher]
-	tracker atomic.Pointer[publisher.Tracker]
+	tracker atomic.Pointer[watermark.Tracker]
 	ready   func(bool)
 	durable atomic.Int32 // 1 when the event stream's acks are durable, 0 when not, -1 unknown
 	// paused is set while the pipeline waits for the unsettled tail to
@@ -107,6 +108,9 @@ type Relay struct {
 	streaming  atomic.Bool
 	pubProblem atomic.Pointer[error]
 	readyMu    sync.Mutex
+	// endSession ends the running replication session with a cause; nil
+	// between sessions.
+	endSession atomic.Pointer[context.CancelCauseFunc]
 }
 
 // Option configures a Relay.
@@ -178,14 +182,13 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 		}
 		r.batch = b
 	}
-	r.tracker.Store(publisher.NewTracker(0))
+	r.tracker.Store(watermark.NewTracker(0))
 	return r, nil
 }
 
 // eventPublisher takes routed events: a per-aggregate Publisher or a Batch.
 type eventPublisher interface {
-	TryPublish(m *publisher.Message) (bool, error)
-	Space() <-chan struct{}
+	publishTarget
 	Drain(ctx context.Context) error
 	InFlight() int
 }
@@ -250,30 +253,67 @@ func streamLookup(js jetstream.JetStream, stream string) func(ctx context.Contex
 func (r *Relay) StreamDurable() int { return int(r.durable.Load()) }
 
 // Tracker returns the ack tracker, for metrics.
-func (r *Relay) Tracker() *publisher.Tracker { return r.tracker.Load() }
+func (r *Relay) Tracker() *watermark.Tracker { return r.tracker.Load() }
 
 // Run streams until ctx ends, then waits (up to ShutdownTimeout) for
 // in-flight acks, confirms the final watermark and returns nil. It returns
-// an error only for conditions that need an operator.
+// an error only for conditions that need an operator, including a
+// publisher that stopped for good (publisher.ErrClosed: the NATS
+// connection closed); it returns after every goroutine it started.
 func (r *Relay) Run(ctx context.Context) error {
 	if err := r.checkStreams(ctx); err != nil {
 		return err
 	}
+	// The publishers outlive ctx: a graceful stop drains them before it
+	// confirms the final watermark.
 	pubCtx, stopPub := context.WithCancel(context.Background())
-	g, _ := errgroup.WithContext(pubCtx)
-	g.Go(func() error { return r.pub.Run(pubCtx) })
+	defer stopPub()
+	g, gctx := errgroup.WithContext(pubCtx)
+	g.Go(func() error { return publisherStopped(r.pub.Run(gctx)) })
 	if r.batch != nil {
-		g.Go(func() error { return r.batch.Run(pubCtx) })
+		g.Go(func() error {
+			err := r.batch.Run(gctx)
+			if errors.Is(err, publisher.ErrBatchDisabled) {
+				// The pipeline learns it from TryPublish, but one that
+				// handed every message over already would wait for acks
+				// that never come: end the session, so that stream
+				// switches to per-aggregate publishing and the next one
+				// re-sends what the batch did not confirm.
+				if end := r.endSession.Load(); end != nil {
+					(*end)(err)
+				}
+			}
+			return publisherStopped(err)
+		})
 	}
-	g.Go(func() error { r.watchStall(pubCtx); return nil })
-	g.Go(func() error { r.watchPublication(pubCtx); return nil })
-	err := r.stream(ctx)
+	g.Go(func() error { r.watchStall(gctx); return nil })
+	g.Go(func() error { r.watchPublication(gctx); return nil })
+	// A publisher that stops for good (its NATS connection closed) ends
+	// streaming too, and Run returns why.
+	sctx, stopStream := context.WithCancel(ctx)
+	defer stopStream()
+	stopAfter := context.AfterFunc(gctx, stopStream)
+	err := r.stream(sctx)
+	stopAfter()
 	stopPub()
-	_ = g.Wait()
+	gerr := g.Wait()
 	if r.batch != nil {
 		_ = r.batch.Close()
 	}
 	_ = r.pub.Close()
+	if err != nil {
+		return err
+	}
+	return gerr
+}
+
+// publisherStopped is the error a publisher's Run ending means for the
+// relay: none when Run stopped it, or when the batch publisher found that
+// the stream no longer allows batches (stream then publishes per aggregate).
+func publisherStopped(err error) error {
+	if errors.Is(err, context.Canceled) || errors.Is(err, publisher.ErrBatchDisabled) {
+		return nil
+	}
 	return err
 }
 
@@ -367,7 +407,7 @@ func (r *Relay) stream(ctx context.Context) error {
 			attempt = 0
 		}
 		attempt++
-		wait := backoff(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt)
+		wait := backoff.Jitter(backoff.Step(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt))
 		if replication.IsConnectFailure(err) {
 			// No host took the session (a primary down, a standby not yet
 			// promoted): asking again costs one connection attempt, and a
@@ -399,7 +439,7 @@ const connectRetryMax = time.Second
 // unfinished: a standby must not overtake a backfill (the walsender lets go
 // of a new slot while its snapshot is still being published), and nobody
 // may stream past an interrupted one.
-func (r *Relay) open(ctx context.Context, tracker *publisher.Tracker) (*replication.Stream, error) {
+func (r *Relay) open(ctx context.Context, tracker *watermark.Tracker) (*replication.Stream, error) {
 	// Whatever postgres.auto_setup says: a table missing from the
 	// publication would be relayed as nothing, the slot confirming past it.
 	// A missing publication is left to Open, which names a missing slot
@@ -419,22 +459,13 @@ func (r *Relay) open(ctx context.Context, tracker *publisher.Tracker) (*replicat
 // interrupted (and so refuses to stream from it).
 func (r *Relay) BackfillIncomplete() bool { return r.backfillIncomplete.Load() }
 
-func backoff(minD, maxD time.Duration, attempt int) time.Duration {
-	d := minD
-	for i := 1; i < attempt && d < maxD; i++ {
-		d *= 2
-	}
-	d = min(d, maxD)
-	return d*3/4 + time.Duration(rand.Int64N(int64(d/2)+1))
-}
-
 // streamOnce runs one replication session. It reports whether streaming
 // started, so the reconnect backoff resets after a session that worked.
 func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	// Messages still in flight from a previous session settle in the old
 	// tracker; the server re-sends everything after the confirmed LSN, and
 	// the publisher's per-key queue keeps those re-sends behind them.
-	tracker := publisher.NewTracker(0)
+	tracker := watermark.NewTracker(0)
 	r.tracker.Store(tracker)
 	// Connecting and starting replication get a deadline of their own: a
 	// blackholed network would otherwise hang a reconnect forever.
@@ -452,8 +483,16 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	tracker.Raise(st.StartLSN())
 	r.streaming.Store(true)
 	r.setReady()
-	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
-	err = p.run(ctx)
+	p := pipeline{r: r, st: st, events: func() publishTarget { return r.eventPublisher() }, deadLetters: r.pub,
+		tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
+	sctx, end := context.WithCancelCause(ctx)
+	defer end(nil)
+	r.endSession.Store(&end)
+	defer r.endSession.Store(nil)
+	err = p.run(sctx)
+	if ctx.Err() == nil && sctx.Err() != nil {
+		err = context.Cause(sctx)
+	}
 	if ctx.Err() != nil {
 		// Graceful stop: wait for the acks, then confirm them.
 		dctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)

@@ -8,12 +8,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -513,4 +515,43 @@ func TestRelayPublishModes(t *testing.T) {
 			t.Fatal("still batched after the stream stopped allowing it")
 		}
 	})
+}
+
+// Issue 12: Run threw its goroutines' errors away. A publisher whose NATS
+// connection closed for good stopped, and the relay went on reading the
+// WAL with nobody to publish it: Run returned only once a later row found
+// the publisher closed. Run now ends with the publisher's error.
+func TestRelayRunReturnsPublisherError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	f.Setup(ctx)
+	nc, err := nats.Connect(f.NC.ConnectedUrl())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rl, err := relay.New(f.Cfg, nc, relay.WithLogger(zaptest.NewLogger(t).Named("relay")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() { done <- rl.Run(rctx) }()
+	if !testenv.WaitFor(30*time.Second, func() bool { return f.slot(ctx).Active }) {
+		t.Fatal("the relay did not start streaming")
+	}
+	nc.Close()
+	if _, err := f.DB.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload)
+		VALUES ('00000000-0000-0000-0000-0000000000e1', 'order', 'o-1', 1, 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if !errors.Is(err, publisher.ErrClosed) {
+			t.Fatalf("Run: %v, want publisher.ErrClosed", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run did not return after its publisher stopped for good")
+	}
 }

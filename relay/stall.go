@@ -7,6 +7,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 // Stall is the watermark standing still while messages are unsettled.
@@ -56,7 +57,7 @@ func (r *Relay) watchStall(ctx context.Context) {
 	t := time.NewTicker(stallSample)
 	defer t.Stop()
 	var (
-		last     publisher.LSN
+		last     watermark.LSN
 		since    = time.Now()
 		lastWarn time.Time
 	)

@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
@@ -94,12 +94,12 @@ func TestSetupErrors(t *testing.T) {
 		if _, err := replication.Setup(ctx, cfg); err != nil {
 			t.Fatal(err)
 		}
-		st, err := replication.Open(ctx, cfg, publisher.NewTracker(0))
+		st, err := replication.Open(ctx, cfg, watermark.NewTracker(0))
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer st.Close(ctx)
-		_, err = replication.Open(ctx, cfg, publisher.NewTracker(0))
+		_, err = replication.Open(ctx, cfg, watermark.NewTracker(0))
 		if !errors.Is(err, replication.ErrSlotInUse) {
 			t.Fatalf("second Open: %v, want ErrSlotInUse", err)
 		}
@@ -155,7 +155,7 @@ func TestSlotLost(t *testing.T) {
 	if !lost {
 		t.Fatal("slot never became lost")
 	}
-	_, err = replication.Open(ctx, cfg, publisher.NewTracker(0))
+	_, err = replication.Open(ctx, cfg, watermark.NewTracker(0))
 	if !errors.Is(err, replication.ErrSlotLost) || !replication.IsPermanent(err) {
 		t.Fatalf("Open = %v, want ErrSlotLost", err)
 	}

@@ -18,7 +18,7 @@ import (
 )
 
 // Watermark tells the stream which position it may confirm to PostgreSQL.
-// The publisher's ack tracker implements it; the stream never confirms a
+// The ack tracker (watermark.Tracker) implements it; the stream never confirms a
 // position on its own.
 type Watermark interface {
 	// Confirmed returns the end LSN of the newest transaction that, with

@@ -9,8 +9,8 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 // TestCheckFeatures: each feature the configuration asks for against each
@@ -84,7 +84,7 @@ func TestIsConnectFailure(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			cfg := replication.Config{URL: c.url, Slot: "s", Publication: "p"}
-			_, err := replication.Open(ctx, cfg, publisher.NewTracker(0))
+			_, err := replication.Open(ctx, cfg, watermark.NewTracker(0))
 			if err == nil {
 				t.Fatal("Open succeeded")
 			}

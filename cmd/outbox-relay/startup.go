@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
 
+	"github.com/outbox-relay/outbox-relay/internal/backoff"
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
@@ -31,19 +32,18 @@ const (
 // retryStartup runs f until it succeeds, returns an error that waiting
 // does not cure, or ctx ends.
 func retryStartup(ctx context.Context, log *zap.Logger, f func() error) error {
-	wait := startupRetryMin
 	for attempt := 1; ; attempt++ {
 		err := f()
 		if err == nil || ctx.Err() != nil || !startupRetryable(err) {
 			return err
 		}
+		wait := backoff.Step(startupRetryMin, startupRetryMax, attempt)
 		log.Warn("postgres unreachable at start; retrying", zap.Int("attempt", attempt), zap.Duration("retry_in", wait), zap.Error(err))
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(wait):
 		}
-		wait = min(2*wait, startupRetryMax)
 	}
 }
 

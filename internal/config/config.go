@@ -195,9 +195,9 @@ func Default() Config {
 			CreateStreams:            true,
 			Replicas:                 1,
 			DuplicateWindow:          2 * time.Minute,
-			AckTimeout:               5 * time.Second,
-			MaxInFlight:              4096,
-			MaxInFlightBytes:         64 << 20,
+			AckTimeout:               publisher.DefaultAckTimeout,
+			MaxInFlight:              publisher.DefaultMaxInFlight,
+			MaxInFlightBytes:         publisher.DefaultMaxInFlightBytes,
 			MaxUnsettledTransactions: relay.DefaultMaxUnsettledTxs,
 			MaxUnsettledWALBytes:     relay.DefaultMaxUnsettledBytes,
 			StallWarning:             relay.DefaultStallWarning,
@@ -285,17 +285,17 @@ func (c *Config) Validate() error {
 	if c.NATS.MaxAge != 0 && c.NATS.MaxAge < c.NATS.DuplicateWindow {
 		bad("nats.max_age", "%s is shorter than nats.duplicate_window (%s): JetStream refuses such a stream; use 0 (keep events for ever) or at least the window, and longer than any consumer may lag", c.NATS.MaxAge, c.NATS.DuplicateWindow)
 	}
-	if c.NATS.AckTimeout < 100*time.Millisecond {
-		bad("nats.ack_timeout", "%s is too short: use at least 100ms (default 5s)", c.NATS.AckTimeout)
+	if c.NATS.AckTimeout < publisher.MinAckTimeout {
+		bad("nats.ack_timeout", "%s is too short: use at least %s (default %s)", c.NATS.AckTimeout, publisher.MinAckTimeout, publisher.DefaultAckTimeout)
 	}
-	if c.NATS.MaxInFlight < 1 || c.NATS.MaxInFlight > 1<<20 {
-		bad("nats.max_in_flight", "%d is out of range: use 1 to 1048576 (default 4096)", c.NATS.MaxInFlight)
+	if c.NATS.MaxInFlight < 1 || c.NATS.MaxInFlight > publisher.MaxMaxInFlight {
+		bad("nats.max_in_flight", "%d is out of range: use 1 to %d (default %d)", c.NATS.MaxInFlight, publisher.MaxMaxInFlight, publisher.DefaultMaxInFlight)
 	}
 	if c.NATS.Partitions < 0 || c.NATS.Partitions > contract.MaxPartitions {
 		bad("nats.partitions", "%d: want 0 (no consumer groups) to %d", c.NATS.Partitions, contract.MaxPartitions)
 	}
-	if c.NATS.MaxInFlightBytes < 1<<10 {
-		bad("nats.max_in_flight_bytes", "%d is too small: use at least 1024 (default 67108864)", c.NATS.MaxInFlightBytes)
+	if c.NATS.MaxInFlightBytes < publisher.MinMaxInFlightBytes {
+		bad("nats.max_in_flight_bytes", "%d is too small: use at least %d (default %d)", c.NATS.MaxInFlightBytes, publisher.MinMaxInFlightBytes, publisher.DefaultMaxInFlightBytes)
 	}
 	if c.NATS.MaxUnsettledTransactions < c.NATS.MaxInFlight {
 		bad("nats.max_unsettled_transactions", "%d is below nats.max_in_flight (%d): use at least that (default %d)", c.NATS.MaxUnsettledTransactions, c.NATS.MaxInFlight, relay.DefaultMaxUnsettledTxs)

@@ -9,8 +9,8 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 // setupOnStandby runs Setup against the standby while the primary logs
@@ -92,7 +92,7 @@ func TestDecodeOnStandby(t *testing.T) {
 	// Only standbys, but a primary asked for.
 	needPrimary := c.cfg.Replication
 	needPrimary.URL = c.standbyURL() + "&target_session_attrs=read-write"
-	_, err = replication.Open(ctx, needPrimary, publisher.NewTracker(0))
+	_, err = replication.Open(ctx, needPrimary, watermark.NewTracker(0))
 	if !errors.Is(err, replication.ErrNoPrimary) || !strings.Contains(err.Error(), "target_session_attrs") || !replication.IsConnectFailure(err) {
 		t.Fatalf("open on a standby-only URL with target_session_attrs=read-write: %v, want ErrNoPrimary naming target_session_attrs", err)
 	}

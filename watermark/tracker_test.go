@@ -1,4 +1,4 @@
-package publisher
+package watermark
 
 import (
 	"math/rand"

@@ -1,4 +1,4 @@
-package publisher
+package watermark
 
 import (
 	"sync"
@@ -21,7 +21,6 @@ type Tracker struct {
 	txs       []*Tx // open or unsettled transactions, in commit order
 	head      int
 	confirmed atomic.Uint64
-	settled   atomic.Uint64 // transactions settled, for metrics and tests
 	// lastEnd is the newest committed transaction's end LSN: the WAL from
 	// confirmed to it is what a restart would decode and re-send.
 	lastEnd LSN
@@ -70,7 +69,7 @@ func (tx *Tx) Settle() {
 	tx.pending--
 	if tx.pending < 0 {
 		t.mu.Unlock()
-		panic("publisher: Tx settled more messages than it added")
+		panic("watermark: Tx settled more messages than it added")
 	}
 	t.advanceLocked()
 	t.mu.Unlock()
@@ -108,7 +107,6 @@ func (t *Tracker) advanceLocked() {
 		}
 		t.txs[t.head] = nil
 		t.head++
-		t.settled.Add(1)
 	}
 	// Compact once the settled prefix dominates, so the slice does not grow
 	// without bound on a long run.
@@ -178,11 +176,4 @@ func (t *Tracker) Oldest() time.Time {
 		return time.Time{}
 	}
 	return t.txs[t.head].CommitTime
-}
-
-// Pending returns the number of unsettled transactions.
-func (t *Tracker) Pending() int {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return len(t.txs) - t.head
 }
