@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -671,6 +672,47 @@ func TestRouteReleasedAcrossTables(t *testing.T) {
 		nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
 		if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
 			t.Fatalf("step %d: HeaderLen %d, nats.go encodes %d", i, m.HeaderLen, hdr)
+		}
+		r.Release(m)
+	}
+}
+
+// TestRouteManyExtraHeaders maps more than 63 extra columns, where the
+// header-shape bitset that used to decide header-map reuse gave up: every
+// column present is a header, and HeaderLen is what nats.go encodes.
+func TestRouteManyExtraHeaders(t *testing.T) {
+	cols := slices.Clone(seedColumns)
+	headers := map[string]string{}
+	row := seedRow()
+	for i := range 70 {
+		c := fmt.Sprintf("x%02d", i)
+		cols = append(cols, c)
+		headers[c] = fmt.Sprintf("X-%02d", i)
+		if i%7 == 3 {
+			row[c] = null
+		} else {
+			row[c] = txt(fmt.Sprintf("v%d", i))
+		}
+	}
+	r := mustNew(t, Config{Tables: []TableConfig{{Table: "outbox", Headers: headers}}})
+	rel := newRelation(1, "public", "outbox", cols...)
+	for range 3 {
+		m, err := r.Route(newInsert(rel, row), testCommit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := fixedHeaders + 1 + 60; len(m.Header) != want { // + occurred_at, 10 of the 70 NULL
+			t.Fatalf("%d headers, want %d", len(m.Header), want)
+		}
+		if got := m.Header.Get("X-69"); got != "v69" {
+			t.Fatalf("X-69 = %q", got)
+		}
+		if _, ok := m.Header["X-03"]; ok {
+			t.Fatal("a NULL column became a header")
+		}
+		nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
+			t.Fatalf("HeaderLen %d, nats.go encodes %d", m.HeaderLen, hdr)
 		}
 		r.Release(m)
 	}
