@@ -186,9 +186,6 @@ func getOutbound() *outbound {
 func (o *outbound) settled(res publisher.Result) {
 	o.tx.Settle()
 	o.r.obs.Settled(res, o.commitTime)
-	// Every attempt has returned and the dead-letter record, if any, is
-	// built: the router may reuse rm's buffers for a later row.
-	o.r.router.Release(o.rm)
 	*o = outbound{done: o.done, deadLetter: o.deadLetter}
 	outbounds.Put(o)
 }

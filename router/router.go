@@ -5,7 +5,6 @@ import (
 	"math"
 	"slices"
 	"strconv"
-	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -55,8 +54,9 @@ type CommitInfo struct {
 
 // Router maps outbox rows to NATS messages. Route keeps a per-relation cache
 // and a scratch buffer, so it must be called from one goroutine at a time;
-// Handles, DeadLetter, DeadLetterMessage and Release are safe for concurrent
-// use.
+// Handles, DeadLetter and DeadLetterMessage are safe for concurrent use.
+// Each message Route returns is the caller's: the router never touches it
+// again.
 type Router struct {
 	rules      map[relKey]*tableRule
 	dlqSubject string
@@ -74,9 +74,6 @@ type Router struct {
 	// The commit strings are the same for every row of a transaction.
 	commit                  CommitInfo
 	commitLSNs, commitTimes string
-
-	// free holds released messages and their payload buffers.
-	free sync.Pool
 }
 
 type relKey struct{ schema, name string }
@@ -496,19 +493,10 @@ func (r *Router) build(rule *tableRule, ev *event, l *layout, commit CommitInfo)
 	for i := range parts {
 		parts[i] = s[off[i]:off[i+1]]
 	}
-	m, _ := r.free.Get().(*Message)
-	if m == nil {
-		m = &Message{}
-	}
-	data := m.Data[:0]
-	if data == nil || cap(data) > maxKeptScratch {
-		// Never nil: an empty payload is not a NULL one.
-		data = make([]byte, 0, len(ev.payload))
-	}
-	*m = Message{
+	return &Message{
 		Subject:   parts[partSubject],
 		Header:    header(rule, ev, l, &parts),
-		Data:      append(data, ev.payload...),
+		Data:      append(make([]byte, 0, len(ev.payload)), ev.payload...), // never nil: an empty payload is not a NULL one
 		EventID:   parts[partEventID],
 		Key:       parts[partKey],
 		Table:     rule.qualified,
@@ -517,7 +505,6 @@ func (r *Router) build(rule *tableRule, ev *event, l *layout, commit CommitInfo)
 		Commit:    commit,
 		HeaderLen: l.hdrLen,
 	}
-	return m
 }
 
 // header builds the header map of a message from its parts. The values
@@ -563,19 +550,6 @@ func header(rule *tableRule, ev *event, l *layout, parts *[numParts]string) nats
 		extras = extras[len(x.value):]
 	}
 	return h
-}
-
-// Release hands m back for reuse by a later Route: its payload buffer is
-// overwritten then. Call it only when nothing reads m or its Data any
-// more, for example from the publisher's Done callback, which runs after
-// every publish attempt has returned. Releasing is optional (an unreleased
-// message is garbage collected) and safe for concurrent use with Route.
-func (r *Router) Release(m *Message) {
-	if m == nil {
-		return
-	}
-	*m = Message{Data: m.Data[:0]}
-	r.free.Put(m)
 }
 
 // commitStrings returns the commit LSN and time headers, formatting them
