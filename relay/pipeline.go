@@ -22,7 +22,7 @@ type pipeline struct {
 
 	tx     *publisher.Tx
 	commit router.CommitInfo
-	msgs   *messageRoutes
+	msgs   messagePrefixes
 	wait   *time.Timer // reused by pause: a context per wait allocated
 	// pausedLog is when admitTx last warned; later pauses within
 	// StallWarning log at debug level.
@@ -108,8 +108,7 @@ func (p *pipeline) admitTx(ctx context.Context) error {
 
 // message relays a table-less event written with pg_logical_emit_message.
 func (p *pipeline) message(ctx context.Context, msg *replication.Message) error {
-	ins, merr, ok := p.msgs.insert(msg)
-	if !ok {
+	if !p.msgs[msg.Prefix] {
 		return nil // another application's prefix
 	}
 	if p.tx == nil {
@@ -121,34 +120,45 @@ func (p *pipeline) message(ctx context.Context, msg *replication.Message) error 
 		p.tx, p.commit = tx, router.CommitInfo{LSN: msg.LSN}
 		defer func() { p.tx, p.commit = nil, saved }()
 	}
-	return p.route(ctx, ins, merr)
+	rt := p.r.router
+	env, err := envelope(msg)
+	if err == nil {
+		var rm *router.Message
+		if rm, err = rt.RouteEnvelope(msg, env, p.commit); err == nil {
+			return p.publishEvent(ctx, rm)
+		}
+	}
+	return p.deadLetter(ctx, rt.DeadLetterLogical(msg, env, p.commit, err), err, MessageSchema+"."+msg.Prefix, msg.LSN)
 }
 
+// insert maps a row and publishes it, or dead-letters it with the router's
+// reason.
 func (p *pipeline) insert(ctx context.Context, ins *replication.Insert) error {
-	return p.route(ctx, ins, nil)
+	rm, err := p.r.router.Route(ins, p.commit)
+	if err != nil {
+		return p.deadLetter(ctx, p.r.router.DeadLetter(ins, p.commit, err), err, ins.Relation.QualifiedName(), ins.LSN)
+	}
+	return p.publishEvent(ctx, rm)
 }
 
-// route maps a row (or a logical message's synthetic row) and publishes it,
-// or dead-letters it with reason preErr or the router's reason.
-func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr error) error {
+// deadLetter publishes the record of an unroutable row or message; it
+// still holds back the watermark until the record is acked.
+func (p *pipeline) deadLetter(ctx context.Context, dl *router.Message, reason error, table string, lsn replication.LSN) error {
 	r := p.r
+	r.obs.Unroutable(reasonClass(reason))
+	r.log.Warn("dead-lettering unroutable row", zap.String("table", table), zap.Stringer("lsn", lsn), zap.Error(reason))
 	o := getOutbound()
 	o.r, o.tx, o.commitTime = r, p.tx, p.commit.Time
-	err := preErr
-	if err == nil {
-		o.rm, err = r.router.Route(ins, p.commit)
-	}
-	if err != nil {
-		// Unroutable rows are dead-lettered with the row itself; they still
-		// hold back the watermark until the record is acked.
-		dl := r.router.DeadLetter(ins, p.commit, err)
-		r.obs.Unroutable(reasonClass(err))
-		r.log.Warn("dead-lettering unroutable row", zap.String("table", ins.Relation.QualifiedName()), zap.Stringer("lsn", ins.LSN), zap.Error(err))
-		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.done}
-		o.tx.Add()
-		return p.publish(ctx, r.pub, &o.msg)
-	}
-	rm := o.rm
+	o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.done}
+	o.tx.Add()
+	return p.publish(ctx, r.pub, &o.msg)
+}
+
+// publishEvent publishes a routed event.
+func (p *pipeline) publishEvent(ctx context.Context, rm *router.Message) error {
+	r := p.r
+	o := getOutbound()
+	o.r, o.tx, o.commitTime, o.rm = r, p.tx, p.commit.Time, rm
 	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
 	o.tx.Add()
 	return p.publish(ctx, r.eventPublisher(), &o.msg)

@@ -452,7 +452,7 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	tracker.Raise(st.StartLSN())
 	r.streaming.Store(true)
 	r.setReady()
-	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
+	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessagePrefixes(r.cfg.MessagePrefixes)}
 	err = p.run(ctx)
 	if ctx.Err() != nil {
 		// Graceful stop: wait for the acks, then confirm them.

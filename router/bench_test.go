@@ -1,8 +1,13 @@
 package router
 
 import (
+	"encoding/json"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/outbox"
+	"github.com/outbox-relay/outbox-relay/replication"
 )
 
 func BenchmarkRoute(b *testing.B) {
@@ -54,4 +59,32 @@ func BenchmarkEscapeToken(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkRouteEnvelope routes a parsed logical-message envelope, and for
+// comparison the synthetic row the relay used to build from it (the
+// version and occurred_at formatted as text, then parsed again by Route).
+func BenchmarkRouteEnvelope(b *testing.B) {
+	env := outbox.Envelope{
+		EventID: testEventID, AggregateID: "r-1", AggregateVersion: 7, EventType: "RegistrationConfirmed",
+		Payload: json.RawMessage(testPayload), OccurredAt: time.Date(2026, 11, 29, 9, 35, 21, 123456000, time.UTC),
+	}
+	msg := &replication.Message{Transactional: true, Prefix: "evt", LSN: 0x16B3748}
+	r := mustNew(b, Config{Tables: []TableConfig{{Table: MessageSchema + ".evt"}}})
+	b.Run("envelope", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := r.RouteEnvelope(msg, &env, testCommit); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("synthetic_row", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := r.Route(syntheticRow("evt", &env, msg.LSN), testCommit); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 }

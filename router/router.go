@@ -309,7 +309,7 @@ func (r *Router) rowPlan(rel *replication.Relation) (*plan, error) {
 // order, so that a row's error class is stable; the first error wins.
 func (p *plan) read(vals []replication.Value, ev *event) *RouteError {
 	rule := p.rule
-	rd := rowReader{rule: rule, vals: vals, rel: p.rel}
+	rd := rowReader{fieldCheck: fieldCheck{rule: rule}, vals: vals, rel: p.rel}
 	eventID, ok := rd.text(p.eventID, true)
 	if ok && len(eventID) == 0 {
 		rd.fail(p.eventID, ClassInvalidField, "the event id is empty")
@@ -566,27 +566,56 @@ func formatCommit(c CommitInfo) (lsn, ts string) {
 	return c.LSN.String(), c.Time.UTC().Format(time.RFC3339Nano)
 }
 
-// rowReader reads a row's column texts, keeping the first error.
-type rowReader struct {
+// fieldCheck keeps the first error found in an event's fields.
+type fieldCheck struct {
 	rule    *tableRule
-	rel     *replication.Relation
-	vals    []replication.Value
 	err     *RouteError
 	eventID []byte // set once the event id is known to be valid
 }
 
-// eventIDString returns the event id for an error, "" when unknown.
-func (rd *rowReader) eventIDString() string { return string(rd.eventID) }
+// fail records the first error, naming column (the envelope's field name
+// for a logical message).
+func (fc *fieldCheck) fail(column, class, reason string) {
+	if fc.err == nil {
+		fc.err = &RouteError{Table: fc.rule.qualified, Column: column, Class: class, Reason: reason, EventID: string(fc.eventID)}
+	}
+}
 
-func (rd *rowReader) fail(idx int, class, reason string) {
-	if rd.err != nil {
+// headerSafe fails the event when b cannot travel unchanged in a header.
+func (fc *fieldCheck) headerSafe(column string, b []byte) {
+	if fc.err != nil || b == nil {
 		return
 	}
-	col := ""
-	if idx >= 0 && idx < len(rd.rel.Columns) {
-		col = rd.rel.Columns[idx].Name
+	if msg := checkHeaderValue(b); msg != "" {
+		fc.fail(column, ClassInvalidField, "value "+quoteValue(b)+" "+msg)
 	}
-	rd.err = &RouteError{Table: rd.rule.qualified, Column: col, Class: class, Reason: reason, EventID: rd.eventIDString()}
+}
+
+// rowReader reads a row's column texts, keeping the first error.
+type rowReader struct {
+	fieldCheck
+	rel  *replication.Relation
+	vals []replication.Value
+}
+
+func (rd *rowReader) column(idx int) string {
+	if idx >= 0 && idx < len(rd.rel.Columns) {
+		return rd.rel.Columns[idx].Name
+	}
+	return ""
+}
+
+func (rd *rowReader) fail(idx int, class, reason string) {
+	if rd.err == nil {
+		rd.fieldCheck.fail(rd.column(idx), class, reason)
+	}
+}
+
+// headerSafe fails the row when b cannot travel unchanged in a header.
+func (rd *rowReader) headerSafe(idx int, b []byte) {
+	if rd.err == nil && b != nil {
+		rd.fieldCheck.headerSafe(rd.column(idx), b)
+	}
 }
 
 // text returns column idx's text. A NULL returns (nil, true) unless
@@ -617,16 +646,6 @@ func (rd *rowReader) text(idx int, required bool) (b []byte, ok bool) {
 		rd.fail(idx, ClassInvalidField, "the value was sent as an unchanged TOAST pointer, which an inserted row cannot have")
 	}
 	return nil, false
-}
-
-// headerSafe fails the row when b cannot travel unchanged in a header.
-func (rd *rowReader) headerSafe(idx int, b []byte) {
-	if rd.err != nil || b == nil {
-		return
-	}
-	if msg := checkHeaderValue(b); msg != "" {
-		rd.fail(idx, ClassInvalidField, "value "+quoteValue(b)+" "+msg)
-	}
 }
 
 // quoteValue quotes a column value for an error message, cut to 64 bytes
