@@ -29,11 +29,24 @@ type Watermark interface {
 	Idle() bool
 }
 
-// Option configures a Stream.
-type Option func(*Stream)
+// Option configures a Stream; Open fails with an error wrapping
+// ErrInvalidOption when one is invalid.
+type Option func(*options) error
 
-// WithLogger sets the logger (default: no logging).
-func WithLogger(l *zap.Logger) Option { return func(s *Stream) { s.log = l } }
+type options struct {
+	log *zap.Logger
+}
+
+// WithLogger sets the logger (default: no logging); it must not be nil.
+func WithLogger(l *zap.Logger) Option {
+	return func(o *options) error {
+		if l == nil {
+			return fmt.Errorf("%w: nil logger", ErrInvalidOption)
+		}
+		o.log = l
+		return nil
+	}
+}
 
 // Stream reads decoded changes from a replication slot. One goroutine owns
 // it: Next, SendStatus and Close must not be called concurrently.
@@ -79,17 +92,20 @@ type Stream struct {
 }
 
 // Open connects with replication=database, checks the slot and starts
-// streaming from the slot's confirmed position. It fails with ErrSlotInUse
+// streaming from the slot's confirmed position. Options: WithLogger. It fails with ErrSlotInUse
 // while another process streams from the slot, and with ErrSlotLost when the
 // slot's WAL was removed.
 func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Stream, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	s := &Stream{cfg: cfg, wm: wm, log: zap.NewNop(), relations: map[uint32]*Relation{}}
-	for _, o := range opts {
-		o(s)
+	o := options{log: zap.NewNop()}
+	for _, opt := range opts {
+		if err := opt(&o); err != nil {
+			return nil, err
+		}
 	}
+	s := &Stream{cfg: cfg, wm: wm, log: o.log, relations: map[uint32]*Relation{}}
 	// Check over a plain connection first: it gives precise errors (lost,
 	// in use, missing) that START_REPLICATION reports only vaguely.
 	sql, err := connectSQL(ctx, cfg.URL)
