@@ -500,8 +500,9 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	// The unsettled WAL is measured from here, not from 0/0.
-	tracker.Raise(st.StartLSN())
+	// The unsettled WAL is measured from here (the slot's confirmed
+	// position: nothing is confirmed yet), not from 0/0.
+	tracker.Raise(st.Confirmed())
 	r.streaming.Store(true)
 	r.setReady()
 	p := pipeline{r: r, st: st, tracker: tracker, msgs: newMessagePrefixes(r.cfg.MessagePrefixes)}

@@ -56,7 +56,6 @@ type Stream struct {
 	log  *zap.Logger
 	conn *pgconn.PgConn
 
-	start      LSN // slot's confirmed_flush_lsn at START_REPLICATION
 	received   LSN // newest WAL position received
 	serverEnd  LSN // server's sent position from the last keepalive
 	sentFlush  LSN // flush position of the last status update
@@ -150,12 +149,11 @@ func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Strea
 		conn.Close(context.Background())
 		return nil, classifyStartError(cfg.Slot, err)
 	}
-	s.start = st.ConfirmedFlushLSN
 	s.sentFlush = st.ConfirmedFlushLSN
 	s.received = st.ConfirmedFlushLSN
 	s.nextStatus = time.Now().Add(cfg.StatusInterval)
 	s.lastRecv = time.Now()
-	s.log.Info("replication started", zap.String("slot", cfg.Slot), zap.String("publication", cfg.Publication), zap.Stringer("lsn", s.start))
+	s.log.Info("replication started", zap.String("slot", cfg.Slot), zap.String("publication", cfg.Publication), zap.Stringer("lsn", st.ConfirmedFlushLSN))
 	return s, nil
 }
 
@@ -176,12 +174,6 @@ func classifyStartError(slot string, err error) error {
 	return fmt.Errorf("start replication from slot %q: %w", slot, err)
 }
 
-// StartLSN returns the slot's confirmed position when streaming started.
-func (s *Stream) StartLSN() LSN { return s.start }
-
-// Received returns the newest WAL position received.
-func (s *Stream) Received() LSN { return s.received }
-
 // BackendPID returns the process id of the server's walsender for this
 // stream.
 func (s *Stream) BackendPID() uint32 { return s.conn.PID() }
@@ -189,6 +181,12 @@ func (s *Stream) BackendPID() uint32 { return s.conn.PID() }
 // Next returns the next change: *Begin, *Insert, *Message, *Commit or
 // *Truncate. The value is reused: it is valid until the next call. Next
 // answers keepalives and sends periodic status updates while it waits.
+//
+// Reuse is kept deliberately, and stays between the stream and the one
+// goroutine that owns it: the relay's pipeline routes each change before it
+// asks for the next, and the router copies whatever it keeps. Values the
+// caller owns would cost a copy of every row and allocations per change
+// (bench/README.md, issue 12).
 func (s *Stream) Next(ctx context.Context) (any, error) {
 	for {
 		if err := s.maybeSendStatus(ctx); err != nil {
@@ -253,7 +251,7 @@ func (s *Stream) Next(ctx context.Context) (any, error) {
 //
 // A context with a deadline per call (what pgconn's ReceiveMessage(ctx)
 // offers) costs a timer, a context and an AfterFunc registration per
-// message, a tenth of the relay's CPU on a 1-row-transaction backlog. The
+// message (measured in bench/README.md). The
 // same mechanism, the connection's read deadline, is set here only when the
 // status time moves, and ctx is watched once per context: pgconn reads
 // without watching anything when given context.Background(), and a read
@@ -430,7 +428,9 @@ func (s *Stream) flushPosition() LSN {
 // watermark moved). The pipeline calls it while it waits for capacity.
 func (s *Stream) Heartbeat(ctx context.Context) error { return s.maybeSendStatus(ctx) }
 
-// Confirmed returns the flush position of the last status update sent.
+// Confirmed returns the flush position of the last status update sent;
+// before the first one, the slot's confirmed position when streaming
+// started.
 func (s *Stream) Confirmed() LSN { return s.sentFlush }
 
 // SendStatus sends a standby status update now. The pipeline calls it while
