@@ -286,16 +286,9 @@ func (e *dlqEncoder) encode() []byte {
 	b = e.appendOmitted(b)
 	truncated := e.dropFields || e.shortMeta || len(cut) > 0
 	if len(cut) > 0 {
-		b = append(b, `,"truncated_fields":{`...)
-		for i, f := range cut {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = appendJSONString(b, f.name)
-			b = append(b, ':')
-			b = strconv.AppendInt(b, int64(len(f.val)), 10)
-		}
-		b = append(b, '}')
+		b = appendByName(b, "truncated_fields", cut, func(b []byte, f *dlqField) []byte {
+			return strconv.AppendInt(b, int64(len(f.val)), 10)
+		})
 	}
 	if e.dropFields {
 		b = append(b, `,"fields_dropped":true`...)
@@ -373,14 +366,24 @@ func (e *dlqEncoder) appendOmitted(b []byte) []byte {
 	if len(omitted) == 0 {
 		return b
 	}
-	b = append(b, `,"omitted":{`...)
-	for i, f := range omitted {
+	return appendByName(b, "omitted", omitted, func(b []byte, f *dlqField) []byte {
+		return appendJSONString(b, f.note)
+	})
+}
+
+// appendByName appends ,"key":{"<name>":<value>,...} for fs, each value
+// written by value.
+func appendByName(b []byte, key string, fs []*dlqField, value func([]byte, *dlqField) []byte) []byte {
+	b = append(b, ',', '"')
+	b = append(b, key...)
+	b = append(b, `":{`...)
+	for i, f := range fs {
 		if i > 0 {
 			b = append(b, ',')
 		}
 		b = appendJSONString(b, f.name)
 		b = append(b, ':')
-		b = appendJSONString(b, f.note)
+		b = value(b, f)
 	}
 	return append(b, '}')
 }
