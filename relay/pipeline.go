@@ -28,7 +28,7 @@ type pipeline struct {
 
 	tx     *watermark.Tx
 	commit router.CommitInfo
-	msgs   *messageRoutes
+	msgs   messagePrefixes
 	wait   *time.Timer // reused by pause: a context per wait allocated
 	// pausedLog is when admitTx last warned; later pauses within
 	// StallWarning log at debug level.
@@ -129,8 +129,7 @@ func (p *pipeline) admitTx(ctx context.Context) error {
 
 // message relays a table-less event written with pg_logical_emit_message.
 func (p *pipeline) message(ctx context.Context, msg *replication.Message) error {
-	ins, merr, ok := p.msgs.insert(msg)
-	if !ok {
+	if !p.msgs[msg.Prefix] {
 		return nil // another application's prefix
 	}
 	if p.tx == nil {
@@ -142,33 +141,42 @@ func (p *pipeline) message(ctx context.Context, msg *replication.Message) error 
 		p.tx, p.commit = tx, router.CommitInfo{LSN: msg.LSN}
 		defer func() { p.tx, p.commit = nil, saved }()
 	}
-	return p.route(ctx, ins, merr)
-}
-
-func (p *pipeline) insert(ctx context.Context, ins *replication.Insert) error {
-	return p.route(ctx, ins, nil)
-}
-
-// route maps a row (or a logical message's synthetic row) and publishes it,
-// or dead-letters it with reason preErr or the router's reason.
-func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr error) error {
-	r := p.r
-	o := &outbound{r: r, tx: p.tx, commitTime: p.commit.Time}
-	err := preErr
+	rt := p.r.router
+	env, err := envelope(msg)
 	if err == nil {
-		o.rm, err = r.router.Route(ins, p.commit)
+		var rm *router.Message
+		if rm, err = rt.RouteEnvelope(msg, env, p.commit); err == nil {
+			return p.publishEvent(ctx, rm)
+		}
 	}
+	return p.deadLetter(ctx, rt.DeadLetterLogical(msg, env, p.commit, err), err, MessageSchema+"."+msg.Prefix, msg.LSN)
+}
+
+// insert maps a row and publishes it, or dead-letters it with the router's
+// reason.
+func (p *pipeline) insert(ctx context.Context, ins *replication.Insert) error {
+	rm, err := p.r.router.Route(ins, p.commit)
 	if err != nil {
-		// Unroutable rows are dead-lettered with the row itself; they still
-		// hold back the watermark until the record is acked.
-		dl := r.router.DeadLetter(ins, p.commit, err)
-		r.obs.Unroutable(reasonClass(err))
-		r.log.Warn("dead-lettering unroutable row", zap.String("table", ins.Relation.QualifiedName()), zap.Stringer("lsn", ins.LSN), zap.Error(err))
-		o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.settled}
-		o.tx.Add()
-		return p.publish(ctx, p.deadLetters, &o.msg)
+		return p.deadLetter(ctx, p.r.router.DeadLetter(ins, p.commit, err), err, ins.Relation.QualifiedName(), ins.LSN)
 	}
-	rm := o.rm
+	return p.publishEvent(ctx, rm)
+}
+
+// deadLetter publishes the record of an unroutable row or message; it
+// still holds back the watermark until the record is acked.
+func (p *pipeline) deadLetter(ctx context.Context, dl *router.Message, reason error, table string, lsn replication.LSN) error {
+	r := p.r
+	r.obs.Unroutable(reasonClass(reason))
+	r.log.Warn("dead-lettering unroutable row", zap.String("table", table), zap.Stringer("lsn", lsn), zap.Error(reason))
+	o := &outbound{r: r, tx: p.tx, commitTime: p.commit.Time}
+	o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.settled}
+	o.tx.Add()
+	return p.publish(ctx, p.deadLetters, &o.msg)
+}
+
+// publishEvent publishes a routed event.
+func (p *pipeline) publishEvent(ctx context.Context, rm *router.Message) error {
+	o := &outbound{r: p.r, tx: p.tx, commitTime: p.commit.Time, rm: rm}
 	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetterRecord, Done: o.settled}
 	o.tx.Add()
 	return p.publish(ctx, p.events(), &o.msg)

@@ -170,7 +170,7 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 			}
 			tracker := watermark.NewTracker(start)
 			p := pipeline{r: r, st: st, events: func() publishTarget { return events }, deadLetters: dead,
-				tracker: tracker, msgs: newMessageRoutes(nil)}
+				tracker: tracker, msgs: newMessagePrefixes(nil)}
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			if err := p.run(ctx); !errors.Is(err, errEndOfScript) {

@@ -67,12 +67,24 @@ type Config struct {
 	PublicationCheck time.Duration
 }
 
-// Defaults of the bounds on the unsettled tail.
+// Defaults of Config, which the configuration file's defaults reuse.
 const (
 	DefaultMaxUnsettledTxs   = 100_000
 	DefaultMaxUnsettledBytes = 1 << 30
 	DefaultStallWarning      = time.Minute
 	DefaultPublicationCheck  = time.Minute
+	DefaultShutdownTimeout   = 5 * time.Second
+	DefaultReconnectMin      = 500 * time.Millisecond
+	DefaultReconnectMax      = 30 * time.Second
+)
+
+// The smallest values the configuration file accepts: below them the
+// relay pauses intake (MaxUnsettledBytes), warns (StallWarning) or queries
+// the catalog (PublicationCheck) so often that it gets in its own way.
+const (
+	MinMaxUnsettledBytes = 1 << 20
+	MinStallWarning      = time.Second
+	MinPublicationCheck  = time.Second
 )
 
 // Relay streams an outbox to JetStream.
@@ -113,28 +125,71 @@ type Relay struct {
 	endSession atomic.Pointer[context.CancelCauseFunc]
 }
 
-// Option configures a Relay.
-type Option func(*Relay)
+// ErrInvalidOption is wrapped by the error New returns for a bad Option.
+var ErrInvalidOption = errors.New("invalid relay option")
 
-// WithLogger sets the logger (default: no logging).
-func WithLogger(l *zap.Logger) Option { return func(r *Relay) { r.log = l } }
+// Option configures a Relay; New fails with an error wrapping
+// ErrInvalidOption when one is invalid.
+type Option func(*options) error
 
-// WithObserver sets the metrics observer (default: none).
-func WithObserver(o Observer) Option { return func(r *Relay) { r.obs = o } }
+type options struct {
+	log   *zap.Logger
+	obs   Observer
+	ready func(bool)
+}
 
-// WithReadiness registers a callback told whether the relay is streaming.
-func WithReadiness(f func(bool)) Option { return func(r *Relay) { r.ready = f } }
+// WithLogger sets the logger (default: no logging); it must not be nil.
+func WithLogger(l *zap.Logger) Option {
+	return func(o *options) error {
+		if l == nil {
+			return fmt.Errorf("%w: nil logger", ErrInvalidOption)
+		}
+		o.log = l
+		return nil
+	}
+}
 
-// New builds a relay publishing through nc. Run starts it.
+// WithObserver sets the metrics observer (default: none); it must not be
+// nil.
+func WithObserver(obs Observer) Option {
+	return func(o *options) error {
+		if obs == nil {
+			return fmt.Errorf("%w: nil observer", ErrInvalidOption)
+		}
+		o.obs = obs
+		return nil
+	}
+}
+
+// WithReadiness registers a callback told whether the relay is streaming
+// (default: none); it must not be nil.
+func WithReadiness(f func(bool)) Option {
+	return func(o *options) error {
+		if f == nil {
+			return fmt.Errorf("%w: nil readiness callback", ErrInvalidOption)
+		}
+		o.ready = f
+		return nil
+	}
+}
+
+// New builds a relay publishing through nc. Run starts it. Options:
+// WithLogger, WithObserver, WithReadiness.
 func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
+	o := options{log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
+	for _, opt := range opts {
+		if err := opt(&o); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.ShutdownTimeout <= 0 {
-		cfg.ShutdownTimeout = 5 * time.Second
+		cfg.ShutdownTimeout = DefaultShutdownTimeout
 	}
 	if cfg.ReconnectMin <= 0 {
-		cfg.ReconnectMin = 500 * time.Millisecond
+		cfg.ReconnectMin = DefaultReconnectMin
 	}
 	if cfg.ReconnectMax < cfg.ReconnectMin {
-		cfg.ReconnectMax = max(30*time.Second, cfg.ReconnectMin)
+		cfg.ReconnectMax = max(DefaultReconnectMax, cfg.ReconnectMin)
 	}
 	if len(cfg.MessagePrefixes) > 0 {
 		cfg.Replication.Messages = true
@@ -151,11 +206,8 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	if cfg.PublicationCheck <= 0 {
 		cfg.PublicationCheck = DefaultPublicationCheck
 	}
-	r := &Relay{cfg: cfg, nc: nc, log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
+	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready}
 	r.durable.Store(-1)
-	for _, o := range opts {
-		o(r)
-	}
 	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
 	if err != nil {
 		return nil, err
@@ -479,12 +531,13 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	// The unsettled WAL is measured from here, not from 0/0.
-	tracker.Raise(st.StartLSN())
+	// The unsettled WAL is measured from here (the slot's confirmed
+	// position: nothing is confirmed yet), not from 0/0.
+	tracker.Raise(st.Confirmed())
 	r.streaming.Store(true)
 	r.setReady()
 	p := pipeline{r: r, st: st, events: func() publishTarget { return r.eventPublisher() }, deadLetters: r.pub,
-		tracker: tracker, msgs: newMessageRoutes(r.cfg.MessagePrefixes)}
+		tracker: tracker, msgs: newMessagePrefixes(r.cfg.MessagePrefixes)}
 	sctx, end := context.WithCancelCause(ctx)
 	defer end(nil)
 	r.endSession.Store(&end)

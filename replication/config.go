@@ -38,29 +38,49 @@ type Config struct {
 	FailoverSlot bool
 }
 
+// Defaults of Config, which the configuration file's defaults reuse.
+const (
+	DefaultStatusInterval  = time.Second
+	DefaultReceiveTimeout  = 30 * time.Second
+	DefaultApplicationName = "outbox-relay"
+)
+
+// NameRule says which slot and publication names ValidName accepts.
+const NameRule = "use 1-63 lower-case letters, digits and underscores"
+
 var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+
+// ValidName reports whether s can name a slot or a publication (NameRule):
+// a PostgreSQL identifier that needs no quoting.
+func ValidName(s string) bool { return identRE.MatchString(s) }
+
+// MinReceiveTimeout is the shortest ReceiveTimeout that works with
+// statusInterval: status updates ask the server for a keepalive once a
+// third of the receive timeout has passed in silence, and they go out at
+// most every status interval.
+func MinReceiveTimeout(statusInterval time.Duration) time.Duration { return 3 * statusInterval }
 
 func (c *Config) setDefaults() error {
 	if c.URL == "" {
 		return fmt.Errorf("replication: postgres URL is empty")
 	}
-	if !identRE.MatchString(c.Slot) {
-		return fmt.Errorf("replication: slot name %q is invalid: use 1-63 lower-case letters, digits and underscores", c.Slot)
+	if !ValidName(c.Slot) {
+		return fmt.Errorf("replication: slot name %q is invalid: %s", c.Slot, NameRule)
 	}
-	if !identRE.MatchString(c.Publication) {
-		return fmt.Errorf("replication: publication name %q is invalid: use 1-63 lower-case letters, digits and underscores", c.Publication)
+	if !ValidName(c.Publication) {
+		return fmt.Errorf("replication: publication name %q is invalid: %s", c.Publication, NameRule)
 	}
 	if c.StatusInterval <= 0 {
-		c.StatusInterval = time.Second
+		c.StatusInterval = DefaultStatusInterval
 	}
 	if c.ReceiveTimeout <= 0 {
-		c.ReceiveTimeout = 30 * time.Second
+		c.ReceiveTimeout = DefaultReceiveTimeout
 	}
-	if c.ReceiveTimeout < 3*c.StatusInterval {
+	if c.ReceiveTimeout < MinReceiveTimeout(c.StatusInterval) {
 		return fmt.Errorf("replication: receive timeout %s must be at least 3 status intervals (%s)", c.ReceiveTimeout, c.StatusInterval)
 	}
 	if c.ApplicationName == "" {
-		c.ApplicationName = "outbox-relay"
+		c.ApplicationName = DefaultApplicationName
 	}
 	return nil
 }

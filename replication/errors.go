@@ -53,6 +53,9 @@ var (
 	ErrProtocol = errors.New("replication protocol error")
 )
 
+// ErrInvalidOption is wrapped by the error Open returns for a bad Option.
+var ErrInvalidOption = errors.New("invalid replication option")
+
 // Errors about the server's version, role and failover readiness.
 var (
 	// ErrVersionUnsupported means a configured feature needs a newer

@@ -29,11 +29,24 @@ type Watermark interface {
 	Idle() bool
 }
 
-// Option configures a Stream.
-type Option func(*Stream)
+// Option configures a Stream; Open fails with an error wrapping
+// ErrInvalidOption when one is invalid.
+type Option func(*options) error
 
-// WithLogger sets the logger (default: no logging).
-func WithLogger(l *zap.Logger) Option { return func(s *Stream) { s.log = l } }
+type options struct {
+	log *zap.Logger
+}
+
+// WithLogger sets the logger (default: no logging); it must not be nil.
+func WithLogger(l *zap.Logger) Option {
+	return func(o *options) error {
+		if l == nil {
+			return fmt.Errorf("%w: nil logger", ErrInvalidOption)
+		}
+		o.log = l
+		return nil
+	}
+}
 
 // Stream reads decoded changes from a replication slot. One goroutine owns
 // it: Next, SendStatus and Close must not be called concurrently.
@@ -43,7 +56,6 @@ type Stream struct {
 	log  *zap.Logger
 	conn *pgconn.PgConn
 
-	start      LSN // slot's confirmed_flush_lsn at START_REPLICATION
 	received   LSN // newest WAL position received
 	serverEnd  LSN // server's sent position from the last keepalive
 	sentFlush  LSN // flush position of the last status update
@@ -79,17 +91,20 @@ type Stream struct {
 }
 
 // Open connects with replication=database, checks the slot and starts
-// streaming from the slot's confirmed position. It fails with ErrSlotInUse
+// streaming from the slot's confirmed position. Options: WithLogger. It fails with ErrSlotInUse
 // while another process streams from the slot, and with ErrSlotLost when the
 // slot's WAL was removed.
 func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Stream, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
-	s := &Stream{cfg: cfg, wm: wm, log: zap.NewNop(), relations: map[uint32]*Relation{}}
-	for _, o := range opts {
-		o(s)
+	o := options{log: zap.NewNop()}
+	for _, opt := range opts {
+		if err := opt(&o); err != nil {
+			return nil, err
+		}
 	}
+	s := &Stream{cfg: cfg, wm: wm, log: o.log, relations: map[uint32]*Relation{}}
 	// Check over a plain connection first: it gives precise errors (lost,
 	// in use, missing) that START_REPLICATION reports only vaguely.
 	sql, err := connectSQL(ctx, cfg.URL)
@@ -134,12 +149,11 @@ func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Strea
 		conn.Close(context.Background())
 		return nil, classifyStartError(cfg.Slot, err)
 	}
-	s.start = st.ConfirmedFlushLSN
 	s.sentFlush = st.ConfirmedFlushLSN
 	s.received = st.ConfirmedFlushLSN
 	s.nextStatus = time.Now().Add(cfg.StatusInterval)
 	s.lastRecv = time.Now()
-	s.log.Info("replication started", zap.String("slot", cfg.Slot), zap.String("publication", cfg.Publication), zap.Stringer("lsn", s.start))
+	s.log.Info("replication started", zap.String("slot", cfg.Slot), zap.String("publication", cfg.Publication), zap.Stringer("lsn", st.ConfirmedFlushLSN))
 	return s, nil
 }
 
@@ -160,12 +174,6 @@ func classifyStartError(slot string, err error) error {
 	return fmt.Errorf("start replication from slot %q: %w", slot, err)
 }
 
-// StartLSN returns the slot's confirmed position when streaming started.
-func (s *Stream) StartLSN() LSN { return s.start }
-
-// Received returns the newest WAL position received.
-func (s *Stream) Received() LSN { return s.received }
-
 // BackendPID returns the process id of the server's walsender for this
 // stream.
 func (s *Stream) BackendPID() uint32 { return s.conn.PID() }
@@ -173,6 +181,12 @@ func (s *Stream) BackendPID() uint32 { return s.conn.PID() }
 // Next returns the next change: *Begin, *Insert, *Message, *Commit or
 // *Truncate. The value is reused: it is valid until the next call. Next
 // answers keepalives and sends periodic status updates while it waits.
+//
+// Reuse is kept deliberately, and stays between the stream and the one
+// goroutine that owns it: the relay's pipeline routes each change before it
+// asks for the next, and the router copies whatever it keeps. Values the
+// caller owns would cost a copy of every row and allocations per change
+// (bench/README.md, issue 12).
 func (s *Stream) Next(ctx context.Context) (any, error) {
 	for {
 		if err := s.maybeSendStatus(ctx); err != nil {
@@ -237,7 +251,7 @@ func (s *Stream) Next(ctx context.Context) (any, error) {
 //
 // A context with a deadline per call (what pgconn's ReceiveMessage(ctx)
 // offers) costs a timer, a context and an AfterFunc registration per
-// message, a tenth of the relay's CPU on a 1-row-transaction backlog. The
+// message (measured in bench/README.md). The
 // same mechanism, the connection's read deadline, is set here only when the
 // status time moves, and ctx is watched once per context: pgconn reads
 // without watching anything when given context.Background(), and a read
@@ -414,7 +428,9 @@ func (s *Stream) flushPosition() LSN {
 // watermark moved). The pipeline calls it while it waits for capacity.
 func (s *Stream) Heartbeat(ctx context.Context) error { return s.maybeSendStatus(ctx) }
 
-// Confirmed returns the flush position of the last status update sent.
+// Confirmed returns the flush position of the last status update sent;
+// before the first one, the slot's confirmed position when streaming
+// started.
 func (s *Stream) Confirmed() LSN { return s.sentFlush }
 
 // SendStatus sends a standby status update now. The pipeline calls it while

@@ -162,7 +162,36 @@ func (c *Config) compile() ([]*tableRule, error) {
 	fail := func(path, format string, args ...any) {
 		errs = append(errs, &ConfigError{Path: path, Msg: fmt.Sprintf(format, args...)})
 	}
+	dlqOK := c.checkSubjects(fail)
+	dlqFilter := c.DeadLetterSubject + ".>"
+	if len(c.Tables) == 0 {
+		fail("tables", "no tables configured (add one, e.g. `tables: [{table: public.outbox}]`)")
+	}
+	rules := make([]*tableRule, 0, len(c.Tables))
+	seen := make(map[string]int, len(c.Tables))
+	for i := range c.Tables {
+		t := &tableCompiler{c: c, tc: &c.Tables[i], r: &tableRule{path: fmt.Sprintf("tables[%d]", i)}, fail: fail, ok: true}
+		t.name(i, seen)
+		t.subject(dlqOK, dlqFilter)
+		t.columns()
+		t.aggregateType()
+		t.headers()
+		t.cloudEvents()
+		t.messageTable()
+		if t.ok {
+			rules = append(rules, t.r)
+		}
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	return rules, nil
+}
 
+// checkSubjects applies the defaults of max_subject_bytes and
+// dead_letter_subject and checks them. It reports whether the dead-letter
+// subject is valid.
+func (c *Config) checkSubjects(fail func(path, format string, args ...any)) (dlqOK bool) {
 	if c.MaxSubjectBytes == 0 {
 		c.MaxSubjectBytes = DefaultMaxSubjectBytes
 	}
@@ -170,171 +199,204 @@ func (c *Config) compile() ([]*tableRule, error) {
 		fail("max_subject_bytes", "%d is out of range (use 1 to %d; the NATS server's max_control_line limits the publish line)",
 			c.MaxSubjectBytes, MaxMaxSubjectBytes)
 	}
-
 	if c.DeadLetterSubject == "" {
 		c.DeadLetterSubject = DefaultDeadLetterSubject
 	}
-	dlqOK := true
 	if msg := checkLiteralSubject(c.DeadLetterSubject); msg != "" {
 		fail("dead_letter_subject", "%s", msg)
-		dlqOK = false
-	} else if n := len(c.DeadLetterSubject) + 1 + maxEscapedTableLen; n > MaxMaxSubjectBytes {
+		return false
+	}
+	if n := len(c.DeadLetterSubject) + 1 + maxEscapedTableLen; n > MaxMaxSubjectBytes {
 		// Dead-letter subjects are not held to max_subject_bytes (a DLQ
 		// record must never fail); their length is bounded here instead.
 		fail("dead_letter_subject", "is %d bytes: with an escaped schema.table (up to %d bytes) dead-letter subjects could exceed %d bytes (shorten it)",
 			len(c.DeadLetterSubject), maxEscapedTableLen, MaxMaxSubjectBytes)
 	}
-	dlqFilter := c.DeadLetterSubject + ".>"
+	return true
+}
 
-	if len(c.Tables) == 0 {
-		fail("tables", "no tables configured (add one, e.g. `tables: [{table: public.outbox}]`)")
-	}
-	rules := make([]*tableRule, 0, len(c.Tables))
-	seen := make(map[string]int, len(c.Tables))
-	for i := range c.Tables {
-		tc := &c.Tables[i]
-		path := fmt.Sprintf("tables[%d]", i)
-		r := &tableRule{path: path}
-		ok := true
-		bad := func(key, format string, args ...any) {
-			fail(path+key, format, args...)
-			ok = false
-		}
+// tableCompiler turns one TableConfig into a tableRule, one step per
+// section of the table's configuration.
+type tableCompiler struct {
+	c    *Config
+	tc   *TableConfig
+	r    *tableRule
+	fail func(path, format string, args ...any)
+	ok   bool // false once an error makes the rule unusable
+}
 
-		// Table name.
-		switch schema, name, msg := splitTableName(tc.Table); {
-		case msg != "":
-			bad(".table", "%s", msg)
-		default:
-			tc.Table = schema + "." + name
-			r.schema, r.name, r.qualified = schema, name, tc.Table
-			r.schemaB, r.nameB = []byte(schema), []byte(name)
-			if j, dup := seen[tc.Table]; dup {
-				bad(".table", "%s is already mapped by tables[%d] (merge the two entries)", tc.Table, j)
-			} else {
-				seen[tc.Table] = i
-			}
-		}
+func (t *tableCompiler) bad(key, format string, args ...any) {
+	t.fail(t.r.path+key, format, args...)
+	t.ok = false
+}
 
-		// Subject template.
-		if tc.Subject == "" {
-			tc.Subject = DefaultSubject
-		}
-		if t, err := parseTemplate(tc.Subject); err != nil {
-			bad(".subject", "%s", err)
+// name checks the table name and that no other entry maps it.
+func (t *tableCompiler) name(i int, seen map[string]int) {
+	tc, r := t.tc, t.r
+	switch schema, name, msg := splitTableName(tc.Table); {
+	case msg != "":
+		t.bad(".table", "%s", msg)
+	default:
+		tc.Table = schema + "." + name
+		r.schema, r.name, r.qualified = schema, name, tc.Table
+		r.schemaB, r.nameB = []byte(schema), []byte(name)
+		if j, dup := seen[tc.Table]; dup {
+			t.bad(".table", "%s is already mapped by tables[%d] (merge the two entries)", tc.Table, j)
 		} else {
-			r.tmpl = t
-			// Every placeholder expands to at least one byte.
-			if minLen := t.renderedLen(&[numPlaceholders][]byte{}); c.MaxSubjectBytes > 0 && minLen > c.MaxSubjectBytes {
-				bad(".subject", "is at least %d bytes long, over max_subject_bytes %d", minLen, c.MaxSubjectBytes)
-			}
-			if dlqOK && FiltersOverlap(t.filter, dlqFilter) {
-				bad(".subject", "subjects %q overlap the dead-letter subjects %q (change the subject or dead_letter_subject)", t.filter, dlqFilter)
-			}
-		}
-
-		// Columns.
-		col := &tc.Columns
-		for _, f := range []struct {
-			key string
-			val *string
-			def string
-		}{
-			{"event_id", &col.EventID, DefaultEventIDColumn},
-			{"aggregate_id", &col.AggregateID, DefaultAggregateIDColumn},
-			{"aggregate_version", &col.AggregateVersion, DefaultAggregateVersionColumn},
-			{"event_type", &col.EventType, DefaultEventTypeColumn},
-			{"payload", &col.Payload, DefaultPayloadColumn},
-			{"aggregate_type", &col.AggregateType, ""},
-			{"occurred_at", &col.OccurredAt, ""},
-		} {
-			if *f.val == "" {
-				*f.val = f.def
-			}
-			if len(*f.val) > maxIdentifierBytes {
-				bad(".columns."+f.key, "%q is longer than %d bytes, so no PostgreSQL column can have that name", *f.val, maxIdentifierBytes)
-			}
-		}
-		r.eventID, r.aggID, r.version, r.eventType, r.payload = col.EventID, col.AggregateID, col.AggregateVersion, col.EventType, col.Payload
-		r.occurredCol, r.occurredExplicit = col.OccurredAt, col.OccurredAt != ""
-		if !r.occurredExplicit {
-			r.occurredCol = DefaultOccurredAtColumn
-		}
-
-		// Aggregate type: a constant, a named column, or the optional default.
-		switch {
-		case tc.AggregateType != "" && col.AggregateType != "":
-			bad(".aggregate_type", "is set together with columns.aggregate_type %q: choose one (a constant for every row, or a column)", col.AggregateType)
-		case tc.AggregateType != "":
-			if msg := checkHeaderValue(tc.AggregateType); msg != "" {
-				bad(".aggregate_type", "%q %s", tc.AggregateType, msg)
-			}
-			r.aggTypeConst, r.aggTypeConstB = tc.AggregateType, []byte(tc.AggregateType)
-		case col.AggregateType != "":
-			r.aggTypeCol, r.aggTypeExplicit = col.AggregateType, true
-		default:
-			r.aggTypeCol = DefaultAggregateTypeColumn
-		}
-
-		// Extra headers, in sorted column order so errors are deterministic.
-		cols := make([]string, 0, len(tc.Headers))
-		for k := range tc.Headers {
-			cols = append(cols, k)
-		}
-		sort.Strings(cols)
-		byName := make(map[string]string, len(cols)) // lower-case header -> column
-		for _, column := range cols {
-			key := ".headers." + column
-			if column == "" {
-				bad(".headers", "has an empty column name")
-				continue
-			}
-			if len(column) > maxIdentifierBytes {
-				bad(key, "column name is longer than %d bytes, so no PostgreSQL column can have that name", maxIdentifierBytes)
-				continue
-			}
-			h := tc.Headers[column]
-			if h == "" {
-				h = contract.ExtraPrefix + column
-			}
-			if msg := checkHeaderName(h); msg != "" {
-				bad(key, "header name %q %s", h, msg)
-				continue
-			}
-			if tc.CloudEvents.Enabled && isCEHeader(h) {
-				bad(key, "header name %q collides with a CloudEvents header, which the relay sets itself with cloudevents.enabled (choose another name)", h)
-				continue
-			}
-			if other, dup := byName[strings.ToLower(h)]; dup {
-				bad(key, "header %q is also mapped from column %q (header names are compared case-insensitively; rename one)", h, other)
-				continue
-			}
-			byName[strings.ToLower(h)] = column
-			tc.Headers[column] = h
-			r.extras = append(r.extras, extraHeader{column: column, header: h})
-		}
-		sort.Slice(r.extras, func(a, b int) bool { return r.extras[a].header < r.extras[b].header })
-
-		if ce := &tc.CloudEvents; ce.Enabled {
-			if ce.Source == "" && r.qualified != "" {
-				ce.Source = DefaultCloudEventsSourcePrefix + r.qualified
-			}
-			if msg := checkCloudEventsSource(ce.Source); msg != "" {
-				bad(".cloudevents.source", "%q %s", ce.Source, msg)
-			}
-			r.ceSource = ce.Source
-		} else if ce.Source != "" {
-			bad(".cloudevents.source", "is set but cloudevents.enabled is false (enable it or remove source)")
-		}
-
-		if ok {
-			rules = append(rules, r)
+			seen[tc.Table] = i
 		}
 	}
-	if len(errs) > 0 {
-		return nil, errors.Join(errs...)
+}
+
+// subject parses the subject template.
+func (t *tableCompiler) subject(dlqOK bool, dlqFilter string) {
+	c, tc, r := t.c, t.tc, t.r
+	if tc.Subject == "" {
+		tc.Subject = DefaultSubject
 	}
-	return rules, nil
+	if tmpl, err := parseTemplate(tc.Subject); err != nil {
+		t.bad(".subject", "%s", err)
+	} else {
+		r.tmpl = tmpl
+		// Every placeholder expands to at least one byte.
+		if minLen := tmpl.renderedLen(&[numPlaceholders][]byte{}); c.MaxSubjectBytes > 0 && minLen > c.MaxSubjectBytes {
+			t.bad(".subject", "is at least %d bytes long, over max_subject_bytes %d", minLen, c.MaxSubjectBytes)
+		}
+		if dlqOK && FiltersOverlap(tmpl.filter, dlqFilter) {
+			t.bad(".subject", "subjects %q overlap the dead-letter subjects %q (change the subject or dead_letter_subject)", tmpl.filter, dlqFilter)
+		}
+	}
+}
+
+// columns applies the column defaults.
+func (t *tableCompiler) columns() {
+	tc, r := t.tc, t.r
+	col := &tc.Columns
+	for _, f := range []struct {
+		key string
+		val *string
+		def string
+	}{
+		{"event_id", &col.EventID, DefaultEventIDColumn},
+		{"aggregate_id", &col.AggregateID, DefaultAggregateIDColumn},
+		{"aggregate_version", &col.AggregateVersion, DefaultAggregateVersionColumn},
+		{"event_type", &col.EventType, DefaultEventTypeColumn},
+		{"payload", &col.Payload, DefaultPayloadColumn},
+		{"aggregate_type", &col.AggregateType, ""},
+		{"occurred_at", &col.OccurredAt, ""},
+	} {
+		if *f.val == "" {
+			*f.val = f.def
+		}
+		if len(*f.val) > maxIdentifierBytes {
+			t.bad(".columns."+f.key, "%q is longer than %d bytes, so no PostgreSQL column can have that name", *f.val, maxIdentifierBytes)
+		}
+	}
+	r.eventID, r.aggID, r.version, r.eventType, r.payload = col.EventID, col.AggregateID, col.AggregateVersion, col.EventType, col.Payload
+	r.occurredCol, r.occurredExplicit = col.OccurredAt, col.OccurredAt != ""
+	if !r.occurredExplicit {
+		r.occurredCol = DefaultOccurredAtColumn
+	}
+}
+
+// aggregateType resolves the aggregate type: a constant, a named column,
+// or the optional default column.
+func (t *tableCompiler) aggregateType() {
+	tc, r, col := t.tc, t.r, &t.tc.Columns
+	switch {
+	case tc.AggregateType != "" && col.AggregateType != "":
+		t.bad(".aggregate_type", "is set together with columns.aggregate_type %q: choose one (a constant for every row, or a column)", col.AggregateType)
+	case tc.AggregateType != "":
+		if msg := checkHeaderValue(tc.AggregateType); msg != "" {
+			t.bad(".aggregate_type", "%q %s", tc.AggregateType, msg)
+		}
+		r.aggTypeConst, r.aggTypeConstB = tc.AggregateType, []byte(tc.AggregateType)
+	case col.AggregateType != "":
+		r.aggTypeCol, r.aggTypeExplicit = col.AggregateType, true
+	default:
+		r.aggTypeCol = DefaultAggregateTypeColumn
+	}
+}
+
+// headers maps the extra columns, in sorted column order so errors are
+// deterministic.
+func (t *tableCompiler) headers() {
+	tc, r := t.tc, t.r
+	cols := make([]string, 0, len(tc.Headers))
+	for k := range tc.Headers {
+		cols = append(cols, k)
+	}
+	sort.Strings(cols)
+	byName := make(map[string]string, len(cols)) // lower-case header -> column
+	for _, column := range cols {
+		key := ".headers." + column
+		if column == "" {
+			t.bad(".headers", "has an empty column name")
+			continue
+		}
+		if len(column) > maxIdentifierBytes {
+			t.bad(key, "column name is longer than %d bytes, so no PostgreSQL column can have that name", maxIdentifierBytes)
+			continue
+		}
+		h := tc.Headers[column]
+		if h == "" {
+			h = contract.ExtraPrefix + column
+		}
+		if msg := checkHeaderName(h); msg != "" {
+			t.bad(key, "header name %q %s", h, msg)
+			continue
+		}
+		if tc.CloudEvents.Enabled && isCEHeader(h) {
+			t.bad(key, "header name %q collides with a CloudEvents header, which the relay sets itself with cloudevents.enabled (choose another name)", h)
+			continue
+		}
+		if other, dup := byName[strings.ToLower(h)]; dup {
+			t.bad(key, "header %q is also mapped from column %q (header names are compared case-insensitively; rename one)", h, other)
+			continue
+		}
+		byName[strings.ToLower(h)] = column
+		tc.Headers[column] = h
+		r.extras = append(r.extras, extraHeader{column: column, header: h})
+	}
+	sort.Slice(r.extras, func(a, b int) bool { return r.extras[a].header < r.extras[b].header })
+}
+
+// cloudEvents checks the CloudEvents settings.
+func (t *tableCompiler) cloudEvents() {
+	tc, r := t.tc, t.r
+	if ce := &tc.CloudEvents; ce.Enabled {
+		if ce.Source == "" && r.qualified != "" {
+			ce.Source = DefaultCloudEventsSourcePrefix + r.qualified
+		}
+		if msg := checkCloudEventsSource(ce.Source); msg != "" {
+			t.bad(".cloudevents.source", "%q %s", ce.Source, msg)
+		}
+		r.ceSource = ce.Source
+	} else if ce.Source != "" {
+		t.bad(".cloudevents.source", "is set but cloudevents.enabled is false (enable it or remove source)")
+	}
+}
+
+// messageTable refuses what a logical-message table (MessageSchema.<prefix>)
+// cannot have: its events come from an envelope whose fields are fixed
+// (RouteEnvelope), not from columns a configuration could rename or map.
+func (t *tableCompiler) messageTable() {
+	if t.r.schema != MessageSchema {
+		return
+	}
+	col := t.tc.Columns
+	def := ColumnsConfig{
+		EventID: DefaultEventIDColumn, AggregateID: DefaultAggregateIDColumn, AggregateVersion: DefaultAggregateVersionColumn,
+		EventType: DefaultEventTypeColumn, Payload: DefaultPayloadColumn,
+		AggregateType: col.AggregateType, OccurredAt: col.OccurredAt, // optional: checked below
+	}
+	if col != def || (col.AggregateType != "" && col.AggregateType != DefaultAggregateTypeColumn) ||
+		(col.OccurredAt != "" && col.OccurredAt != DefaultOccurredAtColumn) {
+		t.bad(".columns", "is set for a logical-message table: its events are read from the envelope's fields, which have fixed names (remove columns)")
+	}
+	if len(t.tc.Headers) > 0 {
+		t.bad(".headers", "is set for a logical-message table: an envelope has no columns to map to headers (remove headers)")
+	}
 }
 
 // maxEscapedTableLen is the longest EscapeToken("schema.table"): two

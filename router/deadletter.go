@@ -278,6 +278,29 @@ func (e *dlqEncoder) fields() []*dlqField {
 }
 
 func (e *dlqEncoder) encode() []byte {
+	b := e.appendMeta(make([]byte, 0, 512))
+	var cut []*dlqField
+	if !e.dropFields {
+		b = e.appendValues(b, &cut)
+	}
+	b = e.appendOmitted(b)
+	truncated := e.dropFields || e.shortMeta || len(cut) > 0
+	if len(cut) > 0 {
+		b = appendByName(b, "truncated_fields", cut, func(b []byte, f *dlqField) []byte {
+			return strconv.AppendInt(b, int64(len(f.val)), 10)
+		})
+	}
+	if e.dropFields {
+		b = append(b, `,"fields_dropped":true`...)
+	}
+	b = append(b, `,"truncated":`...)
+	b = strconv.AppendBool(b, truncated)
+	return append(b, '}')
+}
+
+// appendMeta opens the object and appends what locates the row and why it
+// is here: table, positions, reason, event id and subject.
+func (e *dlqEncoder) appendMeta(b []byte) []byte {
 	rec := e.rec
 	meta := func(s string) string {
 		if e.shortMeta {
@@ -285,7 +308,6 @@ func (e *dlqEncoder) encode() []byte {
 		}
 		return s
 	}
-	b := make([]byte, 0, 512)
 	b = append(b, `{"table":`...)
 	b = appendJSONString(b, rec.table)
 	b = append(b, `,"lsn":`...)
@@ -306,8 +328,12 @@ func (e *dlqEncoder) encode() []byte {
 		b = append(b, `,"subject":`...)
 		b = appendJSONString(b, meta(rec.subject))
 	}
-	truncated := e.dropFields || e.shortMeta
-	var cut []*dlqField
+	return b
+}
+
+// appendValues appends the row, or the event's headers and payload, and
+// adds each value it cuts to cut.
+func (e *dlqEncoder) appendValues(b []byte, cut *[]*dlqField) []byte {
 	object := func(key string, fs []dlqField) {
 		b = append(b, ',', '"')
 		b = append(b, key...)
@@ -316,55 +342,49 @@ func (e *dlqEncoder) encode() []byte {
 			if i > 0 {
 				b = append(b, ',')
 			}
-			b = e.appendField(b, &fs[i], &cut)
+			b = e.appendField(b, &fs[i], cut)
 		}
 		b = append(b, '}')
 	}
-	if !e.dropFields {
-		if rec.event {
-			object("headers", rec.headers)
-			b = append(b, `,"payload":`...)
-			b = e.appendValue(b, &rec.payload[0], &cut)
-		} else {
-			object("row", rec.row)
-		}
+	if e.rec.event {
+		object("headers", e.rec.headers)
+		b = append(b, `,"payload":`...)
+		return e.appendValue(b, &e.rec.payload[0], cut)
 	}
+	object("row", e.rec.row)
+	return b
+}
+
+// appendOmitted appends the notes of values shown as null, if any.
+func (e *dlqEncoder) appendOmitted(b []byte) []byte {
 	var omitted []*dlqField
 	for _, f := range e.fields() {
 		if f.note != "" {
 			omitted = append(omitted, f)
 		}
 	}
-	if len(omitted) > 0 {
-		b = append(b, `,"omitted":{`...)
-		for i, f := range omitted {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = appendJSONString(b, f.name)
-			b = append(b, ':')
-			b = appendJSONString(b, f.note)
+	if len(omitted) == 0 {
+		return b
+	}
+	return appendByName(b, "omitted", omitted, func(b []byte, f *dlqField) []byte {
+		return appendJSONString(b, f.note)
+	})
+}
+
+// appendByName appends ,"key":{"<name>":<value>,...} for fs, each value
+// written by value.
+func appendByName(b []byte, key string, fs []*dlqField, value func([]byte, *dlqField) []byte) []byte {
+	b = append(b, ',', '"')
+	b = append(b, key...)
+	b = append(b, `":{`...)
+	for i, f := range fs {
+		if i > 0 {
+			b = append(b, ',')
 		}
-		b = append(b, '}')
+		b = appendJSONString(b, f.name)
+		b = append(b, ':')
+		b = value(b, f)
 	}
-	if len(cut) > 0 {
-		truncated = true
-		b = append(b, `,"truncated_fields":{`...)
-		for i, f := range cut {
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = appendJSONString(b, f.name)
-			b = append(b, ':')
-			b = strconv.AppendInt(b, int64(len(f.val)), 10)
-		}
-		b = append(b, '}')
-	}
-	if e.dropFields {
-		b = append(b, `,"fields_dropped":true`...)
-	}
-	b = append(b, `,"truncated":`...)
-	b = strconv.AppendBool(b, truncated)
 	return append(b, '}')
 }
 

@@ -5,7 +5,6 @@ import (
 	"math"
 	"slices"
 	"strconv"
-	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -44,20 +43,6 @@ type Message struct {
 	// line, one line per value, closing blank line), so that no one needs
 	// to walk the map to learn it.
 	HeaderLen int
-
-	// vals backs the header values, reused with the message (Release);
-	// shape says which keys Header maps to which slot of vals.
-	vals  []string
-	shape hdrShape
-}
-
-// hdrShape identifies the header keys of a routed message and their slots
-// in its vals: the routing plan (table and relation version) and which
-// optional headers (bit 0: occurred_at, bit i+1: the i-th extra column) the
-// row had.
-type hdrShape struct {
-	plan *plan
-	bits uint64
 }
 
 // CommitInfo identifies the commit of the transaction an outbox row belongs
@@ -69,8 +54,9 @@ type CommitInfo struct {
 
 // Router maps outbox rows to NATS messages. Route keeps a per-relation cache
 // and a scratch buffer, so it must be called from one goroutine at a time;
-// Handles, DeadLetter, DeadLetterMessage and Release are safe for concurrent
-// use.
+// Handles, DeadLetter and DeadLetterMessage are safe for concurrent use.
+// Each message Route returns is the caller's: the router never touches it
+// again.
 type Router struct {
 	rules      map[relKey]*tableRule
 	dlqSubject string
@@ -82,15 +68,12 @@ type Router struct {
 	plans map[uint32]*plan
 	last  *plan
 	buf   []byte
+	// extras is the scratch list of a row's mapped header columns.
+	extras []hdrValue
 
 	// The commit strings are the same for every row of a transaction.
 	commit                  CommitInfo
 	commitLSNs, commitTimes string
-
-	// free holds released messages: their header maps, header value
-	// slices and payload buffers are what Route would otherwise allocate
-	// for every row (a header map of ten entries alone is four allocations).
-	free sync.Pool
 }
 
 type relKey struct{ schema, name string }
@@ -254,6 +237,7 @@ const (
 	partVersion
 	partOccurredAt
 	partCESubject
+	partExtras // the extra columns' values, back to back
 	numParts
 )
 
@@ -262,7 +246,47 @@ const (
 // ErrUnroutable: routing the row again cannot succeed, so the caller
 // dead-letters it with DeadLetter.
 func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, error) {
-	rel := ins.Relation
+	p, err := r.rowPlan(ins.Relation)
+	if err != nil {
+		return nil, err
+	}
+	ev := event{lsn: ins.LSN, ordinal: ins.Ordinal, extras: r.extras[:0]}
+	defer r.keepExtras(&ev)
+	if err := p.read(ins.Values, &ev); err != nil {
+		return nil, err
+	}
+	return r.route(p.rule, &ev, commit)
+}
+
+// event is one outbox event's fields as read from its source, before any
+// limit is checked. The byte slices point into the source's buffers.
+type event struct {
+	eventID, aggType, aggID, eventType, payload []byte
+	version                                     int64
+	occurredAt                                  time.Time
+	hasOccurred                                 bool
+	// extras are the mapped header columns the row has (not NULL), in the
+	// plan's order.
+	extras  []hdrValue
+	lsn     replication.LSN
+	ordinal uint32
+}
+
+type hdrValue struct {
+	name  string
+	value []byte
+}
+
+// keepExtras keeps ev's extras slice for the next Route without pinning
+// the row's buffers.
+func (r *Router) keepExtras(ev *event) {
+	clear(ev.extras)
+	r.extras = ev.extras[:0]
+}
+
+// rowPlan returns the routing plan of rel, or why no row of it can be
+// routed.
+func (r *Router) rowPlan(rel *replication.Relation) (*plan, error) {
 	if rel == nil {
 		return nil, &RouteError{Class: ClassUnknownTable, Reason: "the row has no relation (a decoder bug)"}
 	}
@@ -274,14 +298,18 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 			Reason: "the table is not in the router configuration (add it to tables, or remove it from the publication)",
 		}
 	}
-	rule := p.rule
 	if p.err != nil {
 		e := *p.err
 		return nil, &e
 	}
-	rd := rowReader{rule: rule, vals: ins.Values, rel: rel}
+	return p, nil
+}
 
-	// Required fields, in a fixed order so a row's error class is stable.
+// read reads the event's fields from a row. Fields are checked in a fixed
+// order, so that a row's error class is stable; the first error wins.
+func (p *plan) read(vals []replication.Value, ev *event) *RouteError {
+	rule := p.rule
+	rd := rowReader{fieldCheck: fieldCheck{rule: rule}, vals: vals, rel: p.rel}
 	eventID, ok := rd.text(p.eventID, true)
 	if ok && len(eventID) == 0 {
 		rd.fail(p.eventID, ClassInvalidField, "the event id is empty")
@@ -291,281 +319,237 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 		// Later errors carry the event id into the dead-letter record.
 		rd.eventID = eventID
 	}
-	aggID, _ := rd.text(p.aggID, true)
-	rd.headerSafe(p.aggID, aggID)
+	ev.eventID = eventID
+	ev.aggID, _ = rd.text(p.aggID, true)
+	rd.headerSafe(p.aggID, ev.aggID)
 	versionText, ok := rd.text(p.version, true)
 	version, vok := parseInt64(versionText)
 	if ok && !vok {
 		rd.fail(p.version, ClassInvalidField, "aggregate version "+quoteValue(versionText)+" is not a decimal int64")
 	}
-	eventType, ok := rd.text(p.eventType, true)
-	if ok && len(eventType) == 0 {
+	ev.version = version
+	ev.eventType, ok = rd.text(p.eventType, true)
+	if ok && len(ev.eventType) == 0 {
 		rd.fail(p.eventType, ClassInvalidField, "the event type is empty")
 	}
-	rd.headerSafe(p.eventType, eventType)
+	rd.headerSafe(p.eventType, ev.eventType)
 
 	// Aggregate type: the constant, else the column, else (absent, NULL or
 	// empty) the table name.
-	aggType := rule.aggTypeConstB
-	if len(aggType) == 0 && p.aggType >= 0 {
-		aggType, _ = rd.text(p.aggType, false)
-		rd.headerSafe(p.aggType, aggType)
+	ev.aggType = rule.aggTypeConstB
+	if len(ev.aggType) == 0 && p.aggType >= 0 {
+		ev.aggType, _ = rd.text(p.aggType, false)
+		rd.headerSafe(p.aggType, ev.aggType)
 	}
-	if len(aggType) == 0 {
-		aggType = rule.nameB
+	if len(ev.aggType) == 0 {
+		ev.aggType = rule.nameB
 	}
-
-	payload, _ := rd.text(p.payload, true)
-
-	var occurredAt time.Time
-	hasOccurred := false
+	ev.payload, _ = rd.text(p.payload, true)
 	if p.occurredAt >= 0 {
 		if b, ok := rd.text(p.occurredAt, false); ok && b != nil {
 			t, err := parseTimestamp(b)
 			if err != nil {
 				rd.fail(p.occurredAt, ClassInvalidField, "occurred_at "+quoteValue(b)+" "+err.Error())
 			}
-			occurredAt, hasOccurred = t, true
+			ev.occurredAt, ev.hasOccurred = t, true
 		}
 	}
+	for _, e := range p.extras {
+		if b, ok := rd.text(e.idx, false); ok && b != nil {
+			rd.headerSafe(e.idx, b)
+			ev.extras = append(ev.extras, hdrValue{name: e.header, value: b})
+		}
+	}
+	return rd.err
+}
 
-	nHeaders := fixedHeaders
-	extraLen := 0
-	shape := hdrShape{plan: p}
-	if hasOccurred {
-		shape.bits = 1
+// route checks ev against the limits and builds its message.
+func (r *Router) route(rule *tableRule, ev *event, commit CommitInfo) (*Message, error) {
+	var l layout
+	if err := r.checkLimits(rule, ev, commit, &l); err != nil {
+		return nil, err
 	}
-	if len(p.extras) > 63 {
-		shape.plan = nil // too many optional headers to tell apart: never reused
-	}
-	for i, e := range p.extras {
-		b, ok := rd.text(e.idx, false)
-		if !ok || b == nil {
-			continue
-		}
-		shape.bits |= 2 << i
-		rd.headerSafe(e.idx, b)
-		nHeaders++
-		extraLen += hdrLineLen(e.header, len(b))
-	}
-	if rd.err != nil {
-		return nil, rd.err
-	}
+	return r.build(rule, ev, &l, commit), nil
+}
 
-	// Every size is checked before anything is copied, so an oversized row
-	// costs a scan, never a large scratch buffer.
-	var phv [numPlaceholders][]byte
-	phv[phAggregateType] = aggType
-	phv[phAggregateID] = aggID
-	phv[phEventType] = eventType
-	phv[phTable] = rule.nameB
-	phv[phSchema] = rule.schemaB
-	subjectLen := rule.tmpl.renderedLen(&phv)
-	if subjectLen > r.maxSubject {
-		return nil, &RouteError{
-			Table: rule.qualified, Class: ClassSubjectTooLong, EventID: rd.eventIDString(),
-			Reason: fmt.Sprintf("the subject would be %d bytes, over max_subject_bytes %d (shorten the values or the subject template of %s)", subjectLen, r.maxSubject, rule.path),
+// layout is what checkLimits learns of a message before anything is
+// copied: the subject's placeholder values, the formatted numbers and
+// times, and the header block's size.
+type layout struct {
+	phv [numPlaceholders][]byte
+	// The aggregate version and occurred_at (empty when the event has
+	// none) as header text. Lengths, not slices of the arrays: a struct
+	// pointing into itself would escape to the heap.
+	verBuf        [20]byte
+	tsBuf         [40]byte
+	verLen, tsLen int
+	lsn, ts       string // the commit headers
+	nHeaders      int
+	hdrLen        int
+	ce            bool
+}
+
+func (l *layout) version() []byte  { return l.verBuf[:l.verLen] }
+func (l *layout) occurred() []byte { return l.tsBuf[:l.tsLen] }
+
+// checkLimits computes ev's subject and header sizes and refuses a message
+// over max_subject_bytes, the max payload or JetStream's header limit.
+// Every size is checked before anything is copied, so an oversized row
+// costs a scan, never a large scratch buffer.
+func (r *Router) checkLimits(rule *tableRule, ev *event, commit CommitInfo, l *layout) *RouteError {
+	l.phv[phAggregateType] = ev.aggType
+	l.phv[phAggregateID] = ev.aggID
+	l.phv[phEventType] = ev.eventType
+	l.phv[phTable] = rule.nameB
+	l.phv[phSchema] = rule.schemaB
+	if n := rule.tmpl.renderedLen(&l.phv); n > r.maxSubject {
+		return &RouteError{
+			Table: rule.qualified, Class: ClassSubjectTooLong, EventID: string(ev.eventID),
+			Reason: fmt.Sprintf("the subject would be %d bytes, over max_subject_bytes %d (shorten the values or the subject template of %s)", n, r.maxSubject, rule.path),
 		}
 	}
-	var verBuf [20]byte
-	versionStr := strconv.AppendInt(verBuf[:0], version, 10)
-	var tsBuf [40]byte
-	occurredStr := tsBuf[:0]
-	if hasOccurred {
-		occurredStr = occurredAt.AppendFormat(occurredStr, time.RFC3339Nano)
-		extraLen += hdrLineLen(contract.OccurredAt, len(occurredStr))
+	l.verLen = len(strconv.AppendInt(l.verBuf[:0], ev.version, 10))
+	nHeaders, extraLen := fixedHeaders+len(ev.extras), 0
+	for _, x := range ev.extras {
+		extraLen += hdrLineLen(x.name, len(x.value))
+	}
+	if ev.hasOccurred {
+		l.tsLen = len(ev.occurredAt.AppendFormat(l.tsBuf[:0], time.RFC3339Nano))
+		extraLen += hdrLineLen(contract.OccurredAt, l.tsLen)
 		nHeaders++
 	}
-	ce := rule.ceSource != ""
-	if ce {
+	if l.ce = rule.ceSource != ""; l.ce {
 		nHeaders += ceFixedHeaders
-		extraLen += ceFixedHdrLen + len(rule.ceSource) + len(eventID) + len(eventType) + len(aggType) + len(aggID) + len(versionStr)
-		if hasOccurred {
-			extraLen += hdrLineLen(contract.CETime, len(occurredStr))
+		extraLen += ceFixedHdrLen + len(rule.ceSource) + len(ev.eventID) + len(ev.eventType) + len(ev.aggType) + len(ev.aggID) + l.verLen
+		if ev.hasOccurred {
+			extraLen += hdrLineLen(contract.CETime, l.tsLen)
 			nHeaders++
 		}
 	}
-	lsnStr, timeStr := r.commitStrings(commit)
-	hdrLen := fixedHdrLen + extraLen + 2*len(eventID) + len(eventType) + len(aggType) + len(aggID) +
-		len(versionStr) + len(lsnStr) + len(timeStr) + len(rule.qualified)
-	if total := hdrLen + len(payload); total > r.maxPayload {
-		return nil, &RouteError{
-			Table: rule.qualified, Class: ClassTooLarge, EventID: rd.eventIDString(),
-			Subject: string(rule.tmpl.render(nil, &phv)),
+	l.lsn, l.ts = r.commitStrings(commit)
+	hdrLen := fixedHdrLen + extraLen + 2*len(ev.eventID) + len(ev.eventType) + len(ev.aggType) + len(ev.aggID) +
+		l.verLen + len(l.lsn) + len(l.ts) + len(rule.qualified)
+	if total := hdrLen + len(ev.payload); total > r.maxPayload {
+		return &RouteError{
+			Table: rule.qualified, Class: ClassTooLarge, EventID: string(ev.eventID),
+			Subject: string(rule.tmpl.render(nil, &l.phv)),
 			Reason: fmt.Sprintf("the message would be %d bytes (payload %d + headers %d), over the NATS max payload %d (make the event smaller or raise max_payload)",
-				total, len(payload), hdrLen, r.maxPayload),
+				total, len(ev.payload), hdrLen, r.maxPayload),
 		}
 	}
 	if hdrLen > MaxHeaderBytes {
 		// Checked here, not left to the broker: a message it refuses
 		// would hold its key (and, in a batch, the whole stream) until it
 		// is dead-lettered.
-		return nil, &RouteError{
-			Table: rule.qualified, Class: ClassHeaderTooLarge, EventID: rd.eventIDString(),
-			Subject: string(rule.tmpl.render(nil, &phv)),
+		return &RouteError{
+			Table: rule.qualified, Class: ClassHeaderTooLarge, EventID: string(ev.eventID),
+			Subject: string(rule.tmpl.render(nil, &l.phv)),
 			Reason: fmt.Sprintf("the headers would be %d bytes, over JetStream's limit of %d (shorten the event type, event id or mapped header columns)",
 				hdrLen, MaxHeaderBytes),
 		}
 	}
+	l.nHeaders, l.hdrLen = nHeaders, hdrLen
+	return nil
+}
 
-	// One scratch buffer becomes one string; every string field is a slice
-	// of it.
+// build copies ev into a message. One scratch buffer becomes one string;
+// every string field is a slice of it.
+func (r *Router) build(rule *tableRule, ev *event, l *layout, commit CommitInfo) *Message {
 	var off [numParts + 1]int
 	buf := r.buf[:0]
 	off[partSubject] = len(buf)
-	buf = rule.tmpl.render(buf, &phv)
+	buf = rule.tmpl.render(buf, &l.phv)
 	off[partKey] = len(buf)
-	buf = append(buf, aggType...)
-	buf = append(buf, 0)
-	buf = append(buf, aggID...)
+	buf = append(append(append(buf, ev.aggType...), 0), ev.aggID...)
 	off[partEventID] = len(buf)
-	buf = append(buf, eventID...)
+	buf = append(buf, ev.eventID...)
 	off[partEventType] = len(buf)
-	buf = append(buf, eventType...)
+	buf = append(buf, ev.eventType...)
 	off[partAggType] = len(buf)
-	buf = append(buf, aggType...)
+	buf = append(buf, ev.aggType...)
 	off[partAggID] = len(buf)
-	buf = append(buf, aggID...)
+	buf = append(buf, ev.aggID...)
 	off[partVersion] = len(buf)
-	buf = append(buf, versionStr...)
+	buf = append(buf, l.version()...)
 	off[partOccurredAt] = len(buf)
-	buf = append(buf, occurredStr...)
+	buf = append(buf, l.occurred()...)
 	off[partCESubject] = len(buf)
-	if ce {
-		buf = append(buf, aggType...)
-		buf = append(buf, '/')
-		buf = append(buf, aggID...)
+	if l.ce {
+		buf = append(append(append(buf, ev.aggType...), '/'), ev.aggID...)
+	}
+	off[partExtras] = len(buf)
+	for _, x := range ev.extras {
+		buf = append(buf, x.value...)
 	}
 	off[numParts] = len(buf)
-	extrasStart := len(buf)
-	for _, e := range p.extras {
-		if b, _ := rd.text(e.idx, false); b != nil {
-			buf = append(buf, b...)
-		}
-	}
 	if cap(buf) <= maxKeptScratch {
 		r.buf = buf
 	} else {
 		// A rare large row must not pin its size for the relay's lifetime.
 		r.buf = nil
 	}
-
 	s := string(buf)
-	part := func(i int) string { return s[off[i]:off[i+1]] }
-	eventIDStr := part(partEventID)
-	m, _ := r.free.Get().(*Message)
-	if m == nil {
-		m = &Message{}
+	var parts [numParts]string
+	for i := range parts {
+		parts[i] = s[off[i]:off[i+1]]
 	}
-	h := m.Header
-	// A recycled message filled by a row of the same shape already maps
-	// every key to its slot in vals: writing vals is enough, and Route
-	// skips eleven map assignments (a string hash each), a tenth of its
-	// time. The shape's plan cannot be a new plan at a reused address:
-	// the message itself keeps its plan alive. Otherwise the map is overwritten, not cleared: rows
-	// of one table set the same keys, and clearing cost as much as routing
-	// the rest of the row. Should it hold a key this row lacks (another
-	// table's extra column, an absent occurred_at), the count tells and it
-	// is filled afresh.
-	reuse := h != nil && shape.plan != nil && m.shape == shape && len(h) == nHeaders && cap(m.vals) >= nHeaders
-	if h == nil {
-		h = make(nats.Header, nHeaders)
-	}
-	if cap(m.vals) < nHeaders {
-		m.vals = make([]string, nHeaders)
-	}
-	vals := m.vals[:nHeaders]
-	n := 0
-	set := func(k, v string) {
-		vals[n] = v
-		if !reuse {
-			h[k] = vals[n : n+1 : n+1]
-		}
-		n++
-	}
-	fill := func() {
-		n = 0
-		set(contract.MsgID, eventIDStr)
-		set(contract.EventID, eventIDStr)
-		set(contract.EventType, part(partEventType))
-		set(contract.AggregateType, part(partAggType))
-		set(contract.AggregateID, part(partAggID))
-		set(contract.AggregateVersion, part(partVersion))
-		if hasOccurred {
-			set(contract.OccurredAt, part(partOccurredAt))
-		}
-		set(contract.CommitLSN, lsnStr)
-		set(contract.CommitTime, timeStr)
-		set(contract.Table, rule.qualified)
-		set(contract.ContentType, contract.JSONContentType)
-		if ce {
-			// Shared strings, no formatting: CloudEvents mode costs eight
-			// header slots per row, and the subject's bytes.
-			set(contract.CESpecVersion, contract.CESpecVersionValue)
-			set(contract.CEID, eventIDStr)
-			set(contract.CESource, rule.ceSource)
-			set(contract.CEType, part(partEventType))
-			set(contract.CESubject, part(partCESubject))
-			set(contract.CEAggregateVersion, part(partVersion))
-			set(contract.CEContentType, contract.JSONContentType)
-			if hasOccurred {
-				set(contract.CETime, part(partOccurredAt))
-			}
-		}
-		pos := extrasStart
-		for _, e := range p.extras {
-			if b, _ := rd.text(e.idx, false); b != nil {
-				set(e.header, s[pos:pos+len(b)])
-				pos += len(b)
-			}
-		}
-	}
-	fill()
-	if !reuse && len(h) != n {
-		clear(h)
-		fill()
-	}
-
-	data := m.Data[:0]
-	if data == nil || cap(data) > maxKeptScratch {
-		// Never nil: an empty payload is not a NULL one.
-		data = make([]byte, 0, len(payload))
-	}
-	*m = Message{
-		Subject:   part(partSubject),
-		Header:    h,
-		Data:      append(data, payload...),
-		EventID:   eventIDStr,
-		Key:       s[off[partKey]:off[partEventID]],
+	return &Message{
+		Subject:   parts[partSubject],
+		Header:    header(rule, ev, l, &parts),
+		Data:      append(make([]byte, 0, len(ev.payload)), ev.payload...), // never nil: an empty payload is not a NULL one
+		EventID:   parts[partEventID],
+		Key:       parts[partKey],
 		Table:     rule.qualified,
-		LSN:       ins.LSN,
-		Ordinal:   ins.Ordinal,
+		LSN:       ev.lsn,
+		Ordinal:   ev.ordinal,
 		Commit:    commit,
-		HeaderLen: hdrLen,
-		vals:      vals,
-		shape:     shape,
+		HeaderLen: l.hdrLen,
 	}
-	return m, nil
 }
 
-// Release hands m back for reuse by a later Route: its header map, header
-// values and payload buffer are overwritten then. Call it only when nothing
-// reads m, its Header or its Data any more, for example from the
-// publisher's Done callback, which runs after every publish attempt has
-// returned. Its Header must still hold what Route put there: do not release
-// a message whose header map was changed (the next Route writes the values
-// into the slots the keys already map to). Releasing is optional (an
-// unreleased message is garbage collected) and safe for concurrent use
-// with Route.
-func (r *Router) Release(m *Message) {
-	if m == nil {
-		return
+// header builds the header map of a message from its parts. The values
+// share one backing array: one allocation, not one per header.
+func header(rule *tableRule, ev *event, l *layout, parts *[numParts]string) nats.Header {
+	h := make(nats.Header, l.nHeaders)
+	vals := make([]string, 0, l.nHeaders)
+	set := func(k, v string) {
+		vals = append(vals, v)
+		h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
 	}
-	for i := range m.vals {
-		m.vals[i] = "" // do not pin the row's strings while pooled
+	eventID, eventType, version := parts[partEventID], parts[partEventType], parts[partVersion]
+	set(contract.MsgID, eventID)
+	set(contract.EventID, eventID)
+	set(contract.EventType, eventType)
+	set(contract.AggregateType, parts[partAggType])
+	set(contract.AggregateID, parts[partAggID])
+	set(contract.AggregateVersion, version)
+	if ev.hasOccurred {
+		set(contract.OccurredAt, parts[partOccurredAt])
 	}
-	*m = Message{Header: m.Header, Data: m.Data[:0], vals: m.vals, shape: m.shape}
-	r.free.Put(m)
+	set(contract.CommitLSN, l.lsn)
+	set(contract.CommitTime, l.ts)
+	set(contract.Table, rule.qualified)
+	set(contract.ContentType, contract.JSONContentType)
+	if l.ce {
+		// Shared strings, no formatting: CloudEvents mode costs header
+		// slots, and the subject's bytes.
+		set(contract.CESpecVersion, contract.CESpecVersionValue)
+		set(contract.CEID, eventID)
+		set(contract.CESource, rule.ceSource)
+		set(contract.CEType, eventType)
+		set(contract.CESubject, parts[partCESubject])
+		set(contract.CEAggregateVersion, version)
+		set(contract.CEContentType, contract.JSONContentType)
+		if ev.hasOccurred {
+			set(contract.CETime, parts[partOccurredAt])
+		}
+	}
+	extras := parts[partExtras]
+	for _, x := range ev.extras {
+		set(x.name, extras[:len(x.value)])
+		extras = extras[len(x.value):]
+	}
+	return h
 }
 
 // commitStrings returns the commit LSN and time headers, formatting them
@@ -582,27 +566,56 @@ func formatCommit(c CommitInfo) (lsn, ts string) {
 	return c.LSN.String(), c.Time.UTC().Format(time.RFC3339Nano)
 }
 
-// rowReader reads a row's column texts, keeping the first error.
-type rowReader struct {
+// fieldCheck keeps the first error found in an event's fields.
+type fieldCheck struct {
 	rule    *tableRule
-	rel     *replication.Relation
-	vals    []replication.Value
 	err     *RouteError
 	eventID []byte // set once the event id is known to be valid
 }
 
-// eventIDString returns the event id for an error, "" when unknown.
-func (rd *rowReader) eventIDString() string { return string(rd.eventID) }
+// fail records the first error, naming column (the envelope's field name
+// for a logical message).
+func (fc *fieldCheck) fail(column, class, reason string) {
+	if fc.err == nil {
+		fc.err = &RouteError{Table: fc.rule.qualified, Column: column, Class: class, Reason: reason, EventID: string(fc.eventID)}
+	}
+}
 
-func (rd *rowReader) fail(idx int, class, reason string) {
-	if rd.err != nil {
+// headerSafe fails the event when b cannot travel unchanged in a header.
+func (fc *fieldCheck) headerSafe(column string, b []byte) {
+	if fc.err != nil || b == nil {
 		return
 	}
-	col := ""
-	if idx >= 0 && idx < len(rd.rel.Columns) {
-		col = rd.rel.Columns[idx].Name
+	if msg := checkHeaderValue(b); msg != "" {
+		fc.fail(column, ClassInvalidField, "value "+quoteValue(b)+" "+msg)
 	}
-	rd.err = &RouteError{Table: rd.rule.qualified, Column: col, Class: class, Reason: reason, EventID: rd.eventIDString()}
+}
+
+// rowReader reads a row's column texts, keeping the first error.
+type rowReader struct {
+	fieldCheck
+	rel  *replication.Relation
+	vals []replication.Value
+}
+
+func (rd *rowReader) column(idx int) string {
+	if idx >= 0 && idx < len(rd.rel.Columns) {
+		return rd.rel.Columns[idx].Name
+	}
+	return ""
+}
+
+func (rd *rowReader) fail(idx int, class, reason string) {
+	if rd.err == nil {
+		rd.fieldCheck.fail(rd.column(idx), class, reason)
+	}
+}
+
+// headerSafe fails the row when b cannot travel unchanged in a header.
+func (rd *rowReader) headerSafe(idx int, b []byte) {
+	if rd.err == nil && b != nil {
+		rd.fieldCheck.headerSafe(rd.column(idx), b)
+	}
 }
 
 // text returns column idx's text. A NULL returns (nil, true) unless
@@ -633,16 +646,6 @@ func (rd *rowReader) text(idx int, required bool) (b []byte, ok bool) {
 		rd.fail(idx, ClassInvalidField, "the value was sent as an unchanged TOAST pointer, which an inserted row cannot have")
 	}
 	return nil, false
-}
-
-// headerSafe fails the row when b cannot travel unchanged in a header.
-func (rd *rowReader) headerSafe(idx int, b []byte) {
-	if rd.err != nil || b == nil {
-		return
-	}
-	if msg := checkHeaderValue(b); msg != "" {
-		rd.fail(idx, ClassInvalidField, "value "+quoteValue(b)+" "+msg)
-	}
 }
 
 // quoteValue quotes a column value for an error message, cut to 64 bytes

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -584,9 +585,10 @@ func FuzzRoute(f *testing.F) {
 	})
 }
 
-// TestRouteReleased routes into released messages: every field is the new
-// row's, and a message still held is not touched by later rows.
-func TestRouteReleased(t *testing.T) {
+// TestRouteMessagesIndependent: each message is the caller's; a message
+// still held is not touched by later rows (the router reuses its scratch
+// buffer), and each one equals what a fresh router builds.
+func TestRouteMessagesIndependent(t *testing.T) {
 	r := mustNew(t, seedConfig())
 	rel := newRelation(1, "public", "outbox", seedColumns...)
 	route := func(id, agg, payload string) *Message {
@@ -601,7 +603,7 @@ func TestRouteReleased(t *testing.T) {
 		}
 		return m
 	}
-	fresh := mustNew(t, seedConfig()) // never released into: the reference
+	fresh := mustNew(t, seedConfig()) // empty caches: the reference
 	held := route("11111111-1111-4111-8111-111111111111", "held", `{"a": 1}`)
 	for i := 0; i < 50; i++ {
 		m := route(fmt.Sprintf("22222222-2222-4222-8222-%012d", i), fmt.Sprintf("agg-%d", i), fmt.Sprintf(`{"n": %d}`, i))
@@ -614,7 +616,7 @@ func TestRouteReleased(t *testing.T) {
 			t.Fatal(err)
 		}
 		if !reflect.DeepEqual(m.Header, m2.Header) {
-			t.Fatalf("row %d: recycled headers %v, fresh %v", i, m.Header, m2.Header)
+			t.Fatalf("row %d: headers %v, fresh router's %v", i, m.Header, m2.Header)
 		}
 		if got, want := m.Header.Get(contract.MsgID), fmt.Sprintf("22222222-2222-4222-8222-%012d", i); got != want || m.EventID != want {
 			t.Fatalf("row %d: Nats-Msg-Id %q, EventID %q, want %q", i, got, m.EventID, want)
@@ -628,17 +630,16 @@ func TestRouteReleased(t *testing.T) {
 		if n := len(m.Header); n != fixedHeaders+1 { // + occurred_at
 			t.Fatalf("row %d: %d headers: %v", i, n, m.Header)
 		}
-		r.Release(m)
 	}
 	if held.Header.Get(contract.AggregateID) != "held" || string(held.Data) != `{"a": 1}` || held.Key != "outbox\x00held" {
 		t.Fatalf("a held message changed: %v %q %q", held.Header, held.Data, held.Key)
 	}
 }
 
-// TestRouteReleasedAcrossTables recycles messages between tables whose rows
-// carry different header sets: a recycled header map never keeps a key the
-// new row does not have, and HeaderLen always matches the map.
-func TestRouteReleasedAcrossTables(t *testing.T) {
+// TestRouteAcrossTables alternates tables whose rows carry different header
+// sets: a message never has a key its row does not have, and HeaderLen
+// always matches the map.
+func TestRouteAcrossTables(t *testing.T) {
 	r := mustNew(t, Config{Tables: []TableConfig{
 		{Table: "outbox", Headers: map[string]string{"publish_state": "State"}},
 		{Table: "lean"},
@@ -672,6 +673,45 @@ func TestRouteReleasedAcrossTables(t *testing.T) {
 		if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
 			t.Fatalf("step %d: HeaderLen %d, nats.go encodes %d", i, m.HeaderLen, hdr)
 		}
-		r.Release(m)
+	}
+}
+
+// TestRouteManyExtraHeaders maps more than 63 extra columns (where a
+// header-shape bitset once gave up): every column present is a header, and
+// HeaderLen is what nats.go encodes.
+func TestRouteManyExtraHeaders(t *testing.T) {
+	cols := slices.Clone(seedColumns)
+	headers := map[string]string{}
+	row := seedRow()
+	for i := range 70 {
+		c := fmt.Sprintf("x%02d", i)
+		cols = append(cols, c)
+		headers[c] = fmt.Sprintf("X-%02d", i)
+		if i%7 == 3 {
+			row[c] = null
+		} else {
+			row[c] = txt(fmt.Sprintf("v%d", i))
+		}
+	}
+	r := mustNew(t, Config{Tables: []TableConfig{{Table: "outbox", Headers: headers}}})
+	rel := newRelation(1, "public", "outbox", cols...)
+	for range 3 {
+		m, err := r.Route(newInsert(rel, row), testCommit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := fixedHeaders + 1 + 60; len(m.Header) != want { // + occurred_at, 10 of the 70 NULL
+			t.Fatalf("%d headers, want %d", len(m.Header), want)
+		}
+		if got := m.Header.Get("X-69"); got != "v69" {
+			t.Fatalf("X-69 = %q", got)
+		}
+		if _, ok := m.Header["X-03"]; ok {
+			t.Fatal("a NULL column became a header")
+		}
+		nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
+			t.Fatalf("HeaderLen %d, nats.go encodes %d", m.HeaderLen, hdr)
+		}
 	}
 }

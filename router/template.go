@@ -79,50 +79,16 @@ func parseTemplate(s string) (*template, error) {
 	if s == "" {
 		return nil, tmplErrorf("is empty (the default is %q)", DefaultSubject)
 	}
-	t := &template{}
-	var lit strings.Builder
-	// Two placeholders may share a token only with a byte between them that
-	// no escaped value contains (escaped values are made of [A-Za-z0-9_-]
-	// and '~'): "{aggregate_type}-{aggregate_id}" would give types "a-b"
-	// and "a" with ids "c" and "b-c" one subject, "{aggregate_type}:{aggregate_id}"
-	// cannot. prevPh is the placeholder earlier in the current token, and
-	// apart tells whether such a byte follows it.
-	prevPh, apart := phNone, false
+	p := &tmplParser{t: &template{}, prevPh: phNone}
 	for i := 0; i < len(s); i++ {
 		c := s[i]
 		switch {
 		case c == '{':
-			end := strings.IndexAny(s[i+1:], "{}")
-			if end < 0 || s[i+1+end] == '{' {
-				return nil, tmplErrorf("unbalanced braces: '{' at offset %d is not closed (%s)", i, placeholderHint)
+			end, err := p.placeholder(s, i)
+			if err != nil {
+				return nil, err
 			}
-			name := s[i+1 : i+1+end]
-			if name == "" {
-				return nil, tmplErrorf("empty placeholder {} at offset %d (%s)", i, placeholderHint)
-			}
-			ph := lookupPlaceholder(name)
-			if ph == phNone {
-				return nil, tmplErrorf("unknown placeholder {%s} (%s)", name, placeholderHint)
-			}
-			if lit.Len() == 0 && len(t.segs) > 0 && t.segs[len(t.segs)-1].ph != phNone {
-				// "{aggregate_type}{aggregate_id}" would make "ab"+"c" and
-				// "a"+"bc" the same subject.
-				return nil, tmplErrorf("placeholders {%s} and {%s} touch: put a separator between them, e.g. {%s}.{%s}",
-					t.segs[len(t.segs)-1].phName(), name, t.segs[len(t.segs)-1].phName(), name)
-			}
-			if prevPh != phNone && !apart {
-				return nil, tmplErrorf("placeholders {%s} and {%s} share a token with only letters, digits, '_', '-' or '~' between them, which values contain too: two aggregates could get one subject; "+
-					"separate them with a byte such as ':' or '+' ({%s}:{%s}), or put each in a token of its own ({%s}.{%s})",
-					placeholderNames[prevPh], name, placeholderNames[prevPh], name, placeholderNames[prevPh], name)
-			}
-			prevPh, apart = ph, false
-			if lit.Len() > 0 {
-				t.segs = append(t.segs, segment{lit: lit.String()})
-				t.litLen += lit.Len()
-				lit.Reset()
-			}
-			t.segs = append(t.segs, segment{ph: ph})
-			i += end + 1
+			i = end
 		case c == '}':
 			return nil, tmplErrorf("unbalanced braces: '}' at offset %d has no '{' (%s)", i, placeholderHint)
 		case c == '*' || c == '>':
@@ -132,17 +98,83 @@ func parseTemplate(s string) (*template, error) {
 		default:
 			switch {
 			case c == '.':
-				prevPh = phNone
+				p.prevPh = phNone
 			case !safeByte[c] && c != '~':
-				apart = true
+				p.apart = true
 			}
-			lit.WriteByte(c)
+			p.lit.WriteByte(c)
 		}
 	}
-	if lit.Len() > 0 {
-		t.segs = append(t.segs, segment{lit: lit.String()})
-		t.litLen += lit.Len()
+	p.flushLit()
+	filter, err := subjectFilter(s)
+	if err != nil {
+		return nil, err
 	}
+	p.t.filter = filter
+	return p.t, nil
+}
+
+// tmplParser is parseTemplate's state.
+type tmplParser struct {
+	t   *template
+	lit strings.Builder // literal text since the last placeholder
+	// Two placeholders may share a token only with a byte between them that
+	// no escaped value contains (escaped values are made of [A-Za-z0-9_-]
+	// and '~'): "{aggregate_type}-{aggregate_id}" would give types "a-b"
+	// and "a" with ids "c" and "b-c" one subject, "{aggregate_type}:{aggregate_id}"
+	// cannot. prevPh is the placeholder earlier in the current token, and
+	// apart tells whether such a byte follows it.
+	prevPh placeholder
+	apart  bool
+}
+
+// flushLit ends the literal segment in progress, if any.
+func (p *tmplParser) flushLit() {
+	if p.lit.Len() > 0 {
+		p.t.segs = append(p.t.segs, segment{lit: p.lit.String()})
+		p.t.litLen += p.lit.Len()
+		p.lit.Reset()
+	}
+}
+
+// placeholder parses the placeholder whose '{' is at s[i] and returns the
+// offset of its '}'.
+func (p *tmplParser) placeholder(s string, i int) (int, error) {
+	end := strings.IndexAny(s[i+1:], "{}")
+	if end < 0 || s[i+1+end] == '{' {
+		return 0, tmplErrorf("unbalanced braces: '{' at offset %d is not closed (%s)", i, placeholderHint)
+	}
+	name := s[i+1 : i+1+end]
+	if name == "" {
+		return 0, tmplErrorf("empty placeholder {} at offset %d (%s)", i, placeholderHint)
+	}
+	ph := lookupPlaceholder(name)
+	if ph == phNone {
+		return 0, tmplErrorf("unknown placeholder {%s} (%s)", name, placeholderHint)
+	}
+	segs := p.t.segs
+	if p.lit.Len() == 0 && len(segs) > 0 && segs[len(segs)-1].ph != phNone {
+		// "{aggregate_type}{aggregate_id}" would make "ab"+"c" and
+		// "a"+"bc" the same subject.
+		prev := segs[len(segs)-1].phName()
+		return 0, tmplErrorf("placeholders {%s} and {%s} touch: put a separator between them, e.g. {%s}.{%s}", prev, name, prev, name)
+	}
+	if p.prevPh != phNone && !p.apart {
+		prev := placeholderNames[p.prevPh]
+		return 0, tmplErrorf("placeholders {%s} and {%s} share a token with only letters, digits, '_', '-' or '~' between them, which values contain too: two aggregates could get one subject; "+
+			"separate them with a byte such as ':' or '+' ({%s}:{%s}), or put each in a token of its own ({%s}.{%s})",
+			prev, name, prev, name, prev, name)
+	}
+	p.prevPh, p.apart = ph, false
+	p.flushLit()
+	p.t.segs = append(p.t.segs, segment{ph: ph})
+	return i + end + 1, nil
+}
+
+// subjectFilter checks the template's tokens and returns the subject
+// filter that matches every subject it renders: each token holding a
+// placeholder becomes '*'.
+func subjectFilter(s string) (string, error) {
 	tokens := strings.Split(s, ".")
 	for i, tok := range tokens {
 		if tok != "" {
@@ -150,21 +182,20 @@ func parseTemplate(s string) (*template, error) {
 		}
 		switch i {
 		case 0, len(tokens) - 1:
-			return nil, tmplErrorf("must not start or end with '.' (a subject has no empty tokens)")
+			return "", tmplErrorf("must not start or end with '.' (a subject has no empty tokens)")
 		default:
-			return nil, tmplErrorf("has an empty token (two dots in a row)")
+			return "", tmplErrorf("has an empty token (two dots in a row)")
 		}
 	}
 	if strings.HasPrefix(s, "$") {
-		return nil, tmplErrorf("starts with '$': subjects beginning with '$' are reserved for NATS system APIs ($JS, $SYS, ...)")
+		return "", tmplErrorf("starts with '$': subjects beginning with '$' are reserved for NATS system APIs ($JS, $SYS, ...)")
 	}
 	for i, tok := range tokens {
 		if strings.IndexByte(tok, '{') >= 0 {
 			tokens[i] = "*"
 		}
 	}
-	t.filter = strings.Join(tokens, ".")
-	return t, nil
+	return strings.Join(tokens, "."), nil
 }
 
 func (s segment) phName() string { return placeholderNames[s.ph] }

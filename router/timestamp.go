@@ -41,50 +41,8 @@ func parseTimestamp(b []byte) (time.Time, error) {
 			return time.Time{}, errTimestamp
 		}
 		sec = p.digits(2)
-		if p.byte('.') {
-			n := 0
-			for p.i < len(b) && b[p.i] >= '0' && b[p.i] <= '9' {
-				if n < 9 {
-					nsec = nsec*10 + int(b[p.i]-'0')
-				} else if n == 9 {
-					// PostgreSQL keeps microseconds; more digits than
-					// nanoseconds would be a different writer's text.
-					return time.Time{}, errTimestamp
-				}
-				n++
-				p.i++
-			}
-			if n == 0 {
-				return time.Time{}, errTimestamp
-			}
-			for ; n < 9; n++ {
-				nsec *= 10
-			}
-		}
-		if p.i < len(b) {
-			switch b[p.i] {
-			case 'Z':
-				p.i++
-			case '+', '-':
-				sign := 1
-				if b[p.i] == '-' {
-					sign = -1
-				}
-				p.i++
-				oh := p.digits(2)
-				var om, os int
-				if p.byte(':') {
-					om = p.digits(2)
-					if p.byte(':') {
-						os = p.digits(2)
-					}
-				}
-				if oh > 15 || om > 59 || os > 59 {
-					return time.Time{}, errTimestamp
-				}
-				offset = sign * (oh*3600 + om*60 + os)
-			}
-		}
+		nsec = p.fraction()
+		offset = p.offset()
 	}
 	if p.bad || p.i != len(b) ||
 		year < 1 || month < 1 || month > 12 || day < 1 || day > daysIn(month, year) ||
@@ -104,6 +62,60 @@ type tsParser struct {
 	b   []byte
 	i   int
 	bad bool
+}
+
+// fraction reads an optional fraction of a second ('.' and 1 to 9
+// digits) as nanoseconds.
+func (p *tsParser) fraction() (nsec int) {
+	if !p.byte('.') {
+		return 0
+	}
+	n := 0
+	for p.i < len(p.b) && p.b[p.i] >= '0' && p.b[p.i] <= '9' {
+		if n == 9 {
+			// PostgreSQL keeps microseconds; more digits than
+			// nanoseconds would be a different writer's text.
+			p.bad = true
+			return 0
+		}
+		nsec = nsec*10 + int(p.b[p.i]-'0')
+		n++
+		p.i++
+	}
+	if n == 0 {
+		p.bad = true
+	}
+	for ; n < 9; n++ {
+		nsec *= 10
+	}
+	return nsec
+}
+
+// offset reads an optional UTC offset, 'Z' or +HH[:MM[:SS]], in seconds
+// east of UTC.
+func (p *tsParser) offset() int {
+	if p.byte('Z') || p.i >= len(p.b) {
+		return 0
+	}
+	sign := 1
+	switch {
+	case p.byte('-'):
+		sign = -1
+	case !p.byte('+'):
+		return 0 // not an offset: the caller finds the bytes left over
+	}
+	oh := p.digits(2)
+	var om, os int
+	if p.byte(':') {
+		om = p.digits(2)
+		if p.byte(':') {
+			os = p.digits(2)
+		}
+	}
+	if oh > 15 || om > 59 || os > 59 {
+		p.bad = true
+	}
+	return sign * (oh*3600 + om*60 + os)
 }
 
 // digits reads exactly n decimal digits; a shortfall marks the parse bad.

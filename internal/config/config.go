@@ -21,6 +21,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
@@ -182,9 +183,9 @@ func Default() Config {
 		Postgres: Postgres{
 			Slot:             "outbox_relay",
 			Publication:      "outbox_relay",
-			StatusInterval:   time.Second,
+			StatusInterval:   replication.DefaultStatusInterval,
 			AutoSetup:        true,
-			ReceiveTimeout:   30 * time.Second,
+			ReceiveTimeout:   replication.DefaultReceiveTimeout,
 			Backfill:         true,
 			PublicationCheck: relay.DefaultPublicationCheck,
 		},
@@ -206,7 +207,7 @@ func Default() Config {
 		},
 		HTTP:            HTTP{Listen: "127.0.0.1:9187", LingerOnError: 15 * time.Second},
 		Log:             Log{Level: "info", Format: "json"},
-		ShutdownTimeout: 5 * time.Second,
+		ShutdownTimeout: relay.DefaultShutdownTimeout,
 		Metrics:         Metrics{PollInterval: 15 * time.Second},
 		Reconcile:       Reconcile{Window: time.Hour},
 	}
@@ -228,7 +229,6 @@ func messagePath(p string, realTables int) string {
 
 var (
 	prefixRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,63}$`)
-	identRE  = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 	streamRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,255}$`)
 )
 
@@ -243,16 +243,16 @@ func (c *Config) Validate() error {
 	} else if msg := checkPostgresURL(c.Postgres.URL); msg != "" {
 		bad("postgres.url", "%s", msg)
 	}
-	if !identRE.MatchString(c.Postgres.Slot) {
-		bad("postgres.slot", "%q is not a valid slot name: use 1-63 lower-case letters, digits and underscores", c.Postgres.Slot)
+	if !replication.ValidName(c.Postgres.Slot) {
+		bad("postgres.slot", "%q is not a valid slot name: %s", c.Postgres.Slot, replication.NameRule)
 	}
-	if !identRE.MatchString(c.Postgres.Publication) {
-		bad("postgres.publication", "%q is not a valid publication name: use 1-63 lower-case letters, digits and underscores", c.Postgres.Publication)
+	if !replication.ValidName(c.Postgres.Publication) {
+		bad("postgres.publication", "%q is not a valid publication name: %s", c.Postgres.Publication, replication.NameRule)
 	}
 	if c.Postgres.StatusInterval < 10*time.Millisecond || c.Postgres.StatusInterval > 30*time.Second {
 		bad("postgres.status_interval", "%s is out of range: use 10ms to 30s (well below the server's wal_sender_timeout)", c.Postgres.StatusInterval)
 	}
-	if c.Postgres.ReceiveTimeout < 3*c.Postgres.StatusInterval {
+	if c.Postgres.ReceiveTimeout < replication.MinReceiveTimeout(c.Postgres.StatusInterval) {
 		bad("postgres.receive_timeout", "%s must be at least 3 × postgres.status_interval (%s): status updates ask the server for a keepalive after a third of it", c.Postgres.ReceiveTimeout, c.Postgres.StatusInterval)
 	}
 	if c.NATS.MaxExpectedOutage < 0 {
@@ -300,14 +300,14 @@ func (c *Config) Validate() error {
 	if c.NATS.MaxUnsettledTransactions < c.NATS.MaxInFlight {
 		bad("nats.max_unsettled_transactions", "%d is below nats.max_in_flight (%d): use at least that (default %d)", c.NATS.MaxUnsettledTransactions, c.NATS.MaxInFlight, relay.DefaultMaxUnsettledTxs)
 	}
-	if c.NATS.MaxUnsettledWALBytes < 1<<20 {
-		bad("nats.max_unsettled_wal_bytes", "%d is too small: use at least 1048576 (default %d)", c.NATS.MaxUnsettledWALBytes, relay.DefaultMaxUnsettledBytes)
+	if c.NATS.MaxUnsettledWALBytes < relay.MinMaxUnsettledBytes {
+		bad("nats.max_unsettled_wal_bytes", "%d is too small: use at least %d (default %d)", c.NATS.MaxUnsettledWALBytes, relay.MinMaxUnsettledBytes, relay.DefaultMaxUnsettledBytes)
 	}
-	if c.Postgres.PublicationCheck < time.Second {
-		bad("postgres.publication_check_interval", "%s is too short: use at least 1s (default %s)", c.Postgres.PublicationCheck, relay.DefaultPublicationCheck)
+	if c.Postgres.PublicationCheck < relay.MinPublicationCheck {
+		bad("postgres.publication_check_interval", "%s is too short: use at least %s (default %s)", c.Postgres.PublicationCheck, relay.MinPublicationCheck, relay.DefaultPublicationCheck)
 	}
-	if c.NATS.StallWarning < time.Second {
-		bad("nats.stall_warning", "%s is too short: use at least 1s (default %s)", c.NATS.StallWarning, relay.DefaultStallWarning)
+	if c.NATS.StallWarning < relay.MinStallWarning {
+		bad("nats.stall_warning", "%s is too short: use at least %s (default %s)", c.NATS.StallWarning, relay.MinStallWarning, relay.DefaultStallWarning)
 	}
 	switch c.NATS.BatchPublish {
 	case "auto", "on", "off":

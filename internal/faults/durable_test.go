@@ -48,7 +48,6 @@ func TestDurableAcksInspection(t *testing.T) {
 	s := newScenario(t, env.PG, env.NATS.URL)
 	s.set("nats.require_durable_stream", true)
 	s.set("nats.max_expected_outage", "5m")
-	s.requireKeys()
 	ctx := context.Background()
 	for _, c := range []jetstream.StreamConfig{
 		{Name: s.stream, Subjects: []string{s.name + ".>"}, Storage: jetstream.FileStorage, Duplicates: 30 * time.Second},
@@ -103,7 +102,6 @@ func TestFailoverSlotNeedsPostgres17(t *testing.T) {
 	env := testenv.Get(t)
 	s := newScenario(t, env.PG, env.NATS.URL)
 	s.set("postgres.failover_slot", true)
-	s.requireKeys()
 	ctx := context.Background()
 	slot := testenv.UniqueName("failover")
 	s.set("postgres.slot", slot)

@@ -21,7 +21,6 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/outbox-relay/outbox-relay/contract"
-	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
@@ -165,63 +164,6 @@ func (s *scenario) writeConfig() string {
 		s.t.Fatal(err)
 	}
 	return f.Name()
-}
-
-// features the lead is adding to the core, by configuration key, with what
-// a test needs from each. requireKeys skips a test that needs one that has
-// not landed yet, with this text.
-var features = map[string]string{
-	"postgres.receive_timeout":    "config postgres.receive_timeout (the replication connection is treated as dead after that long without data or keepalive, and the relay reconnects)",
-	"postgres.failover_slot":      "config postgres.failover_slot (PostgreSQL 17 failover slots; a clear error naming PostgreSQL 17 on older servers)",
-	"nats.require_durable_stream": "config nats.require_durable_stream (refuse to run unless the stream is file storage with >= 3 replicas; otherwise a warning, status durable_acks: false with a reason, metric outbox_relay_stream_durable 0)",
-	"nats.max_expected_outage":    "config nats.max_expected_outage (default 2m; a warning when the stream's duplicate window is shorter)",
-}
-
-// requireKeys skips the test unless the configuration loader knows every
-// key of the scenario's configuration: a feature still missing from the
-// core then shows up as a skip naming it, and the test runs by itself once
-// the feature lands.
-func (s *scenario) requireKeys() {
-	s.t.Helper()
-	if missing := s.unknownKey(); missing != "" {
-		s.t.Skipf("blocked on: %s is not implemented yet", missing)
-	}
-}
-
-// trySet sets a configuration key if the loader knows it and reports
-// whether it did; otherwise it describes the missing feature.
-func (s *scenario) trySet(path string, v any) (ok bool, missing string) {
-	s.t.Helper()
-	old := s.get(path)
-	s.set(path, v)
-	if missing = s.unknownKey(); missing == "" {
-		return true, ""
-	}
-	if old == nil {
-		s.unset(path)
-	} else {
-		s.set(path, old)
-	}
-	return false, missing
-}
-
-// unknownKey loads the configuration as the relay would and describes the
-// first key the loader does not know, or returns "".
-func (s *scenario) unknownKey() string {
-	s.t.Helper()
-	_, err := config.Load(config.Sources{File: s.writeConfig()})
-	if err == nil {
-		return ""
-	}
-	var ce *config.Error
-	if errors.As(err, &ce) && strings.Contains(ce.Msg, "unknown key") {
-		if what := features[ce.Path]; what != "" {
-			return what
-		}
-		return "config key " + ce.Path
-	}
-	s.t.Fatalf("relay configuration invalid: %v", err)
-	return ""
 }
 
 func (s *scenario) unset(path string) {

@@ -85,7 +85,7 @@ func natsClusterLeaderLoss(t *testing.T, batchPublish string) {
 	s.set("nats.replicas", 3)
 	s.set("nats.batch_publish", batchPublish)
 	// An R3 file stream is what nats.require_durable_stream asks for.
-	durable, _ := s.trySet("nats.require_durable_stream", true)
+	s.set("nats.require_durable_stream", true)
 	port, err := testenv.FreePort()
 	if err != nil {
 		t.Fatal(err)
@@ -127,13 +127,11 @@ func natsClusterLeaderLoss(t *testing.T, batchPublish string) {
 	}
 	time.Sleep(time.Second)
 	ld.stop()
-	if durable {
-		if v := metricValue(scrape(t, fmt.Sprintf("http://127.0.0.1:%d/metrics", port)), "outbox_relay_stream_durable"); v != "1" {
-			t.Errorf("outbox_relay_stream_durable = %q on an R3 file stream, want 1", v)
-		}
-		if rep, _ := s.statusJSON(); rep["durable_acks"] != true {
-			t.Errorf("status: durable_acks %v on an R3 file stream, want true", rep["durable_acks"])
-		}
+	if v := metricValue(scrape(t, fmt.Sprintf("http://127.0.0.1:%d/metrics", port)), "outbox_relay_stream_durable"); v != "1" {
+		t.Errorf("outbox_relay_stream_durable = %q on an R3 file stream, want 1", v)
+	}
+	if rep, _ := s.statusJSON(); rep["durable_acks"] != true {
+		t.Errorf("status: durable_acks %v on an R3 file stream, want true", rep["durable_acks"])
 	}
 	o := s.verify(2 * time.Minute)
 	s.mustHold("nats R3 stream leader killed, batch_publish "+batchPublish, o, worst, fmt.Sprintf("%d leader kill(s), 3 nodes", kills))

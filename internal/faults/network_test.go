@@ -68,14 +68,10 @@ func (f *netRun) detected(t *testing.T, timeout time.Duration) time.Duration {
 // runNetFaults drives a load through the relay while each fault happens in
 // turn on the link to one server, then checks the guarantees.
 func runNetFaults(t *testing.T, s *scenario, p *testenv.Proxy, link string, lost func(logEntry) bool, faults []netFault) {
-	// Keys a fault needs are set before the relay starts; a fault whose key
-	// the core does not know yet is skipped, naming the missing feature.
-	missing := map[string]string{}
+	// Keys a fault needs are set before the relay starts.
 	for _, f := range faults {
 		if f.needs != "" {
-			if ok, what := s.trySet(f.needs, f.needValue); !ok {
-				missing[f.needs] = what
-			}
+			s.set(f.needs, f.needValue)
 		}
 	}
 	s.sample()
@@ -90,9 +86,6 @@ func runNetFaults(t *testing.T, s *scenario, p *testenv.Proxy, link string, lost
 	var results []result
 	for _, f := range faults {
 		t.Run(f.name, func(t *testing.T) {
-			if what := missing[f.needs]; what != "" {
-				t.Skipf("blocked on: %s is not implemented yet", what)
-			}
 			if _, err := s.caughtUp(30 * time.Second); err != nil {
 				t.Fatalf("before the fault: %v", err)
 			}

@@ -2,8 +2,8 @@
 // replication plugin, protocol version 1, without copying tuple data.
 //
 // pglogrepl's decoder allocates a struct and a copy of the bytes for every
-// column of every row; on a relay that handles tens of thousands of rows a
-// second that garbage is most of its CPU. This decoder fills caller-owned
+// column of every row, garbage in proportion to the data the relay reads
+// (its cost: bench/README.md). This decoder fills caller-owned
 // structures and lets tuple values point into the CopyData buffer, which the
 // caller must treat as valid only until the next receive.
 //
