@@ -98,9 +98,11 @@ func (p *pipeline) admitTx(ctx context.Context) error {
 	// intake stops at the bounds and resumes below three quarters of them,
 	// so a tail that drains slowly does not pause and resume per
 	// transaction.
+	// max(1, …): for a bound of 1, three quarters round down to 0 and
+	// intake would never resume.
 	over := func(num int) (int, uint64, bool) {
 		txs, walBytes := p.tracker.Unsettled()
-		return txs, walBytes, txs >= cfg.MaxUnsettledTxs*num/4 || walBytes >= uint64(cfg.MaxUnsettledBytes)*uint64(num)/4
+		return txs, walBytes, txs >= max(1, cfg.MaxUnsettledTxs*num/4) || walBytes >= max(1, uint64(cfg.MaxUnsettledBytes)*uint64(num)/4)
 	}
 	txs, walBytes, ok := over(4)
 	if !ok {

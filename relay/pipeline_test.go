@@ -142,6 +142,9 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 		{name: "at the unsettled-transaction bound intake waits for the watermark",
 			changes: [][]any{tx(200, row("01")), tx(300, row("02")), tx(400, row("03"))}, maxTxs: 2, events: 3, afterRun: 300,
 			steps: []step{{"e2", 400}}},
+		{name: "a bound of one transaction resumes once it settles",
+			changes: [][]any{tx(200, row("01")), tx(300, row("02"))}, maxTxs: 1, events: 2, afterRun: 200,
+			steps: []step{{"e1", 300}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
