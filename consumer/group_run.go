@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -26,15 +27,22 @@ type group struct {
 	ttl     time.Duration // the bucket's member TTL
 	id      identity
 	source  string // the stream subject the partition transform applies to
-	current int    // the stream's partition count, as last read; heartbeat value
+	current int    // the stream's partition count, as last read
 	log     *zap.Logger
 	met     *groupMetrics
 
-	parts     map[string]*partition // by durable, owned by the coordinator loop
-	wg        sync.WaitGroup        // partition goroutines
-	errs      chan error            // a partition that cannot go on
-	assigned  []int                 // last assignment, for rebalance counting
-	lastBeat  time.Time
+	parts    map[string]*partition // by durable, owned by the coordinator loop
+	wg       sync.WaitGroup        // partition goroutines
+	errs     chan error            // a partition that cannot go on
+	assigned []int                 // last assignment, for rebalance counting
+	// The heartbeat has a goroutine of its own (beat), so that a slow
+	// step (JetStream API requests queue behind a busy server) cannot
+	// delay it past the TTL and make the others drop this member: it
+	// writes beatCount (set by the coordinator loop), lastBeat and
+	// beatErr.
+	beatCount atomic.Int64
+	lastBeat  atomic.Int64 // unix ns of the last successful heartbeat
+	beatErr   atomic.Pointer[error]
 	lastOwner map[string]time.Time // durable -> when it last had an owner or nothing pending
 
 	infoMu sync.Mutex
@@ -77,6 +85,7 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 		lastOwner: map[string]time.Time{},
 		infos:     map[string]*jetstream.ConsumerInfo{},
 	}
+	g.beatCount.Store(int64(partitions))
 	if err := g.join(ctx, max(info.Config.Replicas, 1)); err != nil {
 		return err
 	}
@@ -198,12 +207,29 @@ func (g *group) agree(ctx context.Context) error {
 func (g *group) heartbeat(ctx context.Context) error {
 	// The stream's count, not the configured one: after a partition-count
 	// change, members started with the new count must not be refused.
-	_, err := g.kv.Put(ctx, g.c.cfg.Group.Member, []byte(strconv.Itoa(g.current)))
+	_, err := g.kv.Put(ctx, g.c.cfg.Group.Member, []byte(strconv.FormatInt(g.beatCount.Load(), 10)))
 	if err != nil {
-		return fmt.Errorf("heartbeat in group bucket: %w", err)
+		err = fmt.Errorf("heartbeat in group bucket: %w", err)
+		g.beatErr.Store(&err)
+		return err
 	}
-	g.lastBeat = time.Now()
+	g.beatErr.Store(nil)
+	g.lastBeat.Store(time.Now().UnixNano())
 	return nil
+}
+
+// beat heartbeats every interval until ctx ends.
+func (g *group) beat(ctx context.Context, interval time.Duration) {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+			_ = g.heartbeat(ctx) // the coordinator loop reports beatErr
+		}
+	}
 }
 
 // members lists the live members (their last heartbeat is within the
@@ -290,7 +316,22 @@ type generation struct {
 // count and the group's durables, assign, start and hand off partitions.
 func (g *group) coordinate(ctx, pullCtx context.Context) error {
 	c := g.c
-	tick := time.NewTicker(max(g.ttl/3, 100*time.Millisecond))
+	beat := max(g.ttl/3, 100*time.Millisecond)
+	bctx, stopBeat := context.WithCancel(ctx)
+	var beating sync.WaitGroup
+	beating.Go(func() { g.beat(bctx, beat) })
+	defer beating.Wait()
+	defer stopBeat()
+	// Before its first assignment a new member waits one heartbeat, so that
+	// members started together (a deployment's replicas) see each other at
+	// once, instead of the first taking every partition and handing most
+	// of them back: a busy partition's hand-off can wait out AckWait.
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-time.After(beat):
+	}
+	tick := time.NewTicker(beat)
 	defer tick.Stop()
 	var failing loopHealth
 	for {
@@ -324,9 +365,13 @@ func (g *group) step(ctx, pullCtx context.Context) error {
 		g.log.Info("the stream's partition count changed: the new partitions are consumed once the old ones are drained",
 			zap.Int("from", g.current), zap.Int("to", current))
 		g.current = current
+		g.beatCount.Store(int64(current))
 	}
-	herr := g.heartbeat(ctx)
-	if herr != nil && time.Since(g.lastBeat) > g.ttl {
+	var herr error
+	if e := g.beatErr.Load(); e != nil {
+		herr = *e
+	}
+	if herr != nil && time.Since(time.Unix(0, g.lastBeat.Load())) > g.ttl {
 		// The others no longer count this member: give everything up.
 		g.assign(pullCtx, nil, nil)
 		return herr

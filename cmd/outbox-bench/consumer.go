@@ -64,7 +64,10 @@ type consumerFigure struct {
 	Ratio         float64 `json:"to_ceiling,omitempty"`
 	PostgresCores float64 `json:"postgres_cores"`
 	BenchCores    float64 `json:"bench_cores"`
-	MachineCores  float64 `json:"machine_cores"`
+	// MemberCores is the member processes' CPU in a group run (BenchCores
+	// is then the bench process alone: mostly the NATS server it hosts).
+	MemberCores  float64 `json:"member_cores,omitempty"`
+	MachineCores float64 `json:"machine_cores"`
 }
 
 // e2eResult is outbox INSERT → relay → JetStream → consumer commit.

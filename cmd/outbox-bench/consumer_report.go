@@ -127,9 +127,9 @@ func printConsumer(w io.Writer, r *results) {
 	}
 	if len(p.GroupRuns) > 0 {
 		fmt.Fprintf(w, "\nConsumer groups: the same backlog in a stream with %d partitions, member processes of one group (%d workers each), from the first commit to the last\n", p.GroupPartitions, p.Workers)
-		row("", "per tx", "processes", "events/s", "apply ceiling", "÷ ceiling", "PostgreSQL cores", "bench + members cores", "machine cores")
+		row("", "per tx", "processes", "events/s", "apply ceiling", "÷ ceiling", "PostgreSQL cores", "NATS server (bench) cores", "members cores", "machine cores")
 		for _, run := range p.GroupRuns {
-			row(run.Name, fmt.Sprint(run.BatchSize), fmt.Sprint(run.Processes), num(run.Rate), num(run.Ceiling), f2(run.Ratio), f2(run.PostgresCores), f2(run.BenchCores), f2(run.MachineCores))
+			row(run.Name, fmt.Sprint(run.BatchSize), fmt.Sprint(run.Processes), num(run.Rate), num(run.Ceiling), f2(run.Ratio), f2(run.PostgresCores), f2(run.BenchCores), f2(run.MemberCores), f2(run.MachineCores))
 		}
 		tw.Flush()
 	}

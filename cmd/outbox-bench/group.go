@@ -113,6 +113,17 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 			}
 		}
 	}
+	if o.profileDir != "" { // the bench process: mostly the NATS server
+		pf, err := os.Create(filepath.Join(o.profileDir, fmt.Sprintf("bench-group-server-%s-%dp.pprof", s.handler(), s.processes)))
+		if err != nil {
+			return f, err
+		}
+		defer pf.Close()
+		if err := pprof.StartCPUProfile(pf); err != nil {
+			return f, err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	pm := db.postmasterPID(ctx)
 	m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
 	for i := range s.processes {
@@ -204,7 +215,7 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 	f.Seconds, f.Rate = span.Seconds(), float64(events)/span.Seconds()
 	f.MachineCores = busyCores(m0, m1)
 	f.PostgresCores = (pg1 - pg0).Seconds() / el.Seconds()
-	f.BenchCores = (b1 - b0 + members).Seconds() / el.Seconds()
+	f.BenchCores, f.MemberCores = (b1-b0).Seconds()/el.Seconds(), members.Seconds()/el.Seconds()
 	if n := dbCount(ctx, db.pool, "SELECT count(*) FROM bench_effect"); n != int64(events) {
 		return f, fmt.Errorf("%d processes applied %d effect rows for %d events", s.processes, n, events)
 	}
