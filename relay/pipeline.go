@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/publisher"
@@ -149,6 +150,7 @@ func (p *pipeline) route(ctx context.Context, ins *replication.Insert, preErr er
 		return p.publish(ctx, r.pub, &o.msg)
 	}
 	rm := o.rm
+	r.startSpan(o)
 	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetter, Done: o.done}
 	o.tx.Add()
 	return p.publish(ctx, r.eventPublisher(), &o.msg)
@@ -164,6 +166,7 @@ type outbound struct {
 	tx         *publisher.Tx
 	commitTime time.Time
 	rm         *router.Message // nil for a dead-letter record
+	span       trace.Span      // the relay span, when on (tracing.go)
 
 	done       func(publisher.Result)
 	deadLetter func(error) *publisher.Message
@@ -185,6 +188,7 @@ func getOutbound() *outbound {
 // nor its buffers afterwards.
 func (o *outbound) settled(res publisher.Result) {
 	o.tx.Settle()
+	o.endSpan(res)
 	o.r.obs.Settled(res, o.commitTime)
 	// Every attempt has returned and the dead-letter record, if any, is
 	// built: the router may reuse rm's buffers for a later row.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
@@ -107,6 +108,9 @@ type Relay struct {
 	streaming  atomic.Bool
 	pubProblem atomic.Pointer[error]
 	readyMu    sync.Mutex
+	// tracer makes relay spans when set (tracing.go); spanName is theirs.
+	tracer   trace.Tracer
+	spanName string
 }
 
 // Option configures a Relay.
@@ -152,6 +156,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	for _, o := range opts {
 		o(r)
 	}
+	r.spanName = "publish " + cfg.Stream.Name
 	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
 	if err != nil {
 		return nil, err
