@@ -47,6 +47,7 @@ func Run(t *testing.T, tp trace.TracerProvider, relaySpans bool) Result {
 	f := opstest.New(t, "", 0)
 	f.DB.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "consumer.sql"))
 	f.Setup(ctx)
+	f.CreateStreams(ctx) // before the consumer looks for the stream
 	var opts []relay.Option
 	if relaySpans {
 		opts = append(opts, relay.WithTracerProvider(tp))
@@ -59,7 +60,12 @@ func Run(t *testing.T, tp trace.TracerProvider, relaySpans bool) Result {
 		consumer.WithLogger(zaptest.NewLogger(t).Named("consumer")), consumer.WithTracerProvider(tp),
 		consumer.WithAfterCommit(func(m *consumer.Message) { applied <- m.ID }))
 	testenv.Must(t, err, "new consumer")
-	testenv.Background(ctx, t, c.Run)
+	testenv.Background(ctx, t, func(ctx context.Context) error {
+		if err := c.Run(ctx); err != nil {
+			t.Errorf("consumer: %v", err)
+		}
+		return nil
+	})
 
 	// The request that writes the row: its span is the trace's root.
 	w, err := outbox.NewWriter(outbox.Config{})
