@@ -6,7 +6,6 @@ import (
 	"sync"
 	"time"
 
-	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/publisher"
@@ -35,6 +34,7 @@ type pipeline struct {
 const waitSlice = 200 * time.Millisecond
 
 func (p *pipeline) run(ctx context.Context) error {
+	defer p.r.closeTxSpan()
 	for {
 		ev, err := p.st.Next(ctx)
 		if err != nil {
@@ -54,6 +54,7 @@ func (p *pipeline) run(ctx context.Context) error {
 		case *replication.Commit:
 			p.tx.Commit(e.EndLSN)
 			p.tx = nil
+			p.r.closeTxSpan()
 		case *replication.Truncate:
 			names := make([]string, len(e.Relations))
 			for i, rel := range e.Relations {
@@ -166,7 +167,7 @@ type outbound struct {
 	tx         *publisher.Tx
 	commitTime time.Time
 	rm         *router.Message // nil for a dead-letter record
-	span       trace.Span      // the relay span, when on (tracing.go)
+	span       *txSpan         // the relay span, when on (tracing.go)
 
 	done       func(publisher.Result)
 	deadLetter func(error) *publisher.Message

@@ -109,8 +109,13 @@ type Relay struct {
 	pubProblem atomic.Pointer[error]
 	readyMu    sync.Mutex
 	// tracer makes relay spans when set (tracing.go); spanName is theirs.
-	tracer   trace.Tracer
-	spanName string
+	// The open transaction's span and what it covers belong to the
+	// pipeline goroutine.
+	tracer       trace.Tracer
+	spanName     string
+	txSpan       *txSpan
+	txSpanParent string
+	txSpanCommit replication.LSN
 }
 
 // Option configures a Relay.
