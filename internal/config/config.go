@@ -175,8 +175,9 @@ type HTTP struct {
 
 // Tracing configures OpenTelemetry tracing (README, "Tracing").
 type Tracing struct {
-	// RelaySpans makes the relay emit a span per event whose row carries a
-	// trace context, a child of the writer's span, from routing to ack.
+	// RelaySpans makes the relay emit a span per writer span and
+	// transaction for rows that carry a trace context, a child of the
+	// writer's span, from routing the first row to the ack of the last.
 	// Off by default: the trace context headers are relayed either way.
 	RelaySpans bool `yaml:"relay_spans"`
 }
