@@ -48,9 +48,12 @@ pg17-root:
 
 # test-deploy renders the Helm chart (deploy/helm/outbox-relay) with Helm's
 # Go library and checks every object; a module of its own (deploy/helmtest),
-# so Helm and the Kubernetes types stay out of the relay's go.mod.
-test-deploy:
+# so Helm and the Kubernetes types stay out of the relay's go.mod. It also
+# exports a trace over OTLP to the OpenTelemetry Collector's receiver
+# (deploy/otlptest, a module of its own for the same reason).
+test-deploy: postgres
 	cd deploy/helmtest && $(GO) vet ./... && $(GO) test -count=1 -timeout 5m ./...
+	cd deploy/otlptest && $(GO) vet ./... && $(GO) test -race -count=1 -timeout 5m ./...
 
 # helm-rules copies the alert rules into the chart, which can embed only its
 # own files: deploy/prometheus/alerts.yml stays the one source, and

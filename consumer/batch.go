@@ -44,6 +44,7 @@ const maxBatchRedo = 3
 // processItems processes what the worker took: one message through the
 // per-message path, several in one batch transaction.
 func (c *Consumer) processItems(ctx context.Context, its []*item) batchOutcome {
+	c.startSpans(ctx, its)
 	if len(its) == 1 {
 		return batchOutcome{res: []result{c.process(ctx, its[0])}}
 	}

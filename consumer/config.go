@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 )
 
@@ -249,6 +250,8 @@ type options struct {
 	logger      *zap.Logger
 	registerer  prometheus.Registerer
 	afterCommit func(*Message)
+	// tracerProvider is set by WithTracerProvider (tracing.go).
+	tracerProvider trace.TracerProvider
 }
 
 // WithLogger sets the logger. Default zap.NewNop().

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
@@ -51,6 +52,7 @@ type Consumer struct {
 	log         *zap.Logger
 	met         *metrics
 	afterCommit func(*Message)
+	tracer      trace.Tracer // nil: no spans (tracing.go)
 	wanted      map[string]bool
 	workers     []*worker          // made by Run: per-run state
 	cons        jetstream.Consumer // set by Run
@@ -66,7 +68,8 @@ type Consumer struct {
 // New returns a consumer of cfg.Stream that applies each event with h inside
 // a transaction on db. It validates cfg (filling defaults, see [Config]) and
 // starts nothing; call Run. Options: [WithLogger] (default zap.NewNop()),
-// [WithRegisterer] (default a private registry), [WithAfterCommit].
+// [WithRegisterer] (default a private registry), [WithAfterCommit],
+// [WithTracerProvider] (default no spans).
 func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (*Consumer, error) {
 	if db == nil || js == nil || h == nil {
 		return nil, fmt.Errorf("%w: database, JetStream context and handler are required", ErrInvalidConfig)
@@ -98,6 +101,9 @@ func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (
 		met:         met,
 		afterCommit: o.afterCommit,
 		reg:         o.registerer,
+	}
+	if o.tracerProvider != nil {
+		c.tracer = o.tracerProvider.Tracer(TracerName)
 	}
 	if len(cfg.EventTypes) > 0 {
 		c.wanted = make(map[string]bool, len(cfg.EventTypes))
@@ -228,6 +234,8 @@ type item struct {
 	hash     []byte
 	replay   *replayRequest
 	received time.Time
+	span     trace.Span // nil unless tracing (tracing.go)
+	spanDead bool       // dead-lettered: the span's outcome
 }
 
 func (c *Consumer) newItem(msg jetstream.Msg) *item {

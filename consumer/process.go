@@ -389,5 +389,5 @@ func (c *Consumer) callHandler(ctx context.Context, tx pgx.Tx, it *item) (err er
 			err = &PanicError{Value: r, Stack: debug.Stack()}
 		}
 	}()
-	return c.h.Handle(ctx, tx, &it.m)
+	return c.h.Handle(it.spanContext(ctx), tx, &it.m)
 }

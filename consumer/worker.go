@@ -313,6 +313,7 @@ func (w *worker) finish(ctx context.Context, it *item, res result) {
 	seq := it.m.StreamSeq
 	b := w.blocked[it.key]
 	retryDelay, retry := w.settle(ctx, it, res)
+	it.endSpan(res, retry)
 	now := time.Now()
 	switch {
 	case retry && b == nil:
@@ -422,6 +423,7 @@ func (w *worker) forget(seq uint64) {
 func (w *worker) retry(it *item, class Class, err error, attempt int, log *zap.Logger) (time.Duration, bool) {
 	delay := backoff(attempt, w.c.cfg.RetryBase, w.c.cfg.RetryMax, jitter)
 	w.c.met.retried(class)
+	it.retrySpanEvent(class, attempt, delay, err)
 	log.Warn("message failed; retrying", zap.String(fieldClass, string(class)), zap.Int(fieldAttempt, attempt),
 		zap.Duration(fieldDelay, delay), zap.Error(err))
 	if nerr := it.msg.NakWithDelay(delay); nerr != nil {
@@ -445,6 +447,7 @@ func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason e
 	}
 	w.forget(it.m.StreamSeq)
 	w.c.met.deadLettered(class)
+	it.deadLetterSpanEvent(class, id)
 	log.Warn("message dead-lettered", zap.String(fieldClass, string(class)), zap.Int64(fieldDeadID, id),
 		zap.String("owner", w.c.cfg.Owner), zap.Error(reason))
 	if err := it.msg.TermWithReason(fmt.Sprintf("dead-lettered as %s, consumer_dead_letter id %d", class, id)); err != nil {
@@ -459,6 +462,7 @@ func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason e
 // the aggregate's later records of the same batch (see next).
 func (w *worker) finishReplay(ctx context.Context, it *item, res result) {
 	defer it.replay.done()
+	defer it.endSpan(res, false)
 	c := w.c
 	switch res.kind {
 	case resApplied, resRejected, resDuplicate:

@@ -20,6 +20,13 @@
 // give it a time-ordered UUIDv7 id when it has none, so ids sort by creation
 // time and index well.
 //
+// Tracing: Insert stores the W3C trace context of the span in its ctx
+// (OpenTelemetry's trace.SpanContextFromContext) in the table's optional
+// traceparent and tracestate columns; the relay maps them to the
+// traceparent and tracestate headers and the consumer library continues the
+// trace. Without a span, or in a table without the columns, nothing
+// changes. EmitMessage carries no trace context.
+//
 // A consumer handler that must cause an external effect (a charge, an
 // e-mail) records such an event in its own transaction instead of calling
 // out directly; the effect's own consumer then performs it idempotently.

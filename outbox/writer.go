@@ -27,6 +27,11 @@ type Columns struct {
 	EventType        string
 	Payload          string
 	OccurredAt       string
+	// Traceparent and Tracestate hold the W3C trace context of the span
+	// in Insert's ctx (see trace.go). Empty means "traceparent" and
+	// "tracestate" if the table has them; Omit never writes them.
+	Traceparent string
+	Tracestate  string
 }
 
 func (c *Columns) setDefaults() {
@@ -42,6 +47,8 @@ func (c *Columns) setDefaults() {
 	def(&c.EventType, "event_type")
 	def(&c.Payload, "payload")
 	def(&c.OccurredAt, "occurred_at")
+	def(&c.Traceparent, DefaultTraceparentColumn)
+	def(&c.Tracestate, DefaultTracestateColumn)
 }
 
 // Config configures a Writer.
@@ -58,9 +65,20 @@ type Config struct {
 // use.
 type Writer struct {
 	cols Columns
-	// Statements with and without an explicit occurred_at.
-	insertAt, insertDefault string
+	// stmts holds the INSERT for each combination of the optional values
+	// (stmtAt, stmtTraceparent, stmtTracestate bits); "" where the table
+	// has no such column.
+	stmts [8]string
+	table string
+	trace traceColumns
 }
+
+// The bits of Writer.stmts' index.
+const (
+	stmtAt = 1 << iota
+	stmtTraceparent
+	stmtTracestate
+)
 
 // NewWriter returns a writer for cfg.Table. It checks the names only; a
 // table or column that does not exist fails the first Insert.
@@ -78,6 +96,8 @@ func NewWriter(cfg Config) (*Writer, error) {
 		}
 	}
 	cols := cfg.Columns
+	// Trace columns left empty are used only if the table has them.
+	detect := cols.Traceparent == "" || cols.Tracestate == ""
 	cols.setDefaults()
 	for name, v := range map[string]string{"EventID": cols.EventID, "AggregateID": cols.AggregateID,
 		"AggregateVersion": cols.AggregateVersion, "EventType": cols.EventType, "Payload": cols.Payload} {
@@ -90,11 +110,29 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if cols.AggregateType != Omit {
 		names = append(names, cols.AggregateType)
 	}
-	w := &Writer{cols: cols}
-	w.insertDefault = insertSQL(table, names)
-	if cols.OccurredAt != Omit {
-		w.insertAt = insertSQL(table, append(names, cols.OccurredAt))
+	w := &Writer{cols: cols, table: table}
+	for i := range w.stmts {
+		all := names[:len(names):len(names)]
+		for _, opt := range []struct {
+			bit  int
+			name string
+		}{{stmtAt, cols.OccurredAt}, {stmtTraceparent, cols.Traceparent}, {stmtTracestate, cols.Tracestate}} {
+			if i&opt.bit == 0 {
+				continue
+			}
+			if opt.name == Omit {
+				all = nil
+				break
+			}
+			all = append(all, opt.name)
+		}
+		if all != nil {
+			w.stmts[i] = insertSQL(table, all)
+		}
 	}
+	w.trace.detect = detect
+	w.trace.has[0], w.trace.has[1] = cols.Traceparent != Omit, cols.Tracestate != Omit
+	w.trace.auto[0], w.trace.auto[1] = cfg.Columns.Traceparent == "", cfg.Columns.Tracestate == ""
 	return w, nil
 }
 
@@ -123,14 +161,19 @@ func (w *Writer) Insert(ctx context.Context, tx pgx.Tx, ev Event) (uuid.UUID, er
 	case ev.AggregateType != "":
 		return uuid.Nil, &FieldError{Field: "AggregateType", Reason: "is set but the table has no aggregate type column"}
 	}
-	sql := w.insertDefault
+	stmt := 0
 	if !ev.OccurredAt.IsZero() {
-		if w.insertAt == "" {
+		if w.cols.OccurredAt == Omit {
 			return uuid.Nil, &FieldError{Field: "OccurredAt", Reason: "is set but the table has no occurred-at column"}
 		}
-		sql, args = w.insertAt, append(args, ev.OccurredAt)
+		stmt, args = stmtAt, append(args, ev.OccurredAt)
 	}
-	if _, err := tx.Exec(ctx, sql, args...); err != nil {
+	bits, targs, err := w.traceArgs(ctx, tx)
+	if err != nil {
+		return uuid.Nil, err
+	}
+	stmt |= bits
+	if _, err := tx.Exec(ctx, w.stmts[stmt], append(args, targs...)...); err != nil {
 		return uuid.Nil, fmt.Errorf("insert %s event %s into the outbox: %w", ev.Type, p.id, err)
 	}
 	return p.id, nil

@@ -55,6 +55,7 @@ type publishTarget interface {
 const waitSlice = 200 * time.Millisecond
 
 func (p *pipeline) run(ctx context.Context) error {
+	defer p.r.closeTxSpan()
 	for {
 		ev, err := p.st.Next(ctx)
 		if err != nil {
@@ -74,6 +75,7 @@ func (p *pipeline) run(ctx context.Context) error {
 		case *replication.Commit:
 			p.tx.Commit(e.EndLSN)
 			p.tx = nil
+			p.r.closeTxSpan()
 		case *replication.Truncate:
 			names := make([]string, len(e.Relations))
 			for i, rel := range e.Relations {
@@ -179,6 +181,7 @@ func (p *pipeline) deadLetter(ctx context.Context, dl *router.Message, reason er
 // publishEvent publishes a routed event.
 func (p *pipeline) publishEvent(ctx context.Context, rm *router.Message) error {
 	o := &outbound{r: p.r, tx: p.tx, commitTime: p.commit.Time, rm: rm}
+	p.r.startSpan(o)
 	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetterRecord, Done: o.settled}
 	o.tx.Add()
 	return p.publish(ctx, p.events(), &o.msg)
@@ -191,11 +194,13 @@ type outbound struct {
 	tx         *watermark.Tx
 	commitTime time.Time
 	rm         *router.Message // nil for a dead-letter record
+	span       *txSpan         // the relay span, when on (tracing.go)
 }
 
 // settled is the message's Done.
 func (o *outbound) settled(res publisher.Result) {
 	o.tx.Settle()
+	o.endSpan(res)
 	o.r.obs.Settled(res, o.commitTime)
 }
 

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
@@ -123,6 +124,14 @@ type Relay struct {
 	// endSession ends the running replication session with a cause; nil
 	// between sessions.
 	endSession atomic.Pointer[context.CancelCauseFunc]
+	// tracer makes relay spans when set (tracing.go); spanName is theirs.
+	// The open transaction's span and what it covers belong to the
+	// pipeline goroutine.
+	tracer       trace.Tracer
+	spanName     string
+	txSpan       *txSpan
+	txSpanParent string
+	txSpanCommit replication.LSN
 }
 
 // ErrInvalidOption is wrapped by the error New returns for a bad Option.
@@ -133,9 +142,10 @@ var ErrInvalidOption = errors.New("invalid relay option")
 type Option func(*options) error
 
 type options struct {
-	log   *zap.Logger
-	obs   Observer
-	ready func(bool)
+	log    *zap.Logger
+	obs    Observer
+	ready  func(bool)
+	tracer trace.Tracer // nil: no relay spans (tracing.go)
 }
 
 // WithLogger sets the logger (default: no logging); it must not be nil.
@@ -174,7 +184,7 @@ func WithReadiness(f func(bool)) Option {
 }
 
 // New builds a relay publishing through nc. Run starts it. Options:
-// WithLogger, WithObserver, WithReadiness.
+// WithLogger, WithObserver, WithReadiness, WithTracerProvider.
 func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	o := options{log: zap.NewNop(), obs: NopObserver{}, ready: func(bool) {}}
 	for _, opt := range opts {
@@ -206,8 +216,9 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	if cfg.PublicationCheck <= 0 {
 		cfg.PublicationCheck = DefaultPublicationCheck
 	}
-	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready}
+	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready, tracer: o.tracer}
 	r.durable.Store(-1)
+	r.spanName = "publish " + cfg.Stream.Name
 	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
 	if err != nil {
 		return nil, err

@@ -109,6 +109,14 @@ type ColumnsConfig struct {
 	// is NULL, the Outbox-Occurred-At header is omitted. A column named here
 	// must exist in the table.
 	OccurredAt string `yaml:"occurred_at"`
+	// Traceparent and Tracestate are the W3C trace context columns,
+	// published as the traceparent and tracestate headers so that
+	// consumers continue the writer's trace. Empty means "traceparent"
+	// ("tracestate") if the table has it; a NULL value omits the header;
+	// TraceOff ("-") maps none. A column named here must exist in the
+	// table.
+	Traceparent string `yaml:"traceparent"`
+	Tracestate  string `yaml:"tracestate"`
 }
 
 // tableRule is a validated TableConfig in the form Route uses.
@@ -131,6 +139,8 @@ type tableRule struct {
 	extras                                      []extraHeader // sorted by header name
 	// ceSource is the ce-source value; empty when CloudEvents mode is off.
 	ceSource string
+	// trace maps the trace context columns (tracecontext.go).
+	trace []traceHeader
 }
 
 type extraHeader struct {
@@ -359,6 +369,7 @@ func (t *tableCompiler) headers() {
 		r.extras = append(r.extras, extraHeader{column: column, header: h})
 	}
 	sort.Slice(r.extras, func(a, b int) bool { return r.extras[a].header < r.extras[b].header })
+	r.trace = compileTrace(&tc.Columns, byName, t.bad)
 }
 
 // cloudEvents checks the CloudEvents settings.

@@ -31,6 +31,15 @@
 // beside the contract's, never instead of them. Their values reuse the
 // strings of the contract headers, and they count against the header limits.
 //
+// # Trace context
+//
+// The W3C trace context columns (traceparent and tracestate, which
+// outbox.Writer fills from the writer's span) become the traceparent and
+// tracestate headers, by default whenever the table has them: they are
+// added to the table's extra headers when its relation is planned, so a
+// table without them routes exactly as before and Route itself knows
+// nothing of tracing. See https://www.w3.org/TR/trace-context/.
+//
 // # Subjects and escaping
 //
 // A subject template such as "outbox.{aggregate_type}.{aggregate_id}" may

@@ -196,6 +196,7 @@ func (p *plan) compile() {
 			header: e.header,
 		})
 	}
+	p.compileTrace(missing)
 }
 
 // maxKeptScratch is the largest scratch buffer Route keeps between rows.

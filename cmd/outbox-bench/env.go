@@ -151,17 +151,21 @@ type benchDB struct {
 // loadProcedure writes outbox rows in transactions of perTx rows with
 // COMMIT inside the procedure: no client round trip per transaction, so a
 // 200,000-transaction backlog loads in seconds. Row g goes to aggregate
-// g % aggs with version g / aggs + 1, so ranges of g never collide.
+// g % aggs with version g / aggs + 1, so ranges of g never collide. With
+// traced, each transaction's rows carry one sampled W3C traceparent, as
+// rows written by outbox.Writer in a traced request (tracing.go).
 const loadProcedure = `
-CREATE PROCEDURE bench_load(first bigint, last bigint, per_tx int, aggs int, pad int)
+CREATE PROCEDURE bench_load(first bigint, last bigint, per_tx int, aggs int, pad int, traced boolean DEFAULT false)
 LANGUAGE plpgsql AS $$
 DECLARE
   i bigint := first;
 BEGIN
   WHILE i < last LOOP
-    INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload)
+    INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, traceparent)
     SELECT gen_random_uuid(), 'order', 'agg-' || (g % aggs), g / aggs + 1, 'OrderPlaced',
-           jsonb_build_object('seq', g, 'note', repeat('x', pad), 'customer', 'customer-' || (g % aggs), 'amount_cents', (g * 7919) % 100000)
+           jsonb_build_object('seq', g, 'note', repeat('x', pad), 'customer', 'customer-' || (g % aggs), 'amount_cents', (g * 7919) % 100000),
+           -- traced: one sampled writer span per transaction
+           CASE WHEN traced THEN '00-' || md5('t' || i) || '-' || left(md5('s' || i), 16) || '-01' END
     FROM generate_series(i, least(i + per_tx, last) - 1) AS g;
     COMMIT;
     i := i + per_tx;

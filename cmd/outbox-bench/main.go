@@ -54,6 +54,8 @@ type options struct {
 	drainTimeout   time.Duration
 	repeat         int
 	relayEnv       []string
+	relayConfig    string // appended to the relay's configuration file
+	tracingPerTx   int
 	quietWait      time.Duration
 	workDir        string
 	// consumer and e2e phases
@@ -115,7 +117,8 @@ func parseFlags(args []string) (*options, error) {
 	fs.Int64Var(&o.largeBacklog, "large-backlog", 2000000, "--large: events of the large backlog (100 rows/tx)")
 	fs.Int64Var(&o.largeTx, "large-tx", 1000000, "--large: rows of the huge transaction")
 	fs.StringVar(&o.profileDir, "profile-dir", "", "write CPU profiles of the decode reader and the relay drains here")
-	phases := fs.String("phases", "broker,drain,latency,consumer,e2e", "phases to run: broker, drain, latency, consumer, e2e (and large, implied by --large)")
+	phases := fs.String("phases", "broker,drain,tracing,latency,consumer,e2e", "phases to run: broker, drain, tracing (drain with relay spans off and on), latency, consumer, e2e (and large, implied by --large)")
+	fs.IntVar(&o.tracingPerTx, "tracing-rows-per-tx", 100, "tracing: rows per transaction of the traced backlog")
 	fs.IntVar(&o.consumerWorkers, "consumer-workers", consumer.DefaultWorkers, "consumer, e2e: the consumer's Workers (and the apply ceiling's connections)")
 	fs.IntVar(&o.consumerBatch, "consumer-batch", consumer.DefaultBatchSize, "consumer, e2e: the consumer's BatchSize for the batched runs (and the apply ceiling's)")
 	fs.IntVar(&o.consumerPending, "consumer-max-ack-pending", 0, "consumer, e2e: the consumer's MaxAckPending (0: the library's default)")
@@ -207,6 +210,8 @@ type results struct {
 	// offered load.
 	BrokerPaced []brokerPaced `json:"broker_paced,omitempty"`
 	Large       []largeResult `json:"large,omitempty"`
+	// Tracing is the drain with relay spans off and on.
+	Tracing *tracingResult `json:"tracing,omitempty"`
 	// Consumer holds the consumer and end-to-end phases, measured with
 	// PostgreSQL at durable settings.
 	Consumer *consumerPhase `json:"consumer,omitempty"`
@@ -308,6 +313,11 @@ func run(ctx context.Context, o *options) error {
 				return fmt.Errorf("drain %d rows/tx: %w", perTx, err)
 			}
 			res.Backlogs = append(res.Backlogs, b)
+		}
+	}
+	if o.phases["tracing"] {
+		if res.Tracing, err = tracingDrain(ctx, o, env, o.tracingPerTx); err != nil {
+			return fmt.Errorf("tracing drain: %w", err)
 		}
 	}
 	if o.phases["latency"] {

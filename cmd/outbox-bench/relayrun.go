@@ -64,7 +64,7 @@ http:
   pprof: %t
 log:
   level: warn
-`, db.url, slot, db.publication, env.natsURL, r.stream, r.dlq, subject, subject, listen, pprofOn)
+%s`, db.url, slot, db.publication, env.natsURL, r.stream, r.dlq, subject, subject, listen, pprofOn, o.relayConfig)
 	cfgPath := filepath.Join(workDir, slot+".yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		return nil, err

@@ -42,6 +42,9 @@ func judge(r *results) []target {
 	for _, l := range r.Large {
 		add("peak RSS, "+l.Name+" (MB)", l.Relay.PeakRSSMB, 64, true)
 	}
+	if t := r.Tracing; t != nil {
+		add(fmt.Sprintf("drain, relay spans on ÷ off (%d rows/tx)", t.RowsPerTx), t.Ratio, 0.95, false)
+	}
 	return append(ts, judgeConsumer(r)...)
 }
 
@@ -89,6 +92,19 @@ func printTable(w io.Writer, r *results) {
 		if line := budgetLine(b); line != "" {
 			fmt.Fprintln(w, line)
 		}
+	}
+	if t := r.Tracing; t != nil {
+		fmt.Fprintf(w, "\nTracing: %s events, %d rows/tx, each row with a sampled traceparent; relay spans exported over OTLP/HTTP to a sink in this process\n", num(float64(t.Events)), t.RowsPerTx)
+		row("", "events/s", "seconds", "CPU s/100k", "peak RSS MB", "machine cores")
+		for _, x := range []struct {
+			name string
+			d    drainResult
+		}{{"relay, spans off", t.Off}, {"relay, spans on", t.On}} {
+			row(x.name, num(x.d.Rate), f2(x.d.Seconds), f3(x.d.CPUPer100k), f1(x.d.PeakRSSMB), f2(x.d.MachineCores))
+		}
+		row("on ÷ off", f3(t.Ratio), "", f3(ratio(t.On.CPUPer100k, t.Off.CPUPer100k)), "", "")
+		tw.Flush()
+		fmt.Fprintf(w, "spans exported in the best spans-on run: %s (%s bytes of OTLP)\n", num(float64(t.SpansExported)), num(float64(t.ExportBytes)))
 	}
 	if len(r.Latency) > 0 {
 		fmt.Fprintf(w, "\nLatency, 1-row transactions from a writer pool (ms). commit→ack: pgoutput commit timestamp to JetStream store time;\ninsert→delivery: writer clock before INSERT to consumer receipt")

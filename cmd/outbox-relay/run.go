@@ -73,6 +73,11 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	obs := &standbyObserver{Relay: metrics.NewRelay(reg, relayGauges(&rlp, streaming))}
+	traceOpts, flushSpans, err := setupTracing(ctx, cfg.Tracing, log)
+	if err != nil {
+		return err
+	}
+	defer flushSpans()
 	standingBy := func() bool { return connected() && obs.recent(standbyFresh) }
 
 	g, gctx := errgroup.WithContext(ctx)
@@ -82,7 +87,7 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 		}
 	}
 	g.Go(func() error {
-		err := startAndRun(gctx, cfg, log, obs, reg, &rlp, &ncp, &ready)
+		err := startAndRun(gctx, cfg, log, obs, reg, &rlp, &ncp, &ready, traceOpts...)
 		if err == nil || gctx.Err() != nil && errors.Is(err, gctx.Err()) {
 			// Done, or stopped while still waiting for a server: stop the
 			// HTTP server too.
@@ -101,7 +106,7 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 		}
 		return err
 	})
-	err := g.Wait()
+	err = g.Wait()
 	if nc := ncp.Load(); nc != nil {
 		nc.Close()
 	}
@@ -212,7 +217,7 @@ func serveHTTP(ctx context.Context, g *errgroup.Group, c config.HTTP, h http.Han
 // are waited for, with backoff; refusals that need an operator end it at
 // once), builds the relay and streams until ctx ends.
 func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs relay.Observer, reg prometheus.Registerer,
-	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool) error {
+	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool, opts ...relay.Option) error {
 	nc, err := dialNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
 	if err != nil {
 		return err
@@ -228,7 +233,7 @@ func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs re
 			mon.refresh()
 		}
 	}
-	rl, err := relay.New(cfg.Relay(), nc, relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(readiness))
+	rl, err := relay.New(cfg.Relay(), nc, append([]relay.Option{relay.WithLogger(log), relay.WithObserver(obs), relay.WithReadiness(readiness)}, opts...)...)
 	if err != nil {
 		return err
 	}

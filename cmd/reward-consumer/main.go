@@ -32,6 +32,11 @@
 // others take a dead copy's partitions over (docs/consumer.md "Consumer
 // groups").
 //
+// Traces: with OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER=otlp)
+// set, each message's transaction is a span exported over OTLP (HTTP, or
+// gRPC with OTEL_EXPORTER_OTLP_PROTOCOL=grpc), a child of the trace context
+// the event carries; without them, no spans.
+//
 // REWARD_CONSUMER_TEST_CRASH_AFTER_COMMIT, for fault tests only, names a
 // file: after the first transaction commits, the process writes the event
 // id there and hangs before acknowledging, waiting to be killed.
@@ -56,11 +61,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/internal/logging"
 	"github.com/outbox-relay/outbox-relay/internal/reward"
+	"github.com/outbox-relay/outbox-relay/internal/telemetry"
 )
 
 const envPrefix = "REWARD_CONSUMER_"
@@ -207,6 +214,22 @@ func run() error {
 		cfg.Group = &consumer.GroupConfig{Partitions: o.groupPartitions, Member: o.groupMember}
 	}
 	opts := []consumer.Option{consumer.WithLogger(log), consumer.WithRegisterer(reg)}
+	// Spans when the OTEL_* variables name an exporter (README, "Tracing").
+	tr, err := telemetry.Setup(ctx, os.Getenv, "reward-consumer")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := tr.Shutdown(sctx); err != nil {
+			log.Warn("flush trace spans", zap.Error(err))
+		}
+	}()
+	if tr.Provider != nil {
+		log.Info("tracing on", zap.String("exporter", tr.Exporter))
+		opts = append(opts, consumer.WithTracerProvider(tr.Provider))
+	}
 	if path := os.Getenv(envPrefix + "TEST_CRASH_AFTER_COMMIT"); path != "" {
 		opts = append(opts, consumer.WithAfterCommit(crashAfterCommit(path)))
 	}

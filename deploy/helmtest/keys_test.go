@@ -151,7 +151,7 @@ func TestKeyCheckerCatches(t *testing.T) {
 		name, config, want string
 	}{
 		{"misspelt key", "nats:\n  max_inflight: 10\n", "nats.max_inflight: not a configuration key"},
-		{"unknown section", "tracing:\n  enabled: true\n", "tracing: not a configuration key"},
+		{"unknown section", "telemetry:\n  enabled: true\n", "telemetry: not a configuration key"},
 		{"key in a table", "tables:\n  - table: public.outbox\n    colums: {}\n", "tables[0].colums: not a configuration key"},
 		{"map for a scalar", "postgres:\n  slot:\n    name: x\n", "postgres.slot: a map"},
 		{"scalar for a map", "nats: nats://x\n", "nats: a scalar"},

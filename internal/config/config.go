@@ -56,6 +56,9 @@ type Config struct {
 	Metrics Metrics `yaml:"metrics"`
 	// Reconcile configures the relay's periodic reconciliation.
 	Reconcile Reconcile `yaml:"reconcile"`
+	// Tracing configures the relay's own OpenTelemetry spans; the exporter
+	// comes from the standard OTEL_* environment variables.
+	Tracing Tracing `yaml:"tracing"`
 
 	// Warnings are Load's remarks on its input that did not stop it, for
 	// the caller to show.
@@ -169,6 +172,15 @@ type HTTP struct {
 	// grants), so the metrics that explain it can be scraped before the
 	// process exits non-zero.
 	LingerOnError time.Duration `yaml:"linger_on_error"`
+}
+
+// Tracing configures OpenTelemetry tracing (README, "Tracing").
+type Tracing struct {
+	// RelaySpans makes the relay emit a span per writer span and
+	// transaction for rows that carry a trace context, a child of the
+	// writer's span, from routing the first row to the ack of the last.
+	// Off by default: the trace context headers are relayed either way.
+	RelaySpans bool `yaml:"relay_spans"`
 }
 
 // Log configures logging.

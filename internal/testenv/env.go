@@ -1,6 +1,7 @@
 package testenv
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -157,7 +158,8 @@ func (d *Database) ExecFile(t testing.TB, path string) {
 	}
 }
 
-// RepoRoot returns the module's root directory (the one holding go.mod).
+// RepoRoot returns the relay module's root directory (the one holding its
+// go.mod), also from a nested module's test.
 func RepoRoot(t testing.TB) string {
 	t.Helper()
 	dir, err := os.Getwd()
@@ -165,7 +167,9 @@ func RepoRoot(t testing.TB) string {
 		t.Fatal(err)
 	}
 	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+		// The relay's module, not a nested one (deploy/otlptest) above
+		// the test's directory.
+		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && bytes.HasPrefix(b, []byte("module github.com/outbox-relay/outbox-relay\n")) {
 			return dir
 		}
 		parent := filepath.Dir(dir)
