@@ -314,6 +314,12 @@ func (r *RelayDLQ) ensureAuditStream(ctx context.Context) error {
 		Replicas: max(r.auditReplicas, 1),
 	})
 	if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+		// Two operators creating it at once: the server may refuse the
+		// second with another error than "already in use" (10049, error
+		// creating store); the stream the first created is as good.
+		if _, serr := r.js.Stream(ctx, r.auditStream); serr == nil {
+			return nil
+		}
 		return fmt.Errorf("create audit stream %s: %w", r.auditStream, err)
 	}
 	return nil

@@ -32,7 +32,7 @@ func TestOneTraceWriterRelayConsumer(t *testing.T) {
 			for _, s := range exp.GetSpans() {
 				attrs := map[string]string{}
 				for _, kv := range s.Attributes {
-					attrs[string(kv.Key)] = kv.Value.Emit()
+					attrs[string(kv.Key)] = kv.Value.String()
 				}
 				spans = append(spans, tracingtest.Span{Name: s.Name, Kind: s.SpanKind, TraceID: s.SpanContext.TraceID(),
 					SpanID: s.SpanContext.SpanID(), ParentSpanID: s.Parent.SpanID(), Attributes: attrs})

@@ -135,19 +135,6 @@ func (s *scenario) set(path string, v any) {
 	m[parts[len(parts)-1]] = v
 }
 
-// get returns a configuration value set earlier.
-func (s *scenario) get(path string) any {
-	var cur any = s.cfg
-	for _, p := range strings.Split(path, ".") {
-		m, ok := cur.(map[string]any)
-		if !ok {
-			return nil
-		}
-		cur = m[p]
-	}
-	return cur
-}
-
 // writeConfig writes the configuration to a new file and returns its path.
 func (s *scenario) writeConfig() string {
 	s.t.Helper()
