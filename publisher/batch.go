@@ -508,7 +508,7 @@ func (b *Batch) answer(a batchAnswer) {
 	r, seq := a.r, a.seq
 	switch {
 	case a.noResponders:
-		b.failBatch(&PublishError{Subject: b.subjectAt(seq), Class: "no_responders", Err: ErrTransient})
+		b.failBatch(&PublishError{Subject: b.subjectAt(seq), Class: ClassNoResponders, Err: ErrTransient})
 		// Nothing reached a stream: no final answer comes.
 		b.finish(b.acked)
 	case r.Type == "ack" && r.Seq > b.seq:
@@ -550,7 +550,7 @@ func (b *Batch) pubAckAnswer(seq uint64, r batchReply, data []byte) {
 		// Not the stream's answer: nothing is known to be stored.
 		b.log.Warn("bad batch ack: the answer names another stream; failing the batch (is something other than JetStream answering on the subjects?)",
 			zap.String("want_stream", b.stream), zap.String("acked_by_stream", r.Stream), zap.String("batch", r.Batch))
-		b.failBatch(&PublishError{Subject: b.subjectAt(seq), Class: "bad_ack", Err: fmt.Errorf("%w: batch answer from stream %q, want %q", ErrTransient, r.Stream, b.stream)})
+		b.failBatch(&PublishError{Subject: b.subjectAt(seq), Class: ClassBadAck, Err: fmt.Errorf("%w: batch answer from stream %q, want %q", ErrTransient, r.Stream, b.stream)})
 		b.finishUnanswered()
 	case r.Batch != "" && (r.Batch != b.id || r.Count > b.seq):
 		b.failBatch(fmt.Errorf("%w: batch %s committed with %d messages, %d sent in batch %s", ErrTransient, r.Batch, r.Count, b.seq, b.id))
@@ -691,7 +691,7 @@ func failureClass(err error) string {
 	if errors.As(err, &pe) {
 		return pe.Class
 	}
-	return "batch"
+	return ClassBatch
 }
 
 // sendIsolated hands the first unconfirmed message to the per-key
@@ -732,10 +732,10 @@ func (b *Batch) tick() {
 	now := time.Now()
 	switch {
 	case b.state == batchOpen && b.sent > 0 && now.Sub(b.lastAck) > b.cfg.AckTimeout && now.Sub(b.queue[b.head].first) > b.cfg.AckTimeout:
-		b.failBatch(&PublishError{Subject: b.stream, Class: "timeout", Err: fmt.Errorf("%w: no batch ack within %s", ErrTransient, b.cfg.AckTimeout)})
+		b.failBatch(&PublishError{Subject: b.stream, Class: ClassTimeout, Err: fmt.Errorf("%w: no batch ack within %s", ErrTransient, b.cfg.AckTimeout)})
 		// Ask for the count; a silent server gets endBy.
 	case b.state == batchEnding && now.After(b.endBy):
-		b.failBatch(&PublishError{Subject: b.stream, Class: "timeout", Err: fmt.Errorf("%w: no final batch answer", ErrTransient)})
+		b.failBatch(&PublishError{Subject: b.stream, Class: ClassTimeout, Err: fmt.Errorf("%w: no final batch answer", ErrTransient)})
 		b.finishUnanswered()
 	}
 }

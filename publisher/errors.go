@@ -24,6 +24,30 @@ var (
 	ErrInvalidOption = errors.New("invalid publisher option")
 )
 
+// Classes of a PublishError (PublishError.Class), the label values of the
+// relay's retry and dead-letter metrics.
+const (
+	// Transient: the publish is retried.
+	ClassConnection   = "connection"
+	ClassNoResponders = "no_responders"
+	ClassBadAck       = "bad_ack"
+	ClassTimeout      = "timeout"
+	ClassAPIError     = "api_error"
+	// ClassBatch: a batch failed without a PublishError of its own.
+	ClassBatch = "batch"
+	// Rejections: the message is dead-lettered.
+	ClassStreamMismatch = "stream_mismatch"
+	ClassNoStream       = "no_stream"
+	// The broker refused the message's size: the same classes as the
+	// router's own size checks (router.ClassTooLarge, ClassHeaderTooLarge).
+	ClassTooLarge       = "too_large"
+	ClassHeaderTooLarge = "header_too_large"
+)
+
+// RetryClasses are the classes of the transient failures, which are
+// retried.
+var RetryClasses = []string{ClassConnection, ClassNoResponders, ClassBadAck, ClassTimeout, ClassAPIError, ClassBatch}
+
 // PublishError describes why one publish attempt failed.
 type PublishError struct {
 	Subject string
@@ -62,13 +86,13 @@ const (
 func classifyAPIError(subject string, api *jetstream.APIError) *PublishError {
 	switch api.ErrorCode {
 	case jetstream.JSErrCodeStreamMessageExceedsMaximum:
-		return &PublishError{Subject: subject, Class: "too_large", API: api, Err: ErrRejected}
+		return &PublishError{Subject: subject, Class: ClassTooLarge, API: api, Err: ErrRejected}
 	case errCodeHeaderTooLarge:
-		return &PublishError{Subject: subject, Class: "header_too_large", API: api, Err: ErrRejected}
+		return &PublishError{Subject: subject, Class: ClassHeaderTooLarge, API: api, Err: ErrRejected}
 	case errCodeStreamMismatch:
-		return &PublishError{Subject: subject, Class: "stream_mismatch", API: api, Err: ErrRejected}
+		return &PublishError{Subject: subject, Class: ClassStreamMismatch, API: api, Err: ErrRejected}
 	}
 	// Anything else (stream full with discard=new, storage failure, no
 	// leader, limits) may clear up; stopping beats dropping.
-	return &PublishError{Subject: subject, Class: "api_error", API: api, Err: ErrTransient}
+	return &PublishError{Subject: subject, Class: ClassAPIError, API: api, Err: ErrTransient}
 }

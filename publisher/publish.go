@@ -371,12 +371,12 @@ func (p *Publisher) send(pd *pending) {
 	delete(p.inflight, seq)
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
-		p.fail(pd, &PublishError{Subject: m.Subject, Class: "too_large", Err: fmt.Errorf("%w: %v", ErrRejected, err)})
+		p.fail(pd, &PublishError{Subject: m.Subject, Class: ClassTooLarge, Err: fmt.Errorf("%w: %v", ErrRejected, err)})
 	case errors.Is(err, nats.ErrConnectionClosed):
 		p.close(fmt.Errorf("%w: nats connection closed", ErrClosed))
 	default:
 		// Reconnect buffer full, connection draining: retry later.
-		p.fail(pd, &PublishError{Subject: m.Subject, Class: "connection", Err: fmt.Errorf("%w: %v", ErrTransient, err)})
+		p.fail(pd, &PublishError{Subject: m.Subject, Class: ClassConnection, Err: fmt.Errorf("%w: %v", ErrTransient, err)})
 	}
 }
 
@@ -435,10 +435,10 @@ func (p *Publisher) answer(r ackReply) {
 	switch {
 	case r.noResponders:
 		pd.noResp++
-		p.fail(pd, &PublishError{Subject: subject, Class: "no_responders", Err: ErrTransient})
+		p.fail(pd, &PublishError{Subject: subject, Class: ClassNoResponders, Err: ErrTransient})
 		return
 	case r.bad != nil:
-		p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: %v", ErrTransient, r.bad)})
+		p.fail(pd, &PublishError{Subject: subject, Class: ClassBadAck, Err: fmt.Errorf("%w: %v", ErrTransient, r.bad)})
 		return
 	case r.api != nil:
 		p.fail(pd, classifyAPIError(subject, r.api))
@@ -450,7 +450,7 @@ func (p *Publisher) answer(r ackReply) {
 			p.log.Warn("bad ack: the answer names another stream than the one meant to store the message; retrying (is something other than JetStream answering on the subject?)",
 				zap.String("subject", subject), zap.String("want_stream", want), zap.String("acked_by_stream", pd.ack.Stream),
 				zap.Uint64("acked_seq", pd.ack.Sequence), zap.String("acked_domain", pd.ack.Domain), zap.Int("attempts", pd.attempts))
-			p.fail(pd, &PublishError{Subject: subject, Class: "bad_ack", Err: fmt.Errorf("%w: ack from stream %q, want %q", ErrTransient, pd.ack.Stream, want)})
+			p.fail(pd, &PublishError{Subject: subject, Class: ClassBadAck, Err: fmt.Errorf("%w: ack from stream %q, want %q", ErrTransient, pd.ack.Stream, want)})
 			return
 		}
 	}
@@ -541,7 +541,7 @@ func (p *Publisher) tick(ctx context.Context) {
 				break
 			}
 			delete(p.inflight, a.seq)
-			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: "timeout", Err: fmt.Errorf("%w: no ack within %s", ErrTransient, p.cfg.AckTimeout)})
+			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: ClassTimeout, Err: fmt.Errorf("%w: no ack within %s", ErrTransient, p.cfg.AckTimeout)})
 		}
 		p.attHead++
 	}
@@ -591,7 +591,7 @@ func (p *Publisher) lookedUp(l lookupResult) {
 	pd := l.pd
 	delete(p.checking, pd)
 	if errors.Is(l.err, ErrNoStream) {
-		p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: "no_stream", Err: fmt.Errorf("%w: %w", ErrRejected, ErrNoStream)})
+		p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: ClassNoStream, Err: fmt.Errorf("%w: %w", ErrRejected, ErrNoStream)})
 		return
 	}
 	if l.err != nil {

@@ -25,12 +25,8 @@ type Relay struct {
 var deadLetterClasses = []string{
 	router.ClassMissingColumn, router.ClassNullField, router.ClassInvalidField,
 	router.ClassSubjectTooLong, router.ClassTooLarge, router.ClassHeaderTooLarge, router.ClassUnknownTable,
-	router.ClassRejectedByBroker, "stream_mismatch", "no_stream",
+	router.ClassRejectedByBroker, publisher.ClassStreamMismatch, publisher.ClassNoStream,
 }
-
-// retryClasses are the failure classes of outbox_relay_publish_retries_total
-// (publisher.PublishError.Class of a transient failure).
-var retryClasses = []string{"connection", "no_responders", "bad_ack", "timeout", "api_error", "batch"}
 
 // Gauges are read at scrape time.
 type Gauges struct {
@@ -109,7 +105,7 @@ func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
 	for _, c := range deadLetterClasses {
 		m.deadLettered.WithLabelValues(c)
 	}
-	for _, c := range retryClasses {
+	for _, c := range publisher.RetryClasses {
 		m.retries.WithLabelValues(c)
 	}
 	gauge := func(name, help string, f func() float64) {
