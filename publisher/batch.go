@@ -86,7 +86,7 @@ type Batch struct {
 type batchState struct {
 	queue []*bpending // unsettled, in publish order, from head
 	free  []*bpending // settled, for reuse
-	// pubAck is what Result.Ack points to: fast-ingest acks carry no
+	// pubAck is what Result.Ack holds: fast-ingest acks carry no
 	// per-message stream sequence, so it names the stream only.
 	pubAck jetstream.PubAck
 	head   int
@@ -607,7 +607,7 @@ func (b *Batch) ack(n uint64) {
 		b.queue[b.head] = nil
 		b.head++
 		b.sent--
-		b.settle(pd, Result{Ack: &b.pubAck, Attempts: 1})
+		b.settle(pd, Result{Ack: b.pubAck, Attempts: 1})
 	}
 	b.queue, b.head = compactFront(b.queue, b.head)
 }

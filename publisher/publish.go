@@ -40,9 +40,8 @@ type Message struct {
 
 // Result is the outcome of a settled message.
 type Result struct {
-	// Ack is the broker's acknowledgement. It is valid only until Done
-	// returns: the publisher reuses it for a later message.
-	Ack *jetstream.PubAck
+	// Ack is a copy of the broker's acknowledgement: Done may keep it.
+	Ack jetstream.PubAck
 	// DeadLettered is set when the broker rejected the message and its
 	// dead-letter record was stored instead; Reason says why.
 	DeadLettered bool
@@ -455,7 +454,7 @@ func (p *Publisher) answer(r ackReply) {
 		}
 	}
 	p.obs.Published(subject, pd.ack.Duplicate, time.Since(pd.first))
-	p.settle(pd, Result{Ack: &pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
+	p.settle(pd, Result{Ack: pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
 }
 
 // fail handles a failed attempt: dead-letter a permanent rejection, retry

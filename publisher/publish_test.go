@@ -73,7 +73,7 @@ func TestAckTimeoutRetry(t *testing.T) {
 	m := &publisher.Message{Subject: "acktest.a", Key: "a", Data: []byte("x"), Done: func(r publisher.Result) {
 		settled.Add(1)
 		o := outcome{attempts: r.Attempts}
-		if r.Ack != nil {
+		if r.Ack.Stream != "" {
 			o.seq, o.acked = r.Ack.Sequence, true
 		}
 		results <- o

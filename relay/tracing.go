@@ -87,9 +87,10 @@ func (c headerGetter) Keys() []string {
 
 // startSpan joins o to the relay span of its row's trace context, starting
 // one for the first row of a writer span in a transaction, and puts the
-// relay span's context in the message's traceparent. The value replaces
-// the header's in its slot, so the router's Release contract holds (keys
-// untouched), and HeaderLen stays exact. Pipeline goroutine only.
+// relay span's context in the message's traceparent (same length, so
+// HeaderLen stays exact). A writer's trace that is not sampled gets no
+// relay span and keeps its traceparent: with sampling in the writer, the
+// relay's cost follows the sampling rate. Pipeline goroutine only.
 func (r *Relay) startSpan(o *outbound) {
 	if r.tracer == nil {
 		return
@@ -101,8 +102,8 @@ func (r *Relay) startSpan(o *outbound) {
 	if s := r.txSpan; s == nil || v[0] != r.txSpanParent || o.rm.Commit.LSN != r.txSpanCommit {
 		r.closeTxSpan()
 		parent := propagation.TraceContext{}.Extract(context.Background(), headerGetter{o.rm})
-		if !trace.SpanContextFromContext(parent).IsValid() {
-			return // an invalid traceparent is published as it is
+		if sc := trace.SpanContextFromContext(parent); !sc.IsValid() || !sc.IsSampled() {
+			return // published as it is: invalid, or a trace nobody records
 		}
 		ctx, span := r.tracer.Start(parent, r.spanName, trace.WithSpanKind(trace.SpanKindProducer),
 			trace.WithAttributes(attrNATS, attribute.String("messaging.destination.name", r.cfg.Stream.Name),
