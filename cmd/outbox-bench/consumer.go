@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -266,36 +267,61 @@ func backlogStream(ctx context.Context, env *benchEnv, events, aggs, pad int) (s
 		return "", nil, nil, err
 	}
 	evs := make([]contract.Event, 0, events)
+	err = publishRouted(ctx, env, prefix, events, aggs, pad, func(m *nats.Msg) error {
+		ev, err := contract.Parse(m.Header, m.Data)
+		evs = append(evs, ev)
+		return err
+	})
+	if err != nil {
+		drop()
+		return "", nil, nil, err
+	}
+	return strings.ToUpper(prefix), evs, drop, nil
+}
+
+// publishRouted publishes events bench rows routed under prefix, in
+// chunks, each acknowledged before the next; each (when not nil) sees
+// every message before it is published.
+func publishRouted(ctx context.Context, env *benchEnv, prefix string, events, aggs, pad int, each func(*nats.Msg) error) error {
 	const chunk = 10000
 	for first := 0; first < events; first += chunk {
 		msgs, _, err := routedMessages(prefix, int64(first), min(chunk, events-first), aggs, pad)
 		if err != nil {
-			drop()
-			return "", nil, nil, err
+			return err
 		}
 		for _, m := range msgs {
-			ev, err := contract.Parse(m.Header, m.Data)
-			if err != nil {
-				drop()
-				return "", nil, nil, err
+			if each != nil {
+				if err := each(m); err != nil {
+					return err
+				}
 			}
-			evs = append(evs, ev)
 			if _, err := env.js.PublishMsgAsync(m); err != nil {
-				drop()
-				return "", nil, nil, err
+				return err
 			}
 		}
 		select {
 		case <-env.js.PublishAsyncComplete():
 		case <-ctx.Done():
-			drop()
-			return "", nil, nil, ctx.Err()
+			return ctx.Err()
 		case <-time.After(time.Minute):
-			drop()
-			return "", nil, nil, errors.New("backlog publish not acknowledged within a minute")
+			return errors.New("backlog publish not acknowledged within a minute")
 		}
 	}
-	return strings.ToUpper(prefix), evs, drop, nil
+	return nil
+}
+
+// startProfile starts a CPU profile of this process into path; stop ends
+// it and closes the file.
+func startProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
 
 // consumerPhases runs the apply ceilings and the consumer runs (phase
@@ -497,15 +523,11 @@ func consumerRun(ctx context.Context, env *benchEnv, stream string, events int, 
 		return f, err
 	}
 	if profile != "" {
-		pf, err := os.Create(profile)
+		stop, err := startProfile(profile)
 		if err != nil {
 			return f, err
 		}
-		defer pf.Close()
-		if err := pprof.StartCPUProfile(pf); err != nil {
-			return f, err
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
 	}
 	pm := db.postmasterPID(ctx)
 	m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()

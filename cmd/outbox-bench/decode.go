@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -75,14 +74,11 @@ func runReader(args []string) error {
 		return fmt.Errorf("start replication: %w", err)
 	}
 	if *cpuprofile != "" {
-		f, err := os.Create(*cpuprofile)
+		stop, err := startProfile(*cpuprofile)
 		if err != nil {
 			return err
 		}
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return err
-		}
-		defer func() { pprof.StopCPUProfile(); f.Close() }()
+		defer stop()
 	}
 
 	var rep readerReport

@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
-	"runtime/pprof"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -51,28 +50,9 @@ func partitionedBacklog(ctx context.Context, env *benchEnv, events, aggs, pad, p
 		return "", nil, err
 	}
 	drop := func() { _ = env.js.DeleteStream(context.Background(), stream) }
-	const chunk = 10000
-	for first := 0; first < events; first += chunk {
-		msgs, _, err := routedMessages(prefix, int64(first), min(chunk, events-first), aggs, pad)
-		if err != nil {
-			drop()
-			return "", nil, err
-		}
-		for _, m := range msgs {
-			if _, err := env.js.PublishMsgAsync(m); err != nil {
-				drop()
-				return "", nil, err
-			}
-		}
-		select {
-		case <-env.js.PublishAsyncComplete():
-		case <-ctx.Done():
-			drop()
-			return "", nil, ctx.Err()
-		case <-time.After(time.Minute):
-			drop()
-			return "", nil, errors.New("partitioned backlog publish not acknowledged within a minute")
-		}
+	if err := publishRouted(ctx, env, prefix, events, aggs, pad, nil); err != nil {
+		drop()
+		return "", nil, err
 	}
 	return stream, drop, nil
 }
@@ -114,15 +94,11 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 		}
 	}
 	if o.profileDir != "" { // the bench process: mostly the NATS server
-		pf, err := os.Create(filepath.Join(o.profileDir, fmt.Sprintf("bench-group-server-%s-%dp.pprof", s.handler(), s.processes)))
+		stop, err := startProfile(filepath.Join(o.profileDir, fmt.Sprintf("bench-group-server-%s-%dp.pprof", s.handler(), s.processes)))
 		if err != nil {
 			return f, err
 		}
-		defer pf.Close()
-		if err := pprof.StartCPUProfile(pf); err != nil {
-			return f, err
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
 	}
 	pm := db.postmasterPID(ctx)
 	m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
@@ -196,8 +172,7 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
-	// The members' CPU is this process's children's: count it before they
-	// are reaped, as the bench process's share.
+	// The members' CPU: read before they exit and are reaped.
 	var members time.Duration
 	for _, c := range cmds {
 		if cpu, err := procCPU(c.Process.Pid); err == nil {
@@ -262,15 +237,11 @@ func runMember(args []string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
 	if *cpuprofile != "" {
-		pf, err := os.Create(*cpuprofile)
+		stop, err := startProfile(*cpuprofile)
 		if err != nil {
 			return err
 		}
-		defer pf.Close()
-		if err := pprof.StartCPUProfile(pf); err != nil {
-			return err
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
 	}
 	pcfg, err := pgxpool.ParseConfig(*pgURL)
 	if err != nil {
