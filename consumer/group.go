@@ -173,11 +173,6 @@ func StreamPartitions(cfg jetstream.StreamConfig) (source string, partitions int
 		return "", 0, fmt.Errorf("%w: stream %s has no partition subject transform: set nats.partitions in the relay config and run `outbox-relay setup` (see docs/consumer.md \"Consumer groups\")",
 			ErrGroupStream, cfg.Name)
 	}
-	n := contract.TransformPartitions(t.Destination)
-	if n == 0 {
-		return "", 0, fmt.Errorf("%w: stream %s transforms %q to %q, which does not end in .<P>.{{partition(P,...)}}: set nats.partitions in the relay config and run `outbox-relay setup` to replace it",
-			ErrGroupStream, cfg.Name, t.Source, t.Destination)
-	}
 	src := t.Source
 	if src == "" {
 		if len(cfg.Subjects) != 1 {
@@ -185,7 +180,22 @@ func StreamPartitions(cfg jetstream.StreamConfig) (source string, partitions int
 		}
 		src = cfg.Subjects[0]
 	}
+	n := contract.TransformPartitions(src, t.Destination)
+	if n == 0 {
+		return "", 0, fmt.Errorf("%w: stream %s transforms %q to %q, which is not the partition transform of this version (for example %q → %q): set nats.partitions in the relay config and run `outbox-relay setup` to replace it",
+			ErrGroupStream, cfg.Name, src, t.Destination, src, exampleTransform(src))
+	}
 	return src, n, nil
+}
+
+// exampleTransform is the partition transform of source into 8, for
+// error messages; the reason when source cannot be partitioned.
+func exampleTransform(source string) string {
+	dst, err := contract.PartitionTransform(source, 8)
+	if err != nil {
+		return err.Error()
+	}
+	return dst
 }
 
 // checkStream checks that the stream is partitioned as the group expects.

@@ -589,7 +589,7 @@ func (g *group) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
 		if err != nil {
 			continue
 		}
-		n, p, ok := contract.SubjectPartition(raw.Subject)
+		n, p, ok := contract.SubjectPartition(g.source, raw.Subject)
 		if !ok {
 			continue
 		}

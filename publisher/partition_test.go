@@ -8,6 +8,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
 )
@@ -15,7 +16,9 @@ import (
 // TestEnsureStreamPartitions: a created stream is partitioned, an existing
 // one without the transform (or with another count) is refused with the
 // fix, and setup (UpdatePartitions) sets it; stored subjects then carry
-// "<P>.<p>", and one aggregate always gets the same partition.
+// "<P>.<p>" before the aggregate id, and one aggregate always gets the same
+// partition. A stream with the transform of the layout before (partition
+// tokens last) is refused the same way, and setup replaces it.
 func TestEnsureStreamPartitions(t *testing.T) {
 	js, err := jetstream.New(connectNATS(t))
 	testenv.Must(t, err, "jetstream")
@@ -55,11 +58,31 @@ func TestEnsureStreamPartitions(t *testing.T) {
 	for seq := uint64(1); seq <= 3; seq++ {
 		m, err := s.GetMsg(ctx, seq)
 		testenv.Must(t, err, "get")
-		if !strings.HasPrefix(m.Subject, name+".order.42.4.") || subj != "" && m.Subject != subj {
-			t.Fatalf("stored subject %q (before %q): want %s.order.42.4.<p>, the same each time", m.Subject, subj, name)
+		n, _, ok := contract.SubjectPartition(name+".*.*", m.Subject)
+		if !ok || n != 4 || !strings.HasPrefix(m.Subject, name+".order.4.") || !strings.HasSuffix(m.Subject, ".42") || subj != "" && m.Subject != subj {
+			t.Fatalf("stored subject %q (before %q): want %s.order.4.<p>.42, the same each time", m.Subject, subj, name)
+		}
+		if pub := contract.PublishedSubject(name+".*.*", m.Subject); pub != name+".order.42" {
+			t.Fatalf("PublishedSubject(%q) = %q, want %s.order.42", m.Subject, pub, name)
 		}
 		subj = m.Subject
 	}
+	// The layout before this one: refused with the fix, replaced by setup.
+	info, err := s.Info(ctx)
+	testenv.Must(t, err, "info")
+	cfg := info.Config
+	cfg.SubjectTransform = &jetstream.SubjectTransformConfig{Source: name + ".*.*", Destination: name + ".{{wildcard(1)}}.{{wildcard(2)}}.8.{{partition(8,1,2)}}"}
+	_, err = js.UpdateStream(ctx, cfg)
+	testenv.Must(t, err, "old layout")
+	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
+		t.Fatalf("old layout: %v, want an error naming setup", err)
+	}
+	spec.UpdatePartitions = true
+	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned ||
+		contract.TransformPartitions(name+".*.*", rep.Info.Config.SubjectTransform.Destination) != 8 {
+		t.Fatalf("setup over the old layout: %+v, %v; want the transform replaced", rep, err)
+	}
+	spec.UpdatePartitions = false
 	// A created stream is partitioned from the start.
 	spec.Name, spec.Subjects, spec.Partitions = name+"_new", []string{name + "_new.*.*"}, 2
 	rep, err = publisher.EnsureStream(ctx, js, spec, true)

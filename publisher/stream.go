@@ -33,8 +33,8 @@ type StreamSpec struct {
 	AllowBatch bool
 
 	// Partitions, when positive, partitions the stream for consumer groups:
-	// a subject transform appends "<Partitions>.<partition>" to every
-	// subject (contract.PartitionTransform). A created stream gets it; an
+	// a subject transform inserts "<Partitions>.<partition>" before every
+	// subject's aggregate id (contract.PartitionTransform). A created stream gets it; an
 	// existing stream without it, or with another count, is refused with
 	// the fix unless UpdatePartitions (`outbox-relay setup`) lets
 	// EnsureStream set it.
@@ -129,6 +129,7 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 		if info, err = ensurePartitions(ctx, js, spec, info, rep); err != nil {
 			return nil, err
 		}
+		rep.Info = info
 	}
 	rep.Durable, rep.DurableReason = Durability(info.Config)
 	if !rep.Durable {

@@ -142,7 +142,11 @@ func (d *demo) rewardFlow(ctx context.Context, pool *pgxpool.Pool, reg *promethe
 	if err != nil {
 		return fmt.Errorf("read event %s back from the stream: %w", dup.EventID, err)
 	}
-	msg := &nats.Msg{Subject: contract.PublishedSubject(orig.Subject), Header: nats.Header{}, Data: orig.Data}
+	subject := orig.Subject
+	if t := stream.CachedInfo().Config.SubjectTransform; t != nil {
+		subject = contract.PublishedSubject(t.Source, subject) // a partitioned stream's stored form
+	}
+	msg := &nats.Msg{Subject: subject, Header: nats.Header{}, Data: orig.Data}
 	for k, v := range orig.Header {
 		msg.Header[k] = append([]string(nil), v...)
 	}
