@@ -62,7 +62,7 @@ func TestSubjectPartition(t *testing.T) {
 		{"outbox.*.*", "outbox.registration.8.3.42", 8, 3, true, "outbox.registration.42"},
 		{"outbox.*.*", "outbox.registration.42", 0, 0, false, "outbox.registration.42"},
 		{"outbox.*.*", "outbox.registration.8.9.42", 0, 0, false, "outbox.registration.8.9.42"}, // p >= n: not a partition
-		{"outbox.*.*", "other.registration.8.3.42", 0, 0, false, "other.registration.8.3.42"},  // another prefix
+		{"outbox.*.*", "other.registration.8.3.42", 0, 0, false, "other.registration.8.3.42"},   // another prefix
 		{"outbox.*.*", "outbox.registration.8.x.42", 0, 0, false, "outbox.registration.8.x.42"},
 		{"app.events.*", "app.events.4.0.7", 4, 0, true, "app.events.7"},
 		{"*", "6.5.x", 6, 5, true, "x"},
