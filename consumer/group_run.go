@@ -45,6 +45,8 @@ type group struct {
 	beatErr   atomic.Pointer[error]
 	lastOwner map[string]time.Time // durable -> when it last had an owner or nothing pending
 
+	roster *roster // the live members, kept by watchRoster
+
 	infoMu sync.Mutex
 	infos  map[string]*jetstream.ConsumerInfo // last listing, for gone()
 }
@@ -84,6 +86,7 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 		errs:      make(chan error, 1),
 		lastOwner: map[string]time.Time{},
 		infos:     map[string]*jetstream.ConsumerInfo{},
+		roster:    newRoster(),
 	}
 	g.beatCount.Store(int64(partitions))
 	if err := g.join(ctx, max(info.Config.Replicas, 1)); err != nil {
@@ -185,7 +188,7 @@ func (g *group) join(ctx context.Context, replicas int) error {
 // agree checks that the live members use this member's partition count.
 func (g *group) agree(ctx context.Context) error {
 	c := g.c
-	members, err := g.members(ctx)
+	members, err := g.listMembers(ctx)
 	if err != nil {
 		return err
 	}
@@ -232,9 +235,10 @@ func (g *group) beat(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// members lists the live members (their last heartbeat is within the
-// bucket's TTL), sorted by id.
-func (g *group) members(ctx context.Context) ([]memberInfo, error) {
+// listMembers lists the members in the bucket (their last heartbeat is
+// within the bucket's TTL), sorted by id: a one-off read when joining,
+// before the roster runs.
+func (g *group) listMembers(ctx context.Context) ([]memberInfo, error) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	w, err := g.kv.WatchAll(ctx, jetstream.IgnoreDeletes())
@@ -320,6 +324,7 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 	bctx, stopBeat := context.WithCancel(ctx)
 	var beating sync.WaitGroup
 	beating.Go(func() { g.beat(bctx, beat) })
+	beating.Go(func() { g.watchRoster(bctx) })
 	defer beating.Wait()
 	defer stopBeat()
 	// Before its first assignment a new member waits one heartbeat, so that

@@ -1,0 +1,122 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// roster is a member's view of the live members of its group, kept by one
+// watch of the group bucket for the whole Run (watchRoster) rather than
+// listed anew at every step. A fresh listing races with the heartbeats:
+// a member whose put replaces its previous entry while the listing's
+// consumer is being created could be missing from that listing, and the
+// lister then took that member's partitions for a step and handed its own
+// back (seen in the consumer-group benchmark: two partitions idle for two
+// seconds, one member's shutdown held for AckWait). A watch sees every
+// heartbeat as it is stored, and costs the server one consumer per member
+// instead of one per member per step.
+//
+// A member counts as live until the bucket's TTL has passed since its last
+// heartbeat was received here (entries the watch reads at its start count
+// from then), or until it deletes its entry when it leaves.
+type roster struct {
+	mu    sync.Mutex
+	seen  map[string]rosterEntry
+	ready chan struct{} // closed once the watch has read the bucket's entries
+	once  sync.Once
+}
+
+type rosterEntry struct {
+	partitions int
+	until      time.Time
+}
+
+func newRoster() *roster {
+	return &roster{seen: map[string]rosterEntry{}, ready: make(chan struct{})}
+}
+
+// live returns the members seen alive, sorted by id.
+func (r *roster) live(now time.Time) []memberInfo {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]memberInfo, 0, len(r.seen))
+	for id, e := range r.seen {
+		if now.Before(e.until) {
+			out = append(out, memberInfo{id: id, partitions: e.partitions})
+		} else {
+			delete(r.seen, id)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].id < out[j].id })
+	return out
+}
+
+func (r *roster) update(e jetstream.KeyValueEntry, ttl time.Duration, now time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if e.Operation() != jetstream.KeyValuePut {
+		delete(r.seen, e.Key()) // the member left
+		return
+	}
+	n, _ := strconv.Atoi(string(e.Value()))
+	r.seen[e.Key()] = rosterEntry{partitions: n, until: now.Add(ttl)}
+}
+
+// watchRoster keeps g.roster until ctx ends, watching again after a watch
+// ends (the connection closed, the bucket was re-created).
+func (g *group) watchRoster(ctx context.Context) {
+	var failing loopHealth
+	for ctx.Err() == nil {
+		err := g.watchOnce(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		failing.report(g.log, "watch group members", err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(g.ttl / 6):
+		}
+	}
+}
+
+func (g *group) watchOnce(ctx context.Context) error {
+	w, err := g.kv.WatchAll(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = w.Stop() }()
+	for {
+		select {
+		case e, ok := <-w.Updates():
+			if !ok {
+				return errWatchEnded
+			}
+			if e == nil {
+				g.roster.once.Do(func() { close(g.roster.ready) })
+				continue
+			}
+			g.roster.update(e, g.ttl, time.Now())
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+// members returns the live members, once the roster has read the bucket.
+func (g *group) members(ctx context.Context) ([]memberInfo, error) {
+	select {
+	case <-g.roster.ready:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return g.roster.live(time.Now()), nil
+}
+
+var errWatchEnded = errors.New("the group bucket's watch ended")
