@@ -245,6 +245,7 @@ func (c *Consumer) newItem(msg jetstream.Msg) *item {
 	if md, err := msg.Metadata(); err == nil {
 		it.m.Stream = md.Stream
 		it.m.StreamSeq = md.Sequence.Stream
+		it.m.Stored = md.Timestamp
 		it.m.Deliveries = md.NumDelivered
 	} else {
 		it.err = fmt.Errorf("read JetStream metadata: %w", err)

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
@@ -422,5 +423,30 @@ func TestLimitsAndFilters(t *testing.T) {
 	}
 	if got := metricValue(t, mustVec(t, f).processed.WithLabelValues("skip", "skipped")); got < 1 {
 		t.Fatalf("skipped = %v", got)
+	}
+}
+
+// The handler sees when JetStream stored the message, which splits an
+// event's lag between the relay and the consumer.
+func TestMessageCarriesStoreTime(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	stored := make(chan time.Time, 1)
+	before := time.Now()
+	f.start(f.baseConfig("stored"), HandlerFunc(func(_ context.Context, _ pgx.Tx, m *Message) error {
+		select {
+		case stored <- m.Stored:
+		default:
+		}
+		return nil
+	}))
+	f.publish(event{ID: uuidN(1), AggID: "s1", Version: 1})
+	select {
+	case ts := <-stored:
+		if ts.Before(before.Add(-time.Second)) || ts.After(time.Now()) {
+			t.Fatalf("Stored = %v, want between %v and now", ts, before)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("the handler was not called")
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"hash"
 	"strconv"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
@@ -25,6 +26,11 @@ type Message struct {
 	// Stream and StreamSeq locate the message in JetStream.
 	Stream    string
 	StreamSeq uint64
+	// Stored is when JetStream stored the message (its metadata
+	// timestamp, the server's clock): Stored minus CommitTime is the
+	// relay's share of the event's lag, the time since Stored the
+	// consumer's. Zero for a replay.
+	Stored time.Time
 	// Deliveries is JetStream's delivery count (1 on first delivery); for a
 	// replay, the count recorded when the message was dead-lettered.
 	Deliveries uint64

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -86,6 +87,21 @@ type e2eResult struct {
 	// Latency at steady offered loads, one message per transaction and
 	// batched.
 	Latency []e2eLatency `json:"latency"`
+	// Floor is what PostgreSQL alone gives at the same offered loads.
+	Floor []e2eFloor `json:"floor"`
+}
+
+// e2eFloor is the latency floor of the end-to-end path on this machine:
+// each event's two durable commits, the writer's INSERT and then the
+// consumer's transaction (its dedup insert and the handler's insert) on
+// another connection, back to back at the offered load, with no relay and
+// no NATS between them.
+type e2eFloor struct {
+	Offered         int       `json:"offered_per_sec"`
+	InsertToApplied quantiles `json:"insert_to_applied"`
+	MachineCores    float64   `json:"machine_cores"`
+	PostgresCores   float64   `json:"postgres_cores"`
+	BenchCores      float64   `json:"bench_cores"`
 }
 
 // e2eLatency is one steady offered load (1-row transactions) through the
@@ -106,6 +122,11 @@ type e2eLatency struct {
 	// again): relay, JetStream, delivery and the worker's queue, without
 	// the consumer's own transaction.
 	CommitToHandler quantiles `json:"commit_to_handler"`
+	// CommitToStored and StoredToHandler split CommitToHandler at the
+	// JetStream timestamp of the message: the relay's part (decode,
+	// publish, store) and the consumer's (delivery and the worker's queue).
+	CommitToStored  quantiles `json:"commit_to_stored"`
+	StoredToHandler quantiles `json:"stored_to_handler"`
 	MachineCores    float64   `json:"machine_cores"`
 	// Batches and BatchedMessages count the consumer's batch transactions
 	// and the messages in them (outbox_consumer_batch_size); the other
@@ -637,8 +658,91 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 			}
 			res.Latency = append(res.Latency, l)
 		}
+		logf("end to end: latency floor at %d events/s, PostgreSQL alone, for %s (+%s warm-up)", rate, o.dur, o.warmup)
+		f, err := e2eFloorRun(ctx, o, env, rate)
+		if err != nil {
+			return nil, fmt.Errorf("latency floor at %d/s: %w", rate, err)
+		}
+		res.Floor = append(res.Floor, f)
 	}
 	return res, nil
+}
+
+// e2eFloorRun measures e2eFloor: offerLoad's writers, each running the
+// consumer's transaction for its event right after the INSERT commits.
+func e2eFloorRun(ctx context.Context, o *options, env *benchEnv, rate int) (e2eFloor, error) {
+	res := e2eFloor{Offered: rate}
+	db, err := consumerDB(ctx, env)
+	if err != nil {
+		return res, err
+	}
+	defer db.drop()
+	total := int(float64(rate) * (o.warmup + o.dur).Seconds())
+	writers := writerCount(rate)
+	period := time.Second / time.Duration(rate)
+	var (
+		ticket atomic.Int64
+		mu     sync.Mutex
+		lat    = make([]time.Duration, 0, total)
+		errs   = make(chan error, writers)
+	)
+	pm := db.postmasterPID(ctx)
+	m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
+	start := time.Now()
+	t0 := start.Add(50 * time.Millisecond)
+	from := t0.Add(o.warmup)
+	spec := consumerSpec{batchSize: 1}
+	for range writers {
+		go func() {
+			errs <- func() error {
+				w, err := db.pool.Acquire(ctx)
+				if err != nil {
+					return err
+				}
+				defer w.Release()
+				c, err := db.pool.Acquire(ctx)
+				if err != nil {
+					return err
+				}
+				defer c.Release()
+				for {
+					i := ticket.Add(1) - 1
+					if i >= int64(total) {
+						return nil
+					}
+					due := t0.Add(time.Duration(i) * period)
+					if d := time.Until(due); d > 0 {
+						time.Sleep(d)
+					}
+					now := time.Now()
+					ev := contract.Event{ID: uuid.NewString(), Type: "OrderPlaced", AggregateType: "order",
+						AggregateID: fmt.Sprintf("agg-%d", i%1000), AggregateVersion: i/1000 + 1,
+						Payload: fmt.Appendf(nil, `{"ins": %d, "seq": %d, "note": "%s", "customer": "customer-%d"}`, now.UnixNano(), i, padding(180), i%1000)}
+					if _, err := w.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'order', $2, $3, 'OrderPlaced', $4)`,
+						ev.ID, ev.AggregateID, ev.AggregateVersion, ev.Payload); err != nil {
+						return err
+					}
+					if err := ceilingTx(ctx, c.Conn(), []contract.Event{ev}, [][]byte{consumer.ContentHash(&ev)}, spec); err != nil {
+						return err
+					}
+					if !now.Before(from) {
+						d := time.Since(now)
+						mu.Lock()
+						lat = append(lat, d)
+						mu.Unlock()
+					}
+				}
+			}()
+		}()
+	}
+	for range writers {
+		err = errors.Join(err, <-errs)
+	}
+	el := time.Since(start).Seconds()
+	res.MachineCores = busyCores(m0, readMachineCPU())
+	res.PostgresCores, res.BenchCores = (treeCPU(pm)-pg0).Seconds()/el, (selfCPU()-b0).Seconds()/el
+	res.InsertToApplied = quantilesOf(lat)
+	return res, err
 }
 
 func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch int) (e2eLatency, error) {
@@ -648,13 +752,15 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 		mu           sync.Mutex
 		ins2ap, c2ap = make([]time.Duration, 0, total), make([]time.Duration, 0, total)
 		c2h          = make([]time.Duration, 0, total)
+		c2s, s2h     = make([]time.Duration, 0, total), make([]time.Duration, 0, total)
 		measureFrom  atomic.Int64 // unix ns; set when the load starts
 	)
 	onHandle := func(m *consumer.Message) {
 		if from := measureFrom.Load(); from != 0 && !m.CommitTime.Before(time.Unix(0, from)) {
-			d := time.Since(m.CommitTime)
+			now := time.Now()
 			mu.Lock()
-			c2h = append(c2h, d)
+			c2h = append(c2h, now.Sub(m.CommitTime))
+			c2s, s2h = append(c2s, m.Stored.Sub(m.CommitTime)), append(s2h, now.Sub(m.Stored))
 			mu.Unlock()
 		}
 	}
@@ -699,6 +805,7 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 	res.Batches, res.BatchedMessages = batchStats(reg)
 	mu.Lock()
 	res.InsertToApplied, res.CommitToApplied, res.CommitToHandler = quantilesOf(ins2ap), quantilesOf(c2ap), quantilesOf(c2h)
+	res.CommitToStored, res.StoredToHandler = quantilesOf(c2s), quantilesOf(s2h)
 	mu.Unlock()
 	return res, err
 }

@@ -66,6 +66,11 @@ func judgeConsumer(r *results) []target {
 		if l, ok := best[[2]int{2000, 2}]; ok {
 			add("insert→applied p99 at 2,000/s, batched (ms)", l.InsertToApplied.P99, 5, true)
 		}
+		for _, f := range e.Floor {
+			if f.Offered == 2000 {
+				ts = append(ts, target{Name: "  floor: the two commits alone at 2,000/s, p99 (ms)", Value: f.InsertToApplied.P99, Info: true})
+			}
+		}
 		// Light load: batching must not make a message wait.
 		one, ok1 := best[[2]int{100, 1}]
 		batched, ok2 := best[[2]int{100, 2}]
@@ -149,6 +154,14 @@ func printConsumer(w io.Writer, r *results) {
 			row("  of which outbox commit→applied", "", "", f2(c.P50), f2(c.P99), f2(c.P999), f2(c.Max), "", batched)
 			hq := l.CommitToHandler
 			row("  of which outbox commit→handler called", "", "", f2(hq.P50), f2(hq.P99), f2(hq.P999), f2(hq.Max), "", "")
+			cs, sh := l.CommitToStored, l.StoredToHandler
+			row("    outbox commit→stored in JetStream (relay)", "", "", f2(cs.P50), f2(cs.P99), f2(cs.P999), f2(cs.Max), "", "")
+			row("    stored→handler called (delivery, worker queue)", "", "", f2(sh.P50), f2(sh.P99), f2(sh.P999), f2(sh.Max), "", "")
+		}
+		for _, f := range e.Floor {
+			q := f.InsertToApplied
+			row(fmt.Sprintf("floor at %s/s: INSERT commit, then the consumer's commit (no relay, no NATS)", num(float64(f.Offered))), "", "",
+				f2(q.P50), f2(q.P99), f2(q.P999), f2(q.Max), f2(f.MachineCores), fmt.Sprintf("%.2f / – / %.2f", f.PostgresCores, f.BenchCores))
 		}
 		tw.Flush()
 	}
