@@ -57,6 +57,7 @@ type consumerFigure struct {
 	Handler   string  `json:"handler"` // per-message or batch
 	BatchSize int     `json:"batch_size"`
 	Processes int     `json:"processes,omitempty"`
+	Workers   int     `json:"workers_per_process,omitempty"` // group runs
 	Events    int     `json:"events"`
 	Seconds   float64 `json:"seconds"`
 	Rate      float64 `json:"events_per_sec"`
@@ -146,6 +147,7 @@ type consumerSpec struct {
 	batch     bool // a BatchHandler: one statement per batch
 	batchSize int
 	processes int // group member processes; 0: one consumer in the bench process
+	workers   int // a group member's workers; 0: --consumer-workers
 }
 
 func (s consumerSpec) handler() string {

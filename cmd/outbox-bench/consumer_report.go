@@ -33,9 +33,18 @@ func judgeConsumer(r *results) []target {
 	}
 	one := map[string]float64{}
 	for _, run := range p.GroupRuns {
-		if run.Processes == 1 {
+		switch base, ok := one[run.Handler]; {
+		case run.Processes == 0:
+			for _, r := range p.Runs {
+				if r.Handler == run.Handler && r.BatchSize == run.BatchSize && r.Rate > 0 {
+					ts = append(ts, target{Name: fmt.Sprintf("  one consumer, %d workers ÷ %d workers, %s handler", run.Workers, p.Workers, run.Handler), Value: run.Rate / r.Rate, Info: true})
+				}
+			}
+		case run.Processes == 1:
 			one[run.Handler] = run.Rate
-		} else if base, ok := one[run.Handler]; ok {
+		case ok && run.Workers < p.Workers:
+			ts = append(ts, target{Name: fmt.Sprintf("  %d processes with %d workers each ÷ 1 process, %s handler", run.Processes, run.Workers, run.Handler), Value: run.Rate / base, Info: true})
+		case ok:
 			add(fmt.Sprintf("%d processes ÷ 1 process, %s handler (group)", run.Processes, run.Handler), run.Rate/base, 1, false)
 		}
 	}
@@ -131,7 +140,7 @@ func printConsumer(w io.Writer, r *results) {
 		tw.Flush()
 	}
 	if len(p.GroupRuns) > 0 {
-		fmt.Fprintf(w, "\nConsumer groups: the same backlog in a stream with %d partitions, member processes of one group (%d workers each), from the first commit to the last\n", p.GroupPartitions, p.Workers)
+		fmt.Fprintf(w, "\nConsumer groups: the same backlog in a stream with %d partitions, member processes of one group (%d workers each unless said), from the first commit to the last\n", p.GroupPartitions, p.Workers)
 		row("", "per tx", "processes", "events/s", "apply ceiling", "÷ ceiling", "PostgreSQL cores", "NATS server (bench) cores", "members cores", "machine cores")
 		for _, run := range p.GroupRuns {
 			row(run.Name, fmt.Sprint(run.BatchSize), fmt.Sprint(run.Processes), num(run.Rate), num(run.Ceiling), f2(run.Ratio), f2(run.PostgresCores), f2(run.BenchCores), f2(run.MemberCores), f2(run.MachineCores))

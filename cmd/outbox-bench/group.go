@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -66,7 +67,8 @@ type memberProgress struct {
 // groupRun drains stream with s.processes member processes of one fresh
 // group into a fresh database.
 func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, events int, s consumerSpec) (consumerFigure, error) {
-	f := consumerFigure{Name: s.name, Handler: s.handler(), BatchSize: s.batchSize, Processes: s.processes, Events: events}
+	workers := cmp.Or(s.workers, o.consumerWorkers)
+	f := consumerFigure{Name: s.name, Handler: s.handler(), BatchSize: s.batchSize, Processes: s.processes, Workers: workers, Events: events}
 	db, err := consumerDB(ctx, env)
 	if err != nil {
 		return f, err
@@ -106,7 +108,7 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 		args := []string{memberCommand,
 			"--postgres-url", db.url, "--nats-url", env.natsURL, "--stream", stream, "--name", group,
 			"--member", fmt.Sprintf("m%d", i), "--partitions", fmt.Sprint(o.groupPartitions),
-			"--workers", fmt.Sprint(o.consumerWorkers), "--batch", fmt.Sprint(s.batchSize),
+			"--workers", fmt.Sprint(workers), "--batch", fmt.Sprint(s.batchSize),
 			"--max-ack-pending", fmt.Sprint(o.consumerPending), "--handler", s.handler(), "--log-level", "debug"}
 		if o.profileDir != "" {
 			args = append(args, "--cpuprofile", filepath.Join(o.profileDir, fmt.Sprintf("bench-group-%s-%dp-m%d.pprof", s.handler(), s.processes, i)))
@@ -314,8 +316,11 @@ func runMember(args []string) error {
 	return err
 }
 
-// groupSpecs are the group runs for the batched specs: 1 process and n.
-func groupSpecs(specs []consumerSpec, n int) []consumerSpec {
+// groupSpecs are the group runs for the batched specs: 1 process and n
+// with the same workers each (replicas of one service), and n sharing the
+// one process's workers between them (the same connections to the same
+// database in all: what the split into processes costs by itself).
+func groupSpecs(specs []consumerSpec, n, workers int) []consumerSpec {
 	var out []consumerSpec
 	for _, s := range specs {
 		if s.batchSize == 1 {
@@ -327,6 +332,12 @@ func groupSpecs(specs []consumerSpec, n int) []consumerSpec {
 			g.name = fmt.Sprintf("%s, %d-process group", s.name, p)
 			out = append(out, g)
 		}
+		if shared := (workers + n - 1) / n; shared < workers {
+			g := s
+			g.processes, g.workers = n, shared
+			g.name = fmt.Sprintf("%s, %d-process group, %d workers each", s.name, n, shared)
+			out = append(out, g)
+		}
 	}
 	return out
 }
@@ -334,7 +345,7 @@ func groupSpecs(specs []consumerSpec, n int) []consumerSpec {
 // groupPhase runs groupSpecs of specs over a partitioned copy of the
 // backlog, each beside the apply ceiling of its spec.
 func groupPhase(ctx context.Context, o *options, env *benchEnv, p *consumerPhase, specs []consumerSpec) error {
-	gs := groupSpecs(specs, o.groupProcesses)
+	gs := groupSpecs(specs, o.groupProcesses, o.consumerWorkers)
 	if len(gs) == 0 {
 		return nil
 	}
@@ -346,7 +357,7 @@ func groupPhase(ctx context.Context, o *options, env *benchEnv, p *consumerPhase
 	defer drop()
 	p.GroupPartitions = o.groupPartitions
 	for _, s := range gs {
-		logf("consumer groups: %s (%d workers each)", s.name, o.consumerWorkers)
+		logf("consumer groups: %s (%d workers each)", s.name, cmp.Or(s.workers, o.consumerWorkers))
 		r, err := groupRun(ctx, o, env, stream, int(o.events), s)
 		if err != nil {
 			return fmt.Errorf("%s: %w", s.name, err)
@@ -356,6 +367,24 @@ func groupPhase(ctx context.Context, o *options, env *benchEnv, p *consumerPhase
 				r.Ceiling, r.Ratio = c.Rate, ratio(r.Rate, c.Rate)
 			}
 		}
+		p.GroupRuns = append(p.GroupRuns, r)
+	}
+	// The control: as many workers as the n-process groups have, in one
+	// consumer inside the bench process, on the same stream. It shows what
+	// the extra connections to the one database cost without any process
+	// or group in between.
+	n := o.groupProcesses * o.consumerWorkers
+	for _, s := range specs {
+		if s.batchSize == 1 {
+			continue
+		}
+		s.workers, s.name = n, fmt.Sprintf("%s, one consumer with %d workers", s.name, n)
+		logf("consumer groups: control, %s", s.name)
+		r, err := consumerRun(ctx, env, stream, int(o.events), s, n, o.consumerPending, "")
+		if err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+		r.Workers = n
 		p.GroupRuns = append(p.GroupRuns, r)
 	}
 	return nil
