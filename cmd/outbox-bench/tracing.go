@@ -138,16 +138,24 @@ func tracingDrain(ctx context.Context, o *options, env *benchEnv, perTx int) (*t
 	on.relayConfig = "tracing:\n  relay_spans: true\n"
 	on.relayEnv = append(append([]string(nil), o.relayEnv...),
 		"OTEL_EXPORTER_OTLP_ENDPOINT="+sink.endpoint(), "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf")
+	// profile names a drain's CPU profile (1 s from its first ack) when
+	// --profile-dir is set.
+	profile := func(spans string, i int) string {
+		if o.profileDir == "" {
+			return ""
+		}
+		return fmt.Sprintf("relay-tracing-%drows-spans-%s-%d.pprof", perTx, spans, i)
+	}
 	var bestSpans, bestLinks, bestBytes int64
 	for i := 1; i <= t.Repeat; i++ {
 		logf("tracing %d rows/tx: relay spans off (%d of %d)", perTx, i, t.Repeat)
-		d, err := drainRelay(ctx, o, env, db, fmt.Sprintf("off_%d", i), o.events, "", 0)
+		d, err := drainRelay(ctx, o, env, db, fmt.Sprintf("off_%d", i), o.events, profile("off", i), 1)
 		if err != nil {
 			return nil, err
 		}
 		t.OffRuns = append(t.OffRuns, d)
 		logf("tracing %d rows/tx: relay spans on (%d of %d)", perTx, i, t.Repeat)
-		if d, err = drainRelay(ctx, &on, env, db, fmt.Sprintf("on_%d", i), o.events, "", 0); err != nil {
+		if d, err = drainRelay(ctx, &on, env, db, fmt.Sprintf("on_%d", i), o.events, profile("on", i), 1); err != nil {
 			return nil, err
 		}
 		// The relay flushes its spans on exit, which drainRelay waited for.
