@@ -1,13 +1,16 @@
 package relay
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
@@ -90,6 +93,39 @@ func TestRelaySpanOnlyForSampledTraces(t *testing.T) {
 			if s.Parent.IsValid() || s.SpanKind != trace.SpanKindProducer || len(s.Links) != 1 ||
 				s.Links[0].SpanContext.SpanID().String() != "00f067aa0ba902b7" || s.Name != "publish OUTBOX" {
 				t.Fatalf("span %+v: want a producer root span, publish OUTBOX, linked to the writer span", s)
+			}
+		})
+	}
+}
+
+// TestWriterContextAsExtract: the in-place reading of a traceparent gives
+// what the propagator's Extract gives, for the common form and the others.
+func TestWriterContextAsExtract(t *testing.T) {
+	const ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	for _, tc := range []struct{ name, tp, state string }{
+		{"sampled", ok, ""},
+		{"not sampled", ok[:53] + "00", ""},
+		{"random flag", ok[:53] + "03", ""},
+		{"reserved flag", ok[:53] + "04", ""},
+		{"upper-case hex", strings.ToUpper(ok[:35]) + ok[35:], ""},
+		{"zero trace id", "00-00000000000000000000000000000000-00f067aa0ba902b7-01", ""},
+		{"zero span id", ok[:36] + "0000000000000000-01", ""},
+		{"version 01 with more", "01" + ok[2:] + "-extra", ""},
+		{"version ff", "ff" + ok[2:], ""},
+		{"extra field in 00", ok + "-extra", ""},
+		{"non-hex", ok[:10] + "zz" + ok[12:], ""},
+		{"tracestate", ok, "vendor=abc,other=1"},
+		{"invalid tracestate", ok, "=,=="},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := nats.Header{router.TraceparentHeader: {tc.tp}}
+			if tc.state != "" {
+				h[router.TracestateHeader] = []string{tc.state}
+			}
+			m := &router.Message{Header: h}
+			want := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), headerGetter{m}))
+			if got := writerContext(m, tc.tp, tc.state); !got.Equal(want) {
+				t.Fatalf("writerContext %+v, Extract %+v", got, want)
 			}
 		})
 	}
@@ -207,4 +243,24 @@ func TestBatchSpanDeadLettered(t *testing.T) {
 	if len(spans) != 1 || spans[0].Status.Code != codes.Error || spans[0].Status.Description != "dead-lettered: maximum message payload exceeded" {
 		t.Fatalf("spans %+v: want one, status error naming the dead letter's reason", spans)
 	}
+}
+
+// BenchmarkBatchSpanJoin is the pipeline's cost per row at 1 row per
+// transaction, every row its own sampled writer span: parse, link, and a
+// span started per maxBatchLinks rows (recorded by the SDK, not exported).
+func BenchmarkBatchSpanJoin(b *testing.B) {
+	tp := sdktrace.NewTracerProvider()
+	defer func() { _ = tp.Shutdown(b.Context()) }()
+	bs := newBatchSpans(tp.Tracer(TracerName), "OUTBOX", nil)
+	outs := make([]*outbound, 4096)
+	for i := range outs {
+		outs[i] = traced(writerTP(i), replication.LSN(0x1000+i))
+	}
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		o := outs[i%len(outs)]
+		bs.join(o)
+		o.endSpan(publisher.Result{Attempts: 1})
+	}
+	bs.close()
 }
