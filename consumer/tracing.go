@@ -37,9 +37,10 @@ const (
 
 // WithTracerProvider makes the consumer start a span (kind consumer) around
 // each message's transaction, a child of the trace context in its
-// traceparent/tracestate headers (the writer's span, or the relay's when
-// the relay emits spans), so that one trace runs from the request that
-// wrote the outbox row to the transaction that applied it. The handler's
+// traceparent/tracestate headers (the writer's span: the relay publishes
+// it unchanged, its own batch spans only link to it), so that one trace
+// runs from the request that wrote the outbox row to the transaction that
+// applied it. The handler's
 // ctx carries the span. A message in a batch gets its own span, covering
 // the batch's transaction (attribute outbox.batch.size). Default: no spans,
 // and no cost beyond a nil check per message.

@@ -29,7 +29,11 @@ type pipeline struct {
 	tx     *watermark.Tx
 	commit router.CommitInfo
 	msgs   messagePrefixes
-	wait   *time.Timer // reused by pause: a context per wait allocated
+	// spans makes the relay's batch spans (nil: off; tracing.go). The
+	// pipeline goroutine owns the open batch: it closes it at commits, on
+	// a Wake between transactions, when intake pauses and at the end.
+	spans *batchSpans
+	wait  *time.Timer // reused by pause: a context per wait allocated
 	// pausedLog is when admitTx last warned; later pauses within
 	// StallWarning log at debug level.
 	pausedLog time.Time
@@ -55,7 +59,7 @@ type publishTarget interface {
 const waitSlice = 200 * time.Millisecond
 
 func (p *pipeline) run(ctx context.Context) error {
-	defer p.r.closeTxSpan()
+	defer p.spans.close()
 	for {
 		ev, err := p.st.Next(ctx)
 		if err != nil {
@@ -75,7 +79,14 @@ func (p *pipeline) run(ctx context.Context) error {
 		case *replication.Commit:
 			p.tx.Commit(e.EndLSN)
 			p.tx = nil
-			p.r.closeTxSpan()
+			p.spans.commit()
+		case *replication.Wake:
+			// The stream was quiet for the batch span's time bound (it
+			// asked for this Wake): between transactions, nothing more
+			// joins the batch for now.
+			if p.tx == nil {
+				p.spans.close()
+			}
 		case *replication.Truncate:
 			names := make([]string, len(e.Relations))
 			for i, rel := range e.Relations {
@@ -110,6 +121,9 @@ func (p *pipeline) admitTx(ctx context.Context) error {
 	if !ok {
 		return nil
 	}
+	// While paused, the open batch span's rows may all be settled: let it
+	// end rather than wait for the pause.
+	p.spans.close()
 	p.r.paused.Store(true)
 	defer p.r.paused.Store(false)
 	log := p.r.log.Debug
@@ -181,7 +195,7 @@ func (p *pipeline) deadLetter(ctx context.Context, dl *router.Message, reason er
 // publishEvent publishes a routed event.
 func (p *pipeline) publishEvent(ctx context.Context, rm *router.Message) error {
 	o := &outbound{r: p.r, tx: p.tx, commitTime: p.commit.Time, rm: rm}
-	p.r.startSpan(o)
+	p.spans.join(o)
 	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetterRecord, Done: o.settled}
 	o.tx.Add()
 	return p.publish(ctx, p.events(), &o.msg)
@@ -194,7 +208,7 @@ type outbound struct {
 	tx         *watermark.Tx
 	commitTime time.Time
 	rm         *router.Message // nil for a dead-letter record
-	span       *txSpan         // the relay span, when on (tracing.go)
+	span       *batchSpan      // the relay span, when on (tracing.go)
 }
 
 // settled is the message's Done.

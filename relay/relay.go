@@ -124,14 +124,9 @@ type Relay struct {
 	// endSession ends the running replication session with a cause; nil
 	// between sessions.
 	endSession atomic.Pointer[context.CancelCauseFunc]
-	// tracer makes relay spans when set (tracing.go); spanName is theirs.
-	// The open transaction's span and what it covers belong to the
-	// pipeline goroutine.
-	tracer       trace.Tracer
-	spanName     string
-	txSpan       *txSpan
-	txSpanParent string
-	txSpanCommit replication.LSN
+	// tracer makes relay spans when set (tracing.go); each session's
+	// pipeline owns its open batch span.
+	tracer trace.Tracer
 }
 
 // ErrInvalidOption is wrapped by the error New returns for a bad Option.
@@ -218,7 +213,6 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	}
 	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready, tracer: o.tracer}
 	r.durable.Store(-1)
-	r.spanName = "publish " + cfg.Stream.Name
 	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
 	if err != nil {
 		return nil, err
@@ -548,7 +542,7 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	r.streaming.Store(true)
 	r.setReady()
 	p := pipeline{r: r, st: st, events: func() publishTarget { return r.eventPublisher() }, deadLetters: r.pub,
-		tracker: tracker, msgs: newMessagePrefixes(r.cfg.MessagePrefixes)}
+		tracker: tracker, msgs: newMessagePrefixes(r.cfg.MessagePrefixes), spans: newBatchSpans(r.tracer, r.cfg.Stream.Name, st.WakeAt)}
 	sctx, end := context.WithCancelCause(ctx)
 	defer end(nil)
 	r.endSession.Store(&end)

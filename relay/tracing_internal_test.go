@@ -1,19 +1,58 @@
 package relay
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
+// testSpans is a batchSpans on an in-memory exporter, with the wake times
+// it asked for.
+func testSpans(t *testing.T) (*batchSpans, *tracetest.InMemoryExporter, *[]time.Time) {
+	t.Helper()
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	t.Cleanup(func() { _ = tp.Shutdown(t.Context()) })
+	var wakes []time.Time
+	o := options{}
+	if err := WithTracerProvider(tp)(&o); err != nil {
+		t.Fatal(err)
+	}
+	return newBatchSpans(o.tracer, "OUTBOX", func(at time.Time) { wakes = append(wakes, at) }), exp, &wakes
+}
+
+// traced is a routed row with traceparent tp, committed at lsn.
+func traced(tp string, lsn replication.LSN) *outbound {
+	h := nats.Header{}
+	if tp != "" {
+		h[router.TraceparentHeader] = []string{tp}
+	}
+	return &outbound{rm: &router.Message{Header: h, Table: "public.outbox", Commit: router.CommitInfo{LSN: lsn}}}
+}
+
+// writerTP is a sampled traceparent naming writer span i.
+func writerTP(i int) string {
+	return fmt.Sprintf("00-4bf92f3577b34da6a3ce929d0e0e4736-%016x-01", i+1)
+}
+
 // TestRelaySpanOnlyForSampledTraces: a row whose writer trace is sampled
-// gets a relay span and the span's traceparent; one that is not sampled
-// (flags 00) keeps its header and costs no span; so does an invalid one.
+// joins a batch span linked to the writer span and keeps its traceparent;
+// one that is not sampled (flags 00), or is invalid, joins none, and a
+// batch of such rows makes no span.
 func TestRelaySpanOnlyForSampledTraces(t *testing.T) {
 	const (
 		sampled   = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -26,35 +65,202 @@ func TestRelaySpanOnlyForSampledTraces(t *testing.T) {
 		{"sampled", sampled, true},
 		{"not sampled", unsampled, false},
 		{"invalid", "00-zz-00f067aa0ba902b7-01", false},
+		{"none", "", false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			exp := tracetest.NewInMemoryExporter()
-			tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
-			t.Cleanup(func() { _ = tp.Shutdown(t.Context()) })
-			r := &Relay{spanName: "publish OUTBOX"}
-			o := options{}
-			if err := WithTracerProvider(tp)(&o); err != nil {
-				t.Fatal(err)
+			b, exp, _ := testSpans(t)
+			out := traced(tc.traceparent, 0x100)
+			b.join(out)
+			if got := out.rm.Header.Get(router.TraceparentHeader); got != tc.traceparent {
+				t.Fatalf("traceparent %q, want the writer's %q unchanged", got, tc.traceparent)
 			}
-			r.tracer = o.tracer
-			rm := &router.Message{Header: nats.Header{router.TraceparentHeader: {tc.traceparent}}, Table: "public.outbox"}
-			out := &outbound{r: r, rm: rm}
-			r.startSpan(out)
-			got := rm.Header.Get(router.TraceparentHeader)
-			if tc.span {
-				if out.span == nil || got == tc.traceparent || len(got) != len(tc.traceparent) {
-					t.Fatalf("span %v, traceparent %q: want a relay span and its traceparent in place of %q", out.span != nil, got, tc.traceparent)
-				}
-				r.closeTxSpan()
-				out.endSpan(publisher.Result{Attempts: 1})
-				if n := len(exp.GetSpans()); n != 1 {
-					t.Fatalf("%d spans exported, want 1", n)
+			if (out.span != nil) != tc.span {
+				t.Fatalf("joined a span: %v, want %v", out.span != nil, tc.span)
+			}
+			b.close()
+			out.endSpan(publisher.Result{Attempts: 1})
+			spans := exp.GetSpans()
+			if !tc.span {
+				if len(spans) != 0 {
+					t.Fatalf("%d spans exported, want none", len(spans))
 				}
 				return
 			}
-			if out.span != nil || got != tc.traceparent {
-				t.Fatalf("span %v, traceparent %q: want no span and the header unchanged", out.span != nil, got)
+			if len(spans) != 1 {
+				t.Fatalf("%d spans exported, want 1", len(spans))
+			}
+			s := spans[0]
+			if s.Parent.IsValid() || s.SpanKind != trace.SpanKindProducer || len(s.Links) != 1 ||
+				s.Links[0].SpanContext.SpanID().String() != "00f067aa0ba902b7" || s.Name != "publish OUTBOX" {
+				t.Fatalf("span %+v: want a producer root span, publish OUTBOX, linked to the writer span", s)
 			}
 		})
 	}
+}
+
+// TestWriterContextAsExtract: the in-place reading of a traceparent gives
+// what the propagator's Extract gives, for the common form and the others.
+func TestWriterContextAsExtract(t *testing.T) {
+	const ok = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	for _, tc := range []struct{ name, tp, state string }{
+		{"sampled", ok, ""},
+		{"not sampled", ok[:53] + "00", ""},
+		{"random flag", ok[:53] + "03", ""},
+		{"reserved flag", ok[:53] + "04", ""},
+		{"upper-case hex", strings.ToUpper(ok[:35]) + ok[35:], ""},
+		{"zero trace id", "00-00000000000000000000000000000000-00f067aa0ba902b7-01", ""},
+		{"zero span id", ok[:36] + "0000000000000000-01", ""},
+		{"version 01 with more", "01" + ok[2:] + "-extra", ""},
+		{"version ff", "ff" + ok[2:], ""},
+		{"extra field in 00", ok + "-extra", ""},
+		{"non-hex", ok[:10] + "zz" + ok[12:], ""},
+		{"tracestate", ok, "vendor=abc,other=1"},
+		{"invalid tracestate", ok, "=,=="},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := nats.Header{router.TraceparentHeader: {tc.tp}}
+			if tc.state != "" {
+				h[router.TracestateHeader] = []string{tc.state}
+			}
+			m := &router.Message{Header: h}
+			want := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), headerGetter{m}))
+			if got := writerContext(m, tc.tp, tc.state); !got.Equal(want) {
+				t.Fatalf("writerContext %+v, Extract %+v", got, want)
+			}
+		})
+	}
+}
+
+// TestBatchSpanLinks: the rows of many writer spans share batch spans of
+// at most maxBatchLinks links, each writer span linked once per batch
+// however many of its rows the batch has.
+func TestBatchSpanLinks(t *testing.T) {
+	b, exp, wakes := testSpans(t)
+	var outs []*outbound
+	add := func(o *outbound) {
+		b.join(o)
+		outs = append(outs, o)
+	}
+	// 300 one-row transactions, each its own writer span (no commit()
+	// calls: a slow machine must not close batches by time here).
+	for i := range 300 {
+		add(traced(writerTP(i), replication.LSN(0x1000+i)))
+	}
+	// One transaction of 100 rows of one writer span, then one whose
+	// rows alternate between two writer spans (nested spans writing).
+	for range 100 {
+		add(traced(writerTP(1000), 0x9000))
+	}
+	for i := range 10 {
+		add(traced(writerTP(2000+i%2), 0x9100))
+	}
+	add(traced(writerTP(3000)[:len(writerTP(3000))-2]+"00", 0x9200)) // not sampled
+	b.close()
+	if n := len(exp.GetSpans()); n != 0 {
+		t.Fatalf("%d spans ended before their rows were acked", n)
+	}
+	for _, o := range outs {
+		o.endSpan(publisher.Result{Attempts: 1})
+	}
+	spans := exp.GetSpans()
+	if len(spans) != 3 || len(*wakes) != 3 {
+		t.Fatalf("%d spans (%d wakes asked for), want 3: 128 + 128 + 44 + 3 links", len(spans), len(*wakes))
+	}
+	links := map[trace.SpanID]int{}
+	rows := 0
+	for _, s := range spans {
+		if len(s.Links) > maxBatchLinks {
+			t.Errorf("span with %d links, over %d", len(s.Links), maxBatchLinks)
+		}
+		for _, l := range s.Links {
+			links[l.SpanContext.SpanID()]++
+		}
+		for _, kv := range s.Attributes {
+			if kv.Key == "messaging.batch.message_count" {
+				rows += int(kv.Value.AsInt64())
+			}
+		}
+	}
+	if len(links) != 303 || rows != 410 {
+		t.Fatalf("%d writer spans linked, %d rows covered: want 303 and 410", len(links), rows)
+	}
+	for id, n := range links {
+		if n != 1 {
+			t.Errorf("writer span %s linked %d times, want once", id, n)
+		}
+	}
+	want := map[string]string{"outbox.batch.transactions": "46", "messaging.batch.message_count": "154",
+		"outbox.commit_lsn.first": replication.LSN(0x1000 + 256).String(), "outbox.commit_lsn.last": replication.LSN(0x9100).String()}
+	for _, kv := range spans[2].Attributes {
+		if w, ok := want[string(kv.Key)]; ok && kv.Value.String() != w {
+			t.Errorf("last batch: %s = %s, want %s", kv.Key, kv.Value.String(), w)
+		}
+		delete(want, string(kv.Key))
+	}
+	if len(want) != 0 {
+		t.Errorf("last batch: attributes %v missing", want)
+	}
+}
+
+// TestBatchSpanCloses: a batch takes rows until the first commit after
+// maxBatchOpen, asking the stream to wake the pipeline then.
+func TestBatchSpanCloses(t *testing.T) {
+	b, exp, wakes := testSpans(t)
+	o := traced(writerTP(1), 0x100)
+	b.join(o)
+	if len(*wakes) != 1 || !(*wakes)[0].Equal(b.opened.Add(maxBatchOpen)) {
+		t.Fatalf("wakes %v, want one at the batch's opening + %s", *wakes, maxBatchOpen)
+	}
+	b.commit()
+	if b.open == nil {
+		t.Fatal("a young batch closed at commit")
+	}
+	o.endSpan(publisher.Result{Attempts: 1})
+	if len(exp.GetSpans()) != 0 {
+		t.Fatal("the span ended while its batch was open")
+	}
+	b.opened = b.opened.Add(-maxBatchOpen)
+	b.commit()
+	if b.open != nil || len(exp.GetSpans()) != 1 {
+		t.Fatalf("batch open %v, %d spans: want closed at the commit after %s and ended (its row was acked)", b.open != nil, len(exp.GetSpans()), maxBatchOpen)
+	}
+}
+
+// TestBatchSpanDeadLettered: a dead-lettered row marks its batch span's
+// status with the reason; the span ends with the last row's settlement.
+func TestBatchSpanDeadLettered(t *testing.T) {
+	b, exp, _ := testSpans(t)
+	ok, bad := traced(writerTP(1), 0x100), traced(writerTP(2), 0x200)
+	b.join(ok)
+	b.join(bad)
+	b.close()
+	bad.endSpan(publisher.Result{DeadLettered: true, Reason: errors.New("maximum message payload exceeded")})
+	if len(exp.GetSpans()) != 0 {
+		t.Fatal("the span ended before all its rows were settled")
+	}
+	ok.endSpan(publisher.Result{Attempts: 1})
+	spans := exp.GetSpans()
+	if len(spans) != 1 || spans[0].Status.Code != codes.Error || spans[0].Status.Description != "dead-lettered: maximum message payload exceeded" {
+		t.Fatalf("spans %+v: want one, status error naming the dead letter's reason", spans)
+	}
+}
+
+// BenchmarkBatchSpanJoin is the pipeline's cost per row at 1 row per
+// transaction, every row its own sampled writer span: parse, link, and a
+// span started per maxBatchLinks rows (recorded by the SDK, not exported).
+func BenchmarkBatchSpanJoin(b *testing.B) {
+	tp := sdktrace.NewTracerProvider()
+	defer func() { _ = tp.Shutdown(b.Context()) }()
+	bs := newBatchSpans(tp.Tracer(TracerName), "OUTBOX", nil)
+	outs := make([]*outbound, 4096)
+	for i := range outs {
+		outs[i] = traced(writerTP(i), replication.LSN(0x1000+i))
+	}
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		o := outs[i%len(outs)]
+		bs.join(o)
+		o.endSpan(publisher.Result{Attempts: 1})
+	}
+	bs.close()
 }

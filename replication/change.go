@@ -109,6 +109,11 @@ type Message struct {
 	Tx *Begin
 }
 
+// Wake is what Next returns when the time set with Stream.WakeAt has come
+// and nothing was received before it: the caller's chance to finish what
+// waits on time (the relay's batch spans) while the outbox is quiet.
+type Wake struct{}
+
 // Truncate reports a TRUNCATE of published tables; the relay ignores it,
 // since truncating an outbox removes rows, it does not create events.
 type Truncate struct {

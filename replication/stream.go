@@ -68,6 +68,8 @@ type Stream struct {
 	readDeadline time.Time
 	watched      context.Context
 	stopWatch    func() bool
+	// wake is when Next returns a Wake if nothing arrived (zero: never).
+	wake time.Time
 
 	relations map[uint32]*Relation
 
@@ -83,6 +85,7 @@ type Stream struct {
 	insert    Insert
 	message   Message
 	truncate  Truncate
+	wakeEv    Wake
 	inTx      bool
 	// The LSN of the transaction's last change and how many changes before
 	// it shared that LSN: Insert.Ordinal.
@@ -179,8 +182,9 @@ func classifyStartError(slot string, err error) error {
 func (s *Stream) BackendPID() uint32 { return s.conn.PID() }
 
 // Next returns the next change: *Begin, *Insert, *Message, *Commit or
-// *Truncate. The value is reused: it is valid until the next call. Next
-// answers keepalives and sends periodic status updates while it waits.
+// *Truncate, or *Wake (see WakeAt). The value is reused: it is valid until
+// the next call. Next answers keepalives and sends periodic status updates
+// while it waits.
 //
 // Reuse is kept deliberately, and stays between the stream and the one
 // goroutine that owns it: the relay's pipeline routes each change before it
@@ -203,6 +207,10 @@ func (s *Stream) Next(ctx context.Context) (any, error) {
 					// so only silence tells. Reconnecting is safe: nothing
 					// is confirmed that was not acked.
 					return nil, fmt.Errorf("%w: nothing received from PostgreSQL for %s", ErrServerSilent, silent.Round(time.Millisecond))
+				}
+				if !s.wake.IsZero() && !time.Now().Before(s.wake) {
+					s.wake = time.Time{}
+					return &s.wakeEv, nil
 				}
 				continue // time for a status update
 			}
@@ -270,14 +278,25 @@ func (s *Stream) receive(ctx context.Context) (pgproto3.BackendMessage, error) {
 			_ = nc.SetReadDeadline(time.Unix(1, 0))
 		})
 	}
-	if !s.readDeadline.Equal(s.nextStatus) {
-		if err := nc.SetReadDeadline(s.nextStatus); err != nil {
+	deadline := s.nextStatus
+	if !s.wake.IsZero() && s.wake.Before(deadline) {
+		deadline = s.wake
+	}
+	if !s.readDeadline.Equal(deadline) {
+		if err := nc.SetReadDeadline(deadline); err != nil {
 			return nil, err
 		}
-		s.readDeadline = s.nextStatus
+		s.readDeadline = deadline
 	}
 	return s.conn.ReceiveMessage(context.Background())
 }
+
+// WakeAt makes Next return a *Wake once t has passed while it waits for
+// the server (once: a Wake clears it; the zero time cancels it). It moves
+// the connection's read deadline, as a status update does, so a caller
+// that sets it once per batch of changes costs nothing per change; while
+// changes keep arriving no Wake comes.
+func (s *Stream) WakeAt(t time.Time) { s.wake = t }
 
 // xlogHeader is WALStart, ServerWALEnd and ServerTime, 8 bytes each.
 const xlogHeader = 24

@@ -104,7 +104,8 @@ func printTable(w io.Writer, r *results) {
 		}
 		row("on ÷ off", f3(t.Ratio), "", f3(ratio(t.On.CPUPer100k, t.Off.CPUPer100k)), "", "")
 		tw.Flush()
-		fmt.Fprintf(w, "spans exported in the best spans-on run: %s (%s bytes of OTLP)\n", num(float64(t.SpansExported)), num(float64(t.ExportBytes)))
+		fmt.Fprintf(w, "spans exported in the best spans-on run: %s with %s links (%s transactions; %s bytes of OTLP)\n",
+			num(float64(t.SpansExported)), num(float64(t.LinksExported)), num(float64((t.Events+int64(t.RowsPerTx)-1)/int64(t.RowsPerTx))), num(float64(t.ExportBytes)))
 	}
 	if len(r.Latency) > 0 {
 		fmt.Fprintf(w, "\nLatency, 1-row transactions from a writer pool (ms). commit→ack: pgoutput commit timestamp to JetStream store time;\ninsert→delivery: writer clock before INSERT to consumer receipt")

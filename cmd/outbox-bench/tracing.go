@@ -29,8 +29,11 @@ type tracingResult struct {
 	Ratio float64 `json:"on_off_ratio"`
 	// SpansExported counts the spans the sink received in the best
 	// spans-on run (decoded after the run, so the decoding costs the drain
-	// nothing), ExportBytes their OTLP request bytes.
+	// nothing), LinksExported their links (the relay's batch spans link
+	// each writer span: one per transaction here), ExportBytes their OTLP
+	// request bytes.
 	SpansExported int64 `json:"spans_exported"`
+	LinksExported int64 `json:"links_exported"`
 	ExportBytes   int64 `json:"export_bytes"`
 }
 
@@ -78,8 +81,9 @@ func startSink() (*otlpSink, error) {
 
 func (s *otlpSink) endpoint() string { return "http://" + s.ln.Addr().String() }
 
-// take returns and forgets what was received: spans and request bytes.
-func (s *otlpSink) take() (spans, bytes int64, err error) {
+// take returns and forgets what was received: spans, their links and
+// request bytes.
+func (s *otlpSink) take() (spans, links, bytes int64, err error) {
 	s.mu.Lock()
 	bodies, n := s.bodies, s.bytes
 	s.bodies, s.bytes = nil, 0
@@ -87,15 +91,18 @@ func (s *otlpSink) take() (spans, bytes int64, err error) {
 	for _, b := range bodies {
 		var req coltracepb.ExportTraceServiceRequest
 		if err := proto.Unmarshal(b, &req); err != nil {
-			return 0, 0, fmt.Errorf("sink: not an OTLP trace export: %w", err)
+			return 0, 0, 0, fmt.Errorf("sink: not an OTLP trace export: %w", err)
 		}
 		for _, rs := range req.ResourceSpans {
 			for _, ss := range rs.ScopeSpans {
 				spans += int64(len(ss.Spans))
+				for _, sp := range ss.Spans {
+					links += int64(len(sp.Links))
+				}
 			}
 		}
 	}
-	return spans, n, nil
+	return spans, links, n, nil
 }
 
 func (s *otlpSink) close() {
@@ -131,20 +138,28 @@ func tracingDrain(ctx context.Context, o *options, env *benchEnv, perTx int) (*t
 	on.relayConfig = "tracing:\n  relay_spans: true\n"
 	on.relayEnv = append(append([]string(nil), o.relayEnv...),
 		"OTEL_EXPORTER_OTLP_ENDPOINT="+sink.endpoint(), "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf")
-	bestSpans, bestBytes := int64(0), int64(0)
+	// profile names a drain's CPU profile (1 s from its first ack) when
+	// --profile-dir is set.
+	profile := func(spans string, i int) string {
+		if o.profileDir == "" {
+			return ""
+		}
+		return fmt.Sprintf("relay-tracing-%drows-spans-%s-%d.pprof", perTx, spans, i)
+	}
+	var bestSpans, bestLinks, bestBytes int64
 	for i := 1; i <= t.Repeat; i++ {
 		logf("tracing %d rows/tx: relay spans off (%d of %d)", perTx, i, t.Repeat)
-		d, err := drainRelay(ctx, o, env, db, fmt.Sprintf("off_%d", i), o.events, "", 0)
+		d, err := drainRelay(ctx, o, env, db, fmt.Sprintf("off_%d", i), o.events, profile("off", i), 1)
 		if err != nil {
 			return nil, err
 		}
 		t.OffRuns = append(t.OffRuns, d)
 		logf("tracing %d rows/tx: relay spans on (%d of %d)", perTx, i, t.Repeat)
-		if d, err = drainRelay(ctx, &on, env, db, fmt.Sprintf("on_%d", i), o.events, "", 0); err != nil {
+		if d, err = drainRelay(ctx, &on, env, db, fmt.Sprintf("on_%d", i), o.events, profile("on", i), 1); err != nil {
 			return nil, err
 		}
 		// The relay flushes its spans on exit, which drainRelay waited for.
-		spans, n, err := sink.take()
+		spans, links, n, err := sink.take()
 		if err != nil {
 			return nil, err
 		}
@@ -152,12 +167,12 @@ func tracingDrain(ctx context.Context, o *options, env *benchEnv, perTx int) (*t
 			return nil, errors.New("relay spans on: the relay exported no spans (is tracing.relay_spans wired?)")
 		}
 		if d.Rate > best(t.OnRuns).Rate {
-			bestSpans, bestBytes = spans, n
+			bestSpans, bestLinks, bestBytes = spans, links, n
 		}
 		t.OnRuns = append(t.OnRuns, d)
 	}
 	t.Off, t.On = best(t.OffRuns), best(t.OnRuns)
 	t.Ratio = ratio(t.On.Rate, t.Off.Rate)
-	t.SpansExported, t.ExportBytes = bestSpans, bestBytes
+	t.SpansExported, t.LinksExported, t.ExportBytes = bestSpans, bestLinks, bestBytes
 	return t, nil
 }

@@ -66,10 +66,14 @@ func received(t *testing.T, all []ptrace.Traces, service string) []tracingtest.S
 					for k, v := range s.Attributes().All() {
 						attrs[k] = v.AsString()
 					}
+					var links []tracingtest.Link
+					for _, l := range s.Links().All() {
+						links = append(links, tracingtest.Link{TraceID: trace.TraceID(l.TraceID()), SpanID: trace.SpanID(l.SpanID())})
+					}
 					spans = append(spans, tracingtest.Span{
 						Name: s.Name(), Kind: trace.SpanKind(s.Kind()), // both number kinds as OTLP does
 						TraceID: trace.TraceID(s.TraceID()), SpanID: trace.SpanID(s.SpanID()), ParentSpanID: trace.SpanID(s.ParentSpanID()),
-						Attributes: attrs,
+						Attributes: attrs, Links: links,
 					})
 				}
 			}
@@ -81,7 +85,8 @@ func received(t *testing.T, all []ptrace.Traces, service string) []tracingtest.S
 // TestTraceOverOTLP exports the writer's, the relay's and the consumer's
 // spans with the exporter OTEL_EXPORTER_OTLP_ENDPOINT and
 // OTEL_EXPORTER_OTLP_PROTOCOL choose, to a real OTLP receiver, and reads
-// one trace back.
+// back one trace (writer → consumer) and the relay's batch span linked
+// to it.
 func TestTraceOverOTLP(t *testing.T) {
 	sink, grpcPort, httpPort := startReceiver(t)
 	for _, tc := range []struct {

@@ -176,10 +176,11 @@ type HTTP struct {
 
 // Tracing configures OpenTelemetry tracing (README, "Tracing").
 type Tracing struct {
-	// RelaySpans makes the relay emit a span per writer span and
-	// transaction for rows that carry a trace context, a child of the
-	// writer's span, from routing the first row to the ack of the last.
-	// Off by default: the trace context headers are relayed either way.
+	// RelaySpans makes the relay emit batch publish spans: a root span
+	// of kind producer per batch of rows (up to 128 writer spans or 5 ms
+	// of transactions), linked to each sampled writer span context among
+	// them, from routing the first row to the ack of the last. Off by
+	// default: the trace context headers are relayed unchanged either way.
 	RelaySpans bool `yaml:"relay_spans"`
 }
 

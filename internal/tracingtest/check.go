@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -16,17 +17,24 @@ type Span struct {
 	SpanID       trace.SpanID
 	ParentSpanID trace.SpanID
 	Attributes   map[string]string
+	Links        []Link
+}
+
+// Link is a span link's target.
+type Link struct {
+	TraceID trace.TraceID
+	SpanID  trace.SpanID
 }
 
 // Check reports what is wrong with spans as the trace of res: one trace,
-// the writer span its root, the relay span (when relaySpans) its child and
-// the consumer span the relay's child (else the writer's), with the event
-// id and outcome applied. Empty when all holds.
+// the writer span its root and the consumer span its child, with the event
+// id and outcome applied; when relaySpans, also the relay's batch span, a
+// root of its own with a link to the writer span. Empty when all holds.
 func Check(res Result, spans []Span, relaySpans bool) string {
 	var probs []string
 	byName := map[string]Span{}
 	for _, s := range spans {
-		if s.TraceID != res.Writer.TraceID() {
+		if s.TraceID != res.Writer.TraceID() && !(relaySpans && s.Name == res.RelaySpan) {
 			probs = append(probs, fmt.Sprintf("span %q is in trace %s, not the writer's %s", s.Name, s.TraceID, res.Writer.TraceID()))
 		}
 		if _, dup := byName[s.Name]; dup {
@@ -43,14 +51,14 @@ func Check(res Result, spans []Span, relaySpans bool) string {
 	if relaySpans {
 		want = 3
 		rs, ok := byName[res.RelaySpan]
+		writerLink := Link{res.Writer.TraceID(), res.Writer.SpanID()}
 		switch {
 		case !ok:
 			probs = append(probs, fmt.Sprintf("no relay span %q", res.RelaySpan))
-		case rs.ParentSpanID != writer.SpanID || rs.Kind != trace.SpanKindProducer ||
+		case rs.ParentSpanID.IsValid() || rs.Kind != trace.SpanKindProducer || len(rs.Links) != 1 || rs.Links[0] != writerLink ||
 			rs.Attributes["messaging.batch.message_count"] != "1":
-			probs = append(probs, fmt.Sprintf("relay span %+v: want a producer span, child of the writer's %s, for one event", rs, writer.SpanID))
+			probs = append(probs, fmt.Sprintf("relay span %+v: want a producer root span, linked to the writer's %v, for one event", rs, writerLink))
 		}
-		parent = rs.SpanID
 	}
 	cs, ok := byName["process "+ConsumerName]
 	switch {
@@ -65,4 +73,22 @@ func Check(res Result, spans []Span, relaySpans bool) string {
 		probs = append(probs, fmt.Sprintf("%d spans, want %d", len(spans), want))
 	}
 	return strings.Join(probs, "\n")
+}
+
+// FromStubs converts what the SDK's in-memory exporter holds.
+func FromStubs(stubs tracetest.SpanStubs) []Span {
+	spans := make([]Span, 0, len(stubs))
+	for _, s := range stubs {
+		attrs := map[string]string{}
+		for _, kv := range s.Attributes {
+			attrs[string(kv.Key)] = kv.Value.String()
+		}
+		var links []Link
+		for _, l := range s.Links {
+			links = append(links, Link{l.SpanContext.TraceID(), l.SpanContext.SpanID()})
+		}
+		spans = append(spans, Span{Name: s.Name, Kind: s.SpanKind, TraceID: s.SpanContext.TraceID(),
+			SpanID: s.SpanContext.SpanID(), ParentSpanID: s.Parent.SpanID(), Attributes: attrs, Links: links})
+	}
+	return spans
 }

@@ -7,6 +7,7 @@ package tracingtest
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"path/filepath"
 	"testing"
 	"time"
@@ -88,4 +89,27 @@ func Run(t *testing.T, tp trace.TracerProvider, relaySpans bool) Result {
 		t.Fatal("the event was not applied within 60 s")
 	}
 	return Result{Writer: span.SpanContext(), EventID: id.String(), RelaySpan: "publish " + f.Stream}
+}
+
+// WriteTraced writes n events into f's outbox (aggregates p-first and
+// on), each in its own transaction and its own writer span of tp, and
+// returns the spans' contexts in the order written.
+func WriteTraced(t *testing.T, f *opstest.Fixture, tp trace.TracerProvider, first, n int) []trace.SpanContext {
+	t.Helper()
+	ctx := t.Context()
+	w, err := outbox.NewWriter(outbox.Config{})
+	testenv.Must(t, err, "new writer")
+	scs := make([]trace.SpanContext, 0, n)
+	for i := range n {
+		wctx, span := tp.Tracer("tracingtest").Start(ctx, WriterSpan)
+		tx, err := f.DB.Pool.Begin(wctx)
+		testenv.Must(t, err, "begin")
+		_, err = w.Insert(wctx, tx, outbox.Event{AggregateType: "player", AggregateID: fmt.Sprintf("p-%d", first+i), AggregateVersion: 1,
+			Type: "PointsAwarded", Payload: json.RawMessage(`{"points": 10}`)})
+		testenv.Must(t, err, "insert")
+		testenv.Must(t, tx.Commit(wctx), "commit")
+		span.End()
+		scs = append(scs, span.SpanContext())
+	}
+	return scs
 }
