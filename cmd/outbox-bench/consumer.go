@@ -96,10 +96,14 @@ type e2eResult struct {
 // each event's two durable commits, the writer's INSERT and then the
 // consumer's transaction (its dedup insert and the handler's insert) on
 // another connection, back to back at the offered load, with no relay and
-// no NATS between them.
+// no NATS between them; and a bare reader decoding the outbox meanwhile.
 type e2eFloor struct {
 	Offered         int       `json:"offered_per_sec"`
 	InsertToApplied quantiles `json:"insert_to_applied"`
+	// CommitToReceive is a bare logical-replication reader's (no relay)
+	// commit→receive of the same outbox rows meanwhile: the walsender's
+	// part under this load.
+	CommitToReceive quantiles `json:"walsender_commit_to_receive"`
 	MachineCores    float64   `json:"machine_cores"`
 	PostgresCores   float64   `json:"postgres_cores"`
 	BenchCores      float64   `json:"bench_cores"`
@@ -674,12 +678,25 @@ func e2eRun(ctx context.Context, o *options, env *benchEnv) (*e2eResult, error) 
 // consumer's transaction for its event right after the INSERT commits.
 func e2eFloorRun(ctx context.Context, o *options, env *benchEnv, rate int) (e2eFloor, error) {
 	res := e2eFloor{Offered: rate}
-	db, err := consumerDB(ctx, env)
+	const slot = "e2efloor"
+	db, err := consumerDB(ctx, env, slot)
 	if err != nil {
 		return res, err
 	}
 	defer db.drop()
 	total := int(float64(rate) * (o.warmup + o.dur).Seconds())
+	// The bare reader streams the outbox meanwhile: the walsender's
+	// commit→receive under this load, without the relay.
+	rd, err := startReader(ctx, db, slot, int64(total), "-latency", "-latency-skip", fmt.Sprint(int(float64(rate)*o.warmup.Seconds())))
+	if err != nil {
+		return res, err
+	}
+	for deadline := time.Now().Add(30 * time.Second); db.walsenderPID(ctx, slot) == 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			rd.kill()
+			return res, errors.New("decode reader not streaming after 30s")
+		}
+	}
 	writers := writerCount(rate)
 	period := time.Second / time.Duration(rate)
 	var (
@@ -740,10 +757,20 @@ func e2eFloorRun(ctx context.Context, o *options, env *benchEnv, rate int) (e2eF
 	for range writers {
 		err = errors.Join(err, <-errs)
 	}
+	if err != nil {
+		rd.kill()
+		return res, err
+	}
+	timer := time.AfterFunc(60*time.Second, func() { _ = rd.cmd.Process.Kill() })
+	rep, err := rd.report()
+	timer.Stop()
 	el := time.Since(start).Seconds()
 	res.MachineCores = busyCores(m0, readMachineCPU())
 	res.PostgresCores, res.BenchCores = (treeCPU(pm)-pg0).Seconds()/el, (selfCPU()-b0).Seconds()/el
 	res.InsertToApplied = quantilesOf(lat)
+	if err == nil {
+		res.CommitToReceive = rep.CommitToReceive
+	}
 	return res, err
 }
 

@@ -77,7 +77,8 @@ func judgeConsumer(r *results) []target {
 		}
 		for _, f := range e.Floor {
 			if f.Offered == 2000 {
-				ts = append(ts, target{Name: "  floor: the two commits alone at 2,000/s, p99 (ms)", Value: f.InsertToApplied.P99, Info: true})
+				ts = append(ts, target{Name: "  floor: the two commits alone at 2,000/s, p99 (ms)", Value: f.InsertToApplied.P99, Info: true},
+					target{Name: "  floor: the walsender's commit→receive meanwhile, p99 (ms)", Value: f.CommitToReceive.P99, Info: true})
 			}
 		}
 		// Light load: batching must not make a message wait.
@@ -171,6 +172,8 @@ func printConsumer(w io.Writer, r *results) {
 			q := f.InsertToApplied
 			row(fmt.Sprintf("floor at %s/s: INSERT commit, then the consumer's commit (no relay, no NATS)", num(float64(f.Offered))), "", "",
 				f2(q.P50), f2(q.P99), f2(q.P999), f2(q.Max), f2(f.MachineCores), fmt.Sprintf("%.2f / – / %.2f", f.PostgresCores, f.BenchCores))
+			w := f.CommitToReceive
+			row("  meanwhile, a bare reader's outbox commit→receive (the walsender, no relay)", "", "", f2(w.P50), f2(w.P99), f2(w.P999), f2(w.Max), "", "")
 		}
 		tw.Flush()
 	}
