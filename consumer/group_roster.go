@@ -110,13 +110,21 @@ func (g *group) watchOnce(ctx context.Context) error {
 }
 
 // members returns the live members, once the roster has read the bucket.
+// It waits at most one member TTL, so that the coordinator loop keeps
+// checking its own heartbeat while the bucket cannot be watched.
 func (g *group) members(ctx context.Context) ([]memberInfo, error) {
+	t := time.NewTimer(g.ttl)
+	defer t.Stop()
 	select {
 	case <-g.roster.ready:
+	case <-t.C:
+		return nil, errRosterNotReady
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
 	return g.roster.live(time.Now()), nil
 }
+
+var errRosterNotReady = errors.New("the group bucket's members are not read yet (its watch keeps failing)")
 
 var errWatchEnded = errors.New("the group bucket's watch ended")

@@ -86,3 +86,16 @@ func (e entry) Revision() uint64                { return 0 }
 func (e entry) Created() time.Time              { return time.Time{} }
 func (e entry) Delta() uint64                   { return 0 }
 func (e entry) Operation() jetstream.KeyValueOp { return e.op }
+
+// While the bucket cannot be watched, members gives up after the member
+// TTL instead of holding the coordinator loop.
+func TestMembersWaitsAtMostTheTTL(t *testing.T) {
+	g := &group{ttl: 50 * time.Millisecond, roster: newRoster()}
+	start := time.Now()
+	if _, err := g.members(context.Background()); err != errRosterNotReady {
+		t.Fatalf("members = %v, want errRosterNotReady", err)
+	}
+	if el := time.Since(start); el > 5*time.Second {
+		t.Fatalf("members waited %s", el)
+	}
+}
