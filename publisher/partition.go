@@ -51,5 +51,5 @@ func ensurePartitions(ctx context.Context, js jetstream.JetStream, spec StreamSp
 		return nil, fmt.Errorf("stream %s: set partition transform: %w", spec.Name, err)
 	}
 	rep.Partitioned = true
-	return s.Info(ctx)
+	return s.CachedInfo(), nil // the update's answer holds the new info
 }

@@ -119,7 +119,6 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 	if err != nil {
 		return nil, fmt.Errorf("stream %s info: %w", spec.Name, err)
 	}
-	rep.Info = info
 	for _, want := range spec.Subjects {
 		if !coveredByAny(info.Config.Subjects, want) {
 			return nil, fmt.Errorf("stream %s subjects %v do not cover %q: add it to the stream's subjects or change the subject template", spec.Name, info.Config.Subjects, want)
@@ -129,8 +128,8 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 		if info, err = ensurePartitions(ctx, js, spec, info, rep); err != nil {
 			return nil, err
 		}
-		rep.Info = info
 	}
+	rep.Info = info
 	rep.Durable, rep.DurableReason = Durability(info.Config)
 	if !rep.Durable {
 		if spec.RequireDurable {
