@@ -133,29 +133,8 @@ func PartitionFilter(source string, partitions, p int) string {
 // stored through source's partition transform, ok false when subject is
 // not one.
 func SubjectPartition(source, subject string) (partitions, p int, ok bool) {
-	src, at, err := slot(source)
-	if err != nil {
-		return 0, 0, false
-	}
-	toks := strings.Split(subject, ".")
-	if len(toks) != len(src)+2 {
-		return 0, 0, false
-	}
-	for i, t := range src {
-		j := i
-		if i >= at {
-			j += 2
-		}
-		if t != "*" && toks[j] != t {
-			return 0, 0, false
-		}
-	}
-	n, err1 := strconv.Atoi(toks[at])
-	q, err2 := strconv.Atoi(toks[at+1])
-	if err1 != nil || err2 != nil || n < 1 || n > MaxPartitions || q < 0 || q >= n {
-		return 0, 0, false
-	}
-	return n, q, true
+	_, _, partitions, p, ok = splitStored(source, subject)
+	return partitions, p, ok
 }
 
 // PublishedSubject returns the subject an event was published on: a
@@ -163,10 +142,38 @@ func SubjectPartition(source, subject string) (partitions, p int, ok bool) {
 // partition tokens, other subjects as they are. Re-publishing a stored
 // event needs it, since the stream's subjects match the published form.
 func PublishedSubject(source, subject string) string {
-	if _, _, ok := SubjectPartition(source, subject); !ok {
+	toks, at, _, _, ok := splitStored(source, subject)
+	if !ok {
 		return subject
 	}
-	_, at, _ := slot(source)
-	toks := strings.Split(subject, ".")
 	return strings.Join(append(toks[:at:at], toks[at+2:]...), ".")
+}
+
+// splitStored splits a subject stored through source's partition
+// transform: its tokens, where the partition tokens are, and their values;
+// ok false when subject is not one.
+func splitStored(source, subject string) (toks []string, at, partitions, p int, ok bool) {
+	src, at, err := slot(source)
+	if err != nil {
+		return nil, 0, 0, 0, false
+	}
+	toks = strings.Split(subject, ".")
+	if len(toks) != len(src)+2 {
+		return nil, 0, 0, 0, false
+	}
+	for i, t := range src {
+		j := i
+		if i >= at {
+			j += 2
+		}
+		if t != "*" && toks[j] != t {
+			return nil, 0, 0, 0, false
+		}
+	}
+	n, err1 := strconv.Atoi(toks[at])
+	q, err2 := strconv.Atoi(toks[at+1])
+	if err1 != nil || err2 != nil || n < 1 || n > MaxPartitions || q < 0 || q >= n {
+		return nil, 0, 0, 0, false
+	}
+	return toks, at, n, q, true
 }
