@@ -89,7 +89,17 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 		roster:    newRoster(),
 	}
 	g.beatCount.Store(int64(partitions))
-	if err := g.join(ctx, max(info.Config.Replicas, 1)); err != nil {
+	if err := g.openBucket(ctx, max(info.Config.Replicas, 1)); err != nil {
+		return err
+	}
+	// The roster is read by the join's agreement check and by every step
+	// until Run returns.
+	rctx, stopRoster := context.WithCancel(ctx)
+	var rosterWG sync.WaitGroup
+	rosterWG.Go(func() { g.watchRoster(rctx) })
+	defer rosterWG.Wait()
+	defer stopRoster()
+	if err := g.join(ctx); err != nil {
 		return err
 	}
 	if err := g.ensureGeneration(ctx, partitions, true); err != nil {
@@ -138,9 +148,8 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 	return err
 }
 
-// join opens (creating it if needed) the group's member bucket and checks
-// that the live members agree on the partition count.
-func (g *group) join(ctx context.Context, replicas int) error {
+// openBucket opens (creating it if needed) the group's member bucket.
+func (g *group) openBucket(ctx context.Context, replicas int) error {
 	c := g.c
 	bucket := GroupBucket(c.cfg.Name)
 	kv, err := c.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
@@ -165,6 +174,12 @@ func (g *group) join(ctx context.Context, replicas int) error {
 	if g.ttl <= 0 {
 		return fmt.Errorf("%w: group bucket %s has no TTL, so dead members would never leave; delete the bucket (nats kv del %s) and restart the members", ErrGroupMismatch, bucket, bucket)
 	}
+	return nil
+}
+
+// join checks that the live members agree on the partition count, then
+// heartbeats once.
+func (g *group) join(ctx context.Context) error {
 	// Members that read the stream before a partition-count change still
 	// report the old count for up to one step: give them the member TTL.
 	deadline := time.Now().Add(g.ttl)
@@ -188,7 +203,7 @@ func (g *group) join(ctx context.Context, replicas int) error {
 // agree checks that the live members use this member's partition count.
 func (g *group) agree(ctx context.Context) error {
 	c := g.c
-	members, err := g.listMembers(ctx)
+	members, err := g.members(ctx)
 	if err != nil {
 		return err
 	}
@@ -231,33 +246,6 @@ func (g *group) beat(ctx context.Context, interval time.Duration) {
 			return
 		case <-tick.C:
 			_ = g.heartbeat(ctx) // the coordinator loop reports beatErr
-		}
-	}
-}
-
-// listMembers lists the members in the bucket (their last heartbeat is
-// within the bucket's TTL), sorted by id: a one-off read when joining,
-// before the roster runs.
-func (g *group) listMembers(ctx context.Context) ([]memberInfo, error) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	w, err := g.kv.WatchAll(ctx, jetstream.IgnoreDeletes())
-	if err != nil {
-		return nil, fmt.Errorf("list group members: %w", err)
-	}
-	defer func() { _ = w.Stop() }()
-	var out []memberInfo
-	for {
-		select {
-		case e := <-w.Updates():
-			if e == nil {
-				sort.Slice(out, func(i, j int) bool { return out[i].id < out[j].id })
-				return out, nil
-			}
-			n, _ := strconv.Atoi(string(e.Value()))
-			out = append(out, memberInfo{id: e.Key(), partitions: n})
-		case <-ctx.Done():
-			return nil, fmt.Errorf("list group members: %w", ctx.Err())
 		}
 	}
 }
@@ -324,7 +312,6 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 	bctx, stopBeat := context.WithCancel(ctx)
 	var beating sync.WaitGroup
 	beating.Go(func() { g.beat(bctx, beat) })
-	beating.Go(func() { g.watchRoster(bctx) })
 	defer beating.Wait()
 	defer stopBeat()
 	// Before its first assignment a new member waits one heartbeat, so that
