@@ -13,7 +13,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -687,29 +686,22 @@ func e2eFloorRun(ctx context.Context, o *options, env *benchEnv, rate int) (e2eF
 	total := int(float64(rate) * (o.warmup + o.dur).Seconds())
 	// The bare reader streams the outbox meanwhile: the walsender's
 	// commit→receive under this load, without the relay.
-	rd, err := startReader(ctx, db, slot, int64(total), "-latency", "-latency-skip", fmt.Sprint(int(float64(rate)*o.warmup.Seconds())))
+	rd, err := startLatencyReader(ctx, db, slot, total, int(float64(rate)*o.warmup.Seconds()))
 	if err != nil {
 		return res, err
 	}
-	for deadline := time.Now().Add(30 * time.Second); db.walsenderPID(ctx, slot) == 0; time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			rd.kill()
-			return res, errors.New("decode reader not streaming after 30s")
-		}
-	}
 	writers := writerCount(rate)
-	period := time.Second / time.Duration(rate)
 	var (
-		ticket atomic.Int64
-		mu     sync.Mutex
-		lat    = make([]time.Duration, 0, total)
-		errs   = make(chan error, writers)
+		mu   sync.Mutex
+		lat  = make([]time.Duration, 0, total)
+		errs = make(chan error, writers)
 	)
 	pm := db.postmasterPID(ctx)
 	m0, pg0, b0 := readMachineCPU(), treeCPU(pm), selfCPU()
 	start := time.Now()
 	t0 := start.Add(50 * time.Millisecond)
 	from := t0.Add(o.warmup)
+	sched := newSchedule(rate, total, t0)
 	spec := consumerSpec{batchSize: 1}
 	for range writers {
 		go func() {
@@ -725,20 +717,13 @@ func e2eFloorRun(ctx context.Context, o *options, env *benchEnv, rate int) (e2eF
 				}
 				defer c.Release()
 				for {
-					i := ticket.Add(1) - 1
-					if i >= int64(total) {
+					i, _, ok := sched.next()
+					if !ok {
 						return nil
 					}
-					due := t0.Add(time.Duration(i) * period)
-					if d := time.Until(due); d > 0 {
-						time.Sleep(d)
-					}
 					now := time.Now()
-					ev := contract.Event{ID: uuid.NewString(), Type: "OrderPlaced", AggregateType: "order",
-						AggregateID: fmt.Sprintf("agg-%d", i%1000), AggregateVersion: i/1000 + 1,
-						Payload: fmt.Appendf(nil, `{"ins": %d, "seq": %d, "note": "%s", "customer": "customer-%d"}`, now.UnixNano(), i, padding(180), i%1000)}
-					if _, err := w.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'order', $2, $3, 'OrderPlaced', $4)`,
-						ev.ID, ev.AggregateID, ev.AggregateVersion, ev.Payload); err != nil {
+					ev := latencyEvent(i, now)
+					if err := insertEvent(ctx, w, ev); err != nil {
 						return err
 					}
 					if err := ceilingTx(ctx, c.Conn(), []contract.Event{ev}, [][]byte{consumer.ContentHash(&ev)}, spec); err != nil {
@@ -761,9 +746,7 @@ func e2eFloorRun(ctx context.Context, o *options, env *benchEnv, rate int) (e2eF
 		rd.kill()
 		return res, err
 	}
-	timer := time.AfterFunc(60*time.Second, func() { _ = rd.cmd.Process.Kill() })
-	rep, err := rd.report()
-	timer.Stop()
+	rep, err := rd.latencyReport()
 	el := time.Since(start).Seconds()
 	res.MachineCores = busyCores(m0, readMachineCPU())
 	res.PostgresCores, res.BenchCores = (treeCPU(pm)-pg0).Seconds()/el, (selfCPU()-b0).Seconds()/el

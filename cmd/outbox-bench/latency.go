@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/contract"
@@ -240,8 +241,7 @@ type loadRun struct {
 func offerLoad(ctx context.Context, db *benchDB, rate, total int, t0 time.Time) *loadRun {
 	writers := writerCount(rate)
 	l := &loadRun{errs: make(chan error, writers), late: make([][]time.Duration, writers)}
-	var ticket atomic.Int64
-	period := time.Second / time.Duration(rate)
+	sched := newSchedule(rate, total, t0)
 	for w := range writers {
 		go func() {
 			conn, err := db.pool.Acquire(ctx)
@@ -251,21 +251,14 @@ func offerLoad(ctx context.Context, db *benchDB, rate, total int, t0 time.Time) 
 			}
 			defer conn.Release()
 			for {
-				i := ticket.Add(1) - 1
-				if i >= int64(total) {
+				i, due, ok := sched.next()
+				if !ok {
 					l.errs <- nil
 					return
 				}
-				due := t0.Add(time.Duration(i) * period)
-				if d := time.Until(due); d > 0 {
-					time.Sleep(d)
-				}
 				now := time.Now()
 				l.late[w] = append(l.late[w], now.Sub(due))
-				payload := fmt.Sprintf(`{"ins": %d, "seq": %d, "note": "%s", "customer": "customer-%d"}`, now.UnixNano(), i, padding(180), i%1000)
-				_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, 'order', $2, $3, 'OrderPlaced', $4)`,
-					uuid.NewString(), fmt.Sprintf("agg-%d", i%1000), i/1000+1, payload)
-				if err != nil {
+				if err := insertEvent(ctx, conn, latencyEvent(i, now)); err != nil {
 					l.errs <- err
 					return
 				}
@@ -273,6 +266,48 @@ func offerLoad(ctx context.Context, db *benchDB, rate, total int, t0 time.Time) 
 		}()
 	}
 	return l
+}
+
+// schedule hands out the events of an offered load: event i is due at
+// t0 + i/rate.
+type schedule struct {
+	ticket atomic.Int64
+	total  int64
+	t0     time.Time
+	period time.Duration
+}
+
+func newSchedule(rate, total int, t0 time.Time) *schedule {
+	return &schedule{total: int64(total), t0: t0, period: time.Second / time.Duration(rate)}
+}
+
+// next takes the next event, waits until it is due and returns it with
+// when it was due; ok is false when every event is taken.
+func (s *schedule) next() (i int64, due time.Time, ok bool) {
+	i = s.ticket.Add(1) - 1
+	if i >= s.total {
+		return 0, time.Time{}, false
+	}
+	due = s.t0.Add(time.Duration(i) * s.period)
+	if d := time.Until(due); d > 0 {
+		time.Sleep(d)
+	}
+	return i, due, true
+}
+
+// latencyEvent is event i of an offered load, written at now: its payload
+// carries now, from which the consumer side measures insert→applied.
+func latencyEvent(i int64, now time.Time) contract.Event {
+	return contract.Event{ID: uuid.NewString(), Type: "OrderPlaced", AggregateType: "order",
+		AggregateID: fmt.Sprintf("agg-%d", i%1000), AggregateVersion: i/1000 + 1,
+		Payload: fmt.Appendf(nil, `{"ins": %d, "seq": %d, "note": "%s", "customer": "customer-%d"}`, now.UnixNano(), i, padding(180), i%1000)}
+}
+
+// insertEvent writes ev to the outbox in a transaction of its own.
+func insertEvent(ctx context.Context, conn *pgxpool.Conn, ev contract.Event) error {
+	_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, $2, $3, $4, $5, $6)`,
+		ev.ID, ev.AggregateType, ev.AggregateID, ev.AggregateVersion, ev.Type, ev.Payload)
+	return err
 }
 
 // wait waits for every writer and returns how late each insert was sent.
@@ -301,6 +336,43 @@ type floorResult struct {
 	MachineCores    float64   `json:"machine_cores"`
 }
 
+// startLatencyReader starts the bare reader in a child process timing
+// commit→receive of total events on slot (the first skip not timed), and
+// returns once the server streams to it.
+func startLatencyReader(ctx context.Context, db *benchDB, slot string, total, skip int) (*readerProc, error) {
+	p, err := startReader(ctx, db, slot, int64(total), "-latency", "-latency-skip", fmt.Sprint(skip))
+	if err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for db.walsenderPID(ctx, slot) == 0 {
+		select {
+		case err := <-p.done:
+			return nil, fmt.Errorf("decode reader exited before streaming: %v", err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			p.kill()
+			return nil, errors.New("decode reader not streaming after 30s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return p, nil
+}
+
+// latencyReport waits for a latency reader's report once every event was
+// committed: it has them within seconds, or is killed after a minute.
+func (p *readerProc) latencyReport() (readerReport, error) {
+	var late atomic.Bool
+	timer := time.AfterFunc(60*time.Second, func() { late.Store(true); _ = p.cmd.Process.Kill() })
+	rep, err := p.report()
+	timer.Stop()
+	if late.Load() {
+		return rep, errors.New("decode reader did not see every event within 60s of the load")
+	}
+	return rep, err
+}
+
 // floorRun offers the same load as latencyRun to the bare reader in a child
 // process: what a consumer that does nothing with the changes sees.
 func floorRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Duration) (floorResult, error) {
@@ -314,22 +386,9 @@ func floorRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Dur
 	total := int(float64(rate) * (warmup + dur).Seconds())
 	// The warm-up's transactions are counted off, not timed off: the
 	// schedule starts only once the reader streams.
-	p, err := startReader(ctx, db, slot, int64(total), "-latency", "-latency-skip", fmt.Sprint(int(float64(rate)*warmup.Seconds())))
+	p, err := startLatencyReader(ctx, db, slot, total, int(float64(rate)*warmup.Seconds()))
 	if err != nil {
 		return res, err
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for db.walsenderPID(ctx, slot) == 0 {
-		select {
-		case err := <-p.done:
-			return res, fmt.Errorf("decode reader exited before streaming: %v", err)
-		default:
-		}
-		if time.Now().After(deadline) {
-			p.kill()
-			return res, errors.New("decode reader not streaming after 30s")
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
 	t0 := time.Now().Add(50 * time.Millisecond)
 	pm := db.postmasterPID(ctx)
@@ -338,14 +397,7 @@ func floorRun(ctx context.Context, env *benchEnv, rate int, warmup, dur time.Dur
 		p.kill()
 		return res, err
 	}
-	// Every event was committed: the reader has them within seconds.
-	var late atomic.Bool
-	timer := time.AfterFunc(60*time.Second, func() { late.Store(true); _ = p.cmd.Process.Kill() })
-	rep, err := p.report()
-	timer.Stop()
-	if late.Load() {
-		return res, errors.New("decode reader did not see every event within 60s of the load")
-	}
+	rep, err := p.latencyReport()
 	if err != nil {
 		return res, err
 	}
