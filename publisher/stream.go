@@ -40,6 +40,11 @@ type StreamSpec struct {
 	// EnsureStream set it.
 	Partitions       int
 	UpdatePartitions bool
+
+	// SubjectsKey names the configuration that sets Subjects, for the fix
+	// when they overlap another stream's; "" names the subject templates
+	// and nats.stream_subjects.
+	SubjectsKey string
 }
 
 // ErrNotDurable means the stream's acknowledgements do not survive a
@@ -168,8 +173,12 @@ func overlapError(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 	if len(others) == 0 {
 		return fmt.Errorf("create stream %s with subjects %v: %w", spec.Name, spec.Subjects, err)
 	}
-	return fmt.Errorf("create stream %s with subjects %v: they overlap stream %s, and a subject can belong to one stream only: use that stream (nats.stream), or change the subject template and nats.stream_subjects: %w",
-		spec.Name, spec.Subjects, strings.Join(others, ", "), err)
+	key := spec.SubjectsKey
+	if key == "" {
+		key = "the subject template and nats.stream_subjects"
+	}
+	return fmt.Errorf("create stream %s with subjects %v: they overlap stream %s, and a subject can belong to one stream only: use that stream (nats.stream), or change %s: %w",
+		spec.Name, spec.Subjects, strings.Join(others, ", "), key, err)
 }
 
 func overlapsAny(subjects []string, other string) bool {

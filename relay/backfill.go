@@ -205,6 +205,11 @@ func createBackfillSlot(ctx context.Context, guard *replication.BackfillGuard, c
 		return nil, guard.Forget(ctx)
 	}
 	if err != nil {
+		// No slot: a record of its backfill would be debris that makes
+		// the next setup, and status, report an interrupted backfill.
+		if ferr := guard.Forget(ctx); ferr != nil {
+			return nil, fmt.Errorf("%w (and %v)", err, ferr)
+		}
 		return nil, err
 	}
 	if err := guard.Created(ctx, snap.ConsistentPoint); err != nil {

@@ -74,17 +74,11 @@ func Setup(ctx context.Context, cfg Config) (*SetupReport, error) {
 // Check verifies, without changing anything, that the server, publication
 // and slot are ready for streaming.
 func Check(ctx context.Context, cfg Config) error {
-	if err := cfg.setDefaults(); err != nil {
-		return err
-	}
-	conn, err := connectSQL(ctx, cfg.URL)
+	conn, err := connectServerChecked(ctx, &cfg)
 	if err != nil {
 		return err
 	}
 	defer conn.Close(ctx)
-	if err := checkServer(ctx, conn); err != nil {
-		return err
-	}
 	if _, err := checkFeatures(ctx, conn, cfg); err != nil {
 		return err
 	}
@@ -198,21 +192,13 @@ func checkServer(ctx context.Context, conn *pgx.Conn) error {
 }
 
 func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport, create bool) error {
-	var quoted []string
-	for _, t := range cfg.Tables {
-		ident := splitQualified(t)
-		var ok bool
-		if err := conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", ident.Sanitize()).Scan(&ok); err != nil {
-			return fmt.Errorf("look up table %s: %w", t, err)
-		}
-		if !ok {
-			return actionable(ErrTableMissing, "create it (see sql/outbox.sql) or fix the table name in the configuration", "table %s", t)
-		}
-		quoted = append(quoted, ident.Sanitize())
+	quoted, err := quotedTables(ctx, conn, cfg)
+	if err != nil {
+		return err
 	}
 	// Its operations and options are checkPublication's to judge.
 	var exists bool
-	err := conn.QueryRow(ctx, "SELECT true FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&exists)
+	err = conn.QueryRow(ctx, "SELECT true FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&exists)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return fmt.Errorf("look up publication %q: %w", cfg.Publication, err)
 	}
@@ -221,8 +207,7 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 		if !create {
 			return actionable(ErrPublicationMissing, "run `outbox-relay setup`", "publication %q", cfg.Publication)
 		}
-		// Through the root: a partitioned outbox's rows keep its name.
-		sql := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert', publish_via_partition_root = true)", name, strings.Join(quoted, ", "))
+		sql := createPublicationSQL(name, quoted)
 		_, err := conn.Exec(ctx, sql)
 		var pgErr *pgconn.PgError
 		switch {
@@ -230,9 +215,7 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 			// Another instance created it between our look-up and now.
 			return ensurePublication(ctx, conn, cfg, rep, create)
 		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege:
-			return actionable(ErrPublicationMissing,
-				fmt.Sprintf("creating it needs the tables' owner and CREATE on the database: as the owner run sql/publication.sql, or %s (docs/faults.md, \"Least privilege: PostgreSQL\", lists every statement the owner runs); then run setup again as this role", sql),
-				"publication %q does not exist and %s", cfg.Publication, pgErr.Message)
+			return createPublicationRefused(cfg, sql, pgErr.Message)
 		case err != nil:
 			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
 		}
@@ -240,28 +223,23 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 		return nil
 	}
 	for i, t := range cfg.Tables {
-		ident := splitQualified(t)
-		var in bool
-		// A partitioned table published by partition is listed by its
-		// partitions in pg_publication_tables, and is a member all the same.
-		if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)
-	OR EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid WHERE p.pubname = $1 AND r.prrelid = to_regclass($4))`,
-			cfg.Publication, ident[0], ident[1], quoted[i]).Scan(&in); err != nil {
-			return fmt.Errorf("look up publication tables: %w", err)
+		in, err := inPublication(ctx, conn, cfg.Publication, splitQualified(t), quoted[i])
+		if err != nil {
+			return err
 		}
 		if in {
 			continue
 		}
 		if !create {
-			return actionable(ErrPublicationMissing, "run `outbox-relay setup`", "publication %q does not include table %s", cfg.Publication, t)
+			// The publication exists: "does not exist" would send the
+			// operator looking for the wrong thing.
+			return actionable(ErrPublicationMismatch, "run `outbox-relay setup`", "publication %q does not include table %s", cfg.Publication, t)
 		}
-		alter := fmt.Sprintf("ALTER PUBLICATION %s ADD TABLE %s", name, quoted[i])
+		alter := addTableSQL(name, quoted[i])
 		if _, err := conn.Exec(ctx, alter); err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
-				return actionable(ErrPublicationMissing,
-					fmt.Sprintf("run as the owner of the publication and of the table: %s; and grant the relay's role SELECT on it; then run setup again", alter),
-					"publication %q does not include table %s, and %s", cfg.Publication, t, pgErr.Message)
+				return addTableRefused(cfg, t, alter, pgErr.Message)
 			}
 			return fmt.Errorf("add %s to publication %q: %w", t, cfg.Publication, err)
 		}

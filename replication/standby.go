@@ -2,7 +2,6 @@ package replication
 
 import (
 	"context"
-	"errors"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -18,13 +17,7 @@ const CurrentLSN = "(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
 // primary's next running-transactions record (up to 15 s on an idle
 // primary; pg_log_standby_snapshot() on the primary sends one at once).
 func setupOnStandby(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport) error {
-	err := ensurePublication(ctx, conn, cfg, rep, false)
-	var ae *ActionableError
-	if errors.As(err, &ae) && errors.Is(err, ErrPublicationMissing) {
-		ae.Hint = "run `outbox-relay setup` against the primary once: a standby cannot create a publication, and the primary's replicates to it"
-		return ae
-	}
-	if err != nil {
+	if err := standbyPublication(ctx, conn, cfg); err != nil {
 		return err
 	}
 	rep.Actions = nil

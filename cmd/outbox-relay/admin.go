@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -26,12 +27,15 @@ func newSetupCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "setup",
 		Short: "Create the streams, the publication and the replication slot (idempotent)",
-		Long: "Creates what is missing, in this order, and prints each step as it is done:\n" +
-			"the event and dead-letter streams (checked first: a stream whose subjects do not\n" +
-			"cover the configuration stops setup before PostgreSQL is changed), then the\n" +
-			"publication, then the slot, last, because a slot retains WAL from the moment it\n" +
-			"exists; with postgres.backfill the slot comes with an exported snapshot and the\n" +
-			"rows already waiting are published.",
+		Long: "Checks PostgreSQL first, changing nothing (the connection, wal_level, the role,\n" +
+			"the tables, whether this role may create or extend the publication), then\n" +
+			"creates what is missing, in this order, and prints each step as it is done:\n" +
+			"the event and dead-letter streams (a stream whose subjects do not cover the\n" +
+			"configuration stops setup before PostgreSQL is changed), then the publication,\n" +
+			"then the slot, last, because a slot retains WAL from the moment it exists; with\n" +
+			"postgres.backfill the slot comes with an exported snapshot and the rows already\n" +
+			"waiting are published. A setup that fails removes the streams it created while\n" +
+			"they are empty, and says what it left.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := g.load()
@@ -41,38 +45,28 @@ func newSetupCmd(g *globals) *cobra.Command {
 			// Backfilling a large outbox can take a while: SIGINT stops it.
 			ctx, cancel := signalContext()
 			defer cancel()
-			out := cmd.OutOrStdout()
+			// PostgreSQL first, changing nothing: a refusal found after the
+			// streams existed (a wrong password, a missing table) left them
+			// behind, and with backfill a record of an interrupted one.
+			if err := replication.Preflight(ctx, cfg.Replication()); err != nil {
+				return fmt.Errorf("%w; setup changed nothing", causeFirst{err})
+			}
 			nc, err := connectNATS(cfg.NATS, zap.NewNop(), "outbox-relay setup")
 			if err != nil {
-				return err
+				return fmt.Errorf("%w; setup changed nothing", err)
 			}
 			defer nc.Close()
-			if err := setupStreams(ctx, nc, cfg, out); err != nil {
-				return err
-			}
-			slotCreated := false
-			if cfg.Postgres.Backfill {
-				brep, err := backfill(ctx, cfg, nc, zap.NewNop(), cmd.ErrOrStderr())
-				if err != nil {
-					return err
-				}
-				for _, a := range brep.Actions {
-					fmt.Fprintln(out, "postgres:", a)
-				}
-				if slotCreated = brep.SlotCreated; slotCreated {
-					fmt.Fprintf(out, "postgres: backfilled %d waiting rows (%d dead-lettered, %d skipped: already in stream %s, %d skipped: older than the stream's first message, see reconcile's expired rows)\n", brep.Rows, brep.DeadLettered, brep.AlreadyStreamed, cfg.NATS.Stream, brep.Expired)
-				}
-			}
-			rep, err := replication.Setup(ctx, cfg.Replication())
+			js, err := jetstream.New(nc)
 			if err != nil {
 				return err
 			}
-			if !slotCreated {
-				// After a backfill these would only say "already exists"
-				// of what it has just created.
-				for _, a := range rep.Actions {
-					fmt.Fprintln(out, "postgres:", a)
-				}
+			out := cmd.OutOrStdout()
+			created, err := setupStreams(ctx, js, cfg, out)
+			if err == nil {
+				err = setupPostgres(ctx, cfg, nc, out, cmd.ErrOrStderr())
+			}
+			if err != nil {
+				return undoStreams(js, created, causeFirst{err})
 			}
 			// Without backfill an interrupted one stays: say so now, not
 			// when run refuses the slot.
@@ -84,21 +78,51 @@ func newSetupCmd(g *globals) *cobra.Command {
 	}
 }
 
-// setupStreams creates the event and dead-letter streams that are missing
-// and checks those that exist, printing each.
-func setupStreams(ctx context.Context, nc *nats.Conn, cfg config.Config, out io.Writer) error {
-	js, err := jetstream.New(nc)
+// setupPostgres creates the publication and the slot, with postgres.backfill
+// from an exported snapshot whose waiting rows it publishes, printing each
+// step.
+func setupPostgres(ctx context.Context, cfg config.Config, nc *nats.Conn, out, progress io.Writer) error {
+	slotCreated := false
+	if cfg.Postgres.Backfill {
+		brep, err := backfill(ctx, cfg, nc, zap.NewNop(), progress)
+		if err != nil {
+			return err
+		}
+		for _, a := range brep.Actions {
+			fmt.Fprintln(out, "postgres:", a)
+		}
+		if slotCreated = brep.SlotCreated; slotCreated {
+			fmt.Fprintf(out, "postgres: backfilled %d waiting rows (%d dead-lettered, %d skipped: already in stream %s, %d skipped: older than the stream's first message, see reconcile's expired rows)\n", brep.Rows, brep.DeadLettered, brep.AlreadyStreamed, cfg.NATS.Stream, brep.Expired)
+		}
+	}
+	rep, err := replication.Setup(ctx, cfg.Replication())
 	if err != nil {
 		return err
 	}
+	if !slotCreated {
+		// After a backfill these would only say "already exists"
+		// of what it has just created.
+		for _, a := range rep.Actions {
+			fmt.Fprintln(out, "postgres:", a)
+		}
+	}
+	return nil
+}
+
+// setupStreams creates the event and dead-letter streams that are missing
+// and checks those that exist, printing each. It returns the names of the
+// streams it created, also when it fails.
+func setupStreams(ctx context.Context, js jetstream.JetStream, cfg config.Config, out io.Writer) ([]string, error) {
+	var created []string
 	events, dlq := cfg.Streams()
 	events.UpdatePartitions = true // setup is where the partition count is set or changed
 	for _, spec := range []publisher.StreamSpec{events, dlq} {
 		srep, err := publisher.EnsureStream(ctx, js, spec, true)
 		if err != nil {
-			return err
+			return created, err
 		}
 		if srep.Created {
+			created = append(created, spec.Name)
 			fmt.Fprintf(out, "nats: created stream %s (subjects %v, file storage, duplicate window %s)\n", spec.Name, spec.Subjects, spec.Duplicates)
 		} else {
 			fmt.Fprintf(out, "nats: stream %s already exists (subjects %v)\n", spec.Name, srep.Info.Config.Subjects)
@@ -110,7 +134,56 @@ func setupStreams(ctx context.Context, nc *nats.Conn, cfg config.Config, out io.
 			fmt.Fprintln(out, "warning:", w)
 		}
 	}
-	return nil
+	return created, nil
+}
+
+// undoStreams deletes the streams a failed setup created while they are
+// still empty, so that it leaves nothing behind, and adds to err what it
+// removed and what it had to leave.
+func undoStreams(js jetstream.JetStream, created []string, err error) error {
+	if len(created) == 0 {
+		return fmt.Errorf("%w; setup created nothing", err)
+	}
+	// A fresh context: the setup's may be what ended (SIGINT).
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var removed, left []string
+	for _, name := range created {
+		n, derr := deleteIfEmpty(ctx, js, name)
+		switch {
+		case derr == nil:
+			removed = append(removed, name)
+		case n > 0:
+			left = append(left, fmt.Sprintf("%s (%d messages: setup again resumes with them)", name, n))
+		default:
+			left = append(left, fmt.Sprintf("%s (%v)", name, derr))
+		}
+	}
+	msg := ""
+	if len(removed) > 0 {
+		msg = fmt.Sprintf("; setup removed the streams it had created (%s)", strings.Join(removed, ", "))
+	}
+	if len(left) > 0 {
+		msg += fmt.Sprintf("; setup left the streams it had created: %s; remove one with `nats stream rm NAME`", strings.Join(left, ", "))
+	}
+	return fmt.Errorf("%w%s", err, msg)
+}
+
+// deleteIfEmpty deletes the stream unless it holds messages, whose count it
+// then returns with an error.
+func deleteIfEmpty(ctx context.Context, js jetstream.JetStream, name string) (uint64, error) {
+	s, err := js.Stream(ctx, name)
+	if err != nil {
+		return 0, err
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0, err
+	}
+	if info.State.Msgs > 0 {
+		return info.State.Msgs, errors.New("not empty")
+	}
+	return 0, js.DeleteStream(ctx, name)
 }
 
 // statusReport is what `status --json` prints.

@@ -300,6 +300,10 @@ func setupAndRun(ctx context.Context, cfg config.Config, nc *nats.Conn, rl *rela
 // slot comes from an exported snapshot and the rows already waiting are
 // published first.
 func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.Logger) error {
+	// PostgreSQL before anything is created, as setup does.
+	if err := replication.Preflight(ctx, cfg.Replication()); err != nil {
+		return err
+	}
 	if err := refuseSlotLostInFailover(ctx, cfg, nc); err != nil {
 		return err
 	}

@@ -2,12 +2,18 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap/zaptest"
 
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -88,4 +94,159 @@ func TestSetupPrintsWhatItDid(t *testing.T) {
 	if strings.Contains(out, "created") || strings.Count(out, "already exists") < 4 {
 		t.Errorf("a second setup should find everything there:\n%s", out)
 	}
+}
+
+// Issue 27: a setup that fails changes nothing, or says what it left. A
+// missing table left a backfill record and the event stream; a
+// publication without the table read "publication does not exist"; a
+// dead-letter subject held by another stream left the event stream and
+// named the wrong key.
+func TestFailedSetupLeavesNothing(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		prepare func(f *opsFixture)
+		want    []string
+		wantNot []string
+	}{
+		{"missing table", func(f *opsFixture) {
+			f.setYAML("  - table: public.outbox\n", "  - table: public.missing\n")
+		}, []string{"outbox table does not exist: table public.missing", "setup changed nothing"}, nil},
+		{"publication without the table, role not its owner", func(f *opsFixture) {
+			role := f.leastPrivilegeRole()
+			f.exec("CREATE TABLE other_outbox (id int)", "CREATE PUBLICATION "+f.cfg.Postgres.Publication+" FOR TABLE other_outbox")
+			f.setYAML("postgres@", role+"@")
+		}, []string{"publication does not publish the outbox as the relay needs", "does not include table public.outbox", "ALTER PUBLICATION", "setup changed nothing"},
+			[]string{"publication does not exist"}},
+		{"no publication, role may not create it", func(f *opsFixture) {
+			f.setYAML("postgres@", f.leastPrivilegeRole()+"@")
+		}, []string{"publication \"" + f0 + "\" does not exist and permission denied for database", "sql/publication.sql", "setup changed nothing"}, nil},
+		{"dead-letter subjects held by another stream", func(f *opsFixture) {
+			if _, err := f.js.CreateStream(context.Background(), jetstream.StreamConfig{Name: f.stream + "_OTHER", Subjects: []string{f.cfg.Router.DeadLetterFilter()}}); err != nil {
+				f.t.Fatal(err)
+			}
+		}, []string{"or change dead_letter_subject", "setup removed the streams it had created (" + f0 + ")"},
+			[]string{"nats.stream_subjects"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			f := newOpsFixture(t)
+			tc.prepare(f)
+			_, err := f.step("setup")
+			if err == nil {
+				t.Fatal("setup succeeded")
+			}
+			msg := strings.ReplaceAll(err.Error(), strings.ToLower(f.stream), f0)
+			msg = strings.ReplaceAll(msg, f.stream, f0)
+			for _, w := range tc.want {
+				if !strings.Contains(msg, w) {
+					t.Errorf("setup error lacks %q:\n%s", w, err)
+				}
+			}
+			for _, w := range tc.wantNot {
+				if strings.Contains(msg, w) {
+					t.Errorf("setup error says %q:\n%s", w, err)
+				}
+			}
+			f.assertNothingLeft()
+		})
+	}
+}
+
+// f0 stands for the fixture's stream and slot names in expected messages.
+const f0 = "<NAME>"
+
+// leastPrivilegeRole creates a role with REPLICATION and SELECT on the
+// outbox that owns nothing, as README step 2 has it.
+func (f *opsFixture) leastPrivilegeRole() string {
+	role := testenv.UniqueName("relay")
+	f.exec("CREATE ROLE "+role+" LOGIN REPLICATION", "GRANT SELECT ON outbox TO "+role)
+	f.t.Cleanup(func() {
+		_, _ = f.db.Pool.Exec(context.Background(), "DROP OWNED BY "+role)
+		_, _ = f.db.Pool.Exec(context.Background(), "DROP ROLE IF EXISTS "+role)
+	})
+	return role
+}
+
+func (f *opsFixture) exec(stmts ...string) {
+	f.t.Helper()
+	for _, s := range stmts {
+		if _, err := f.db.Pool.Exec(context.Background(), s); err != nil {
+			f.t.Fatalf("%s: %v", s, err)
+		}
+	}
+}
+
+// assertNothingLeft fails unless the fixture's streams, slot and backfill
+// record are absent.
+func (f *opsFixture) assertNothingLeft() {
+	f.t.Helper()
+	ctx := context.Background()
+	for _, name := range []string{f.stream, f.stream + "_DLQ"} {
+		if _, err := f.js.Stream(ctx, name); !errors.Is(err, jetstream.ErrStreamNotFound) {
+			f.t.Errorf("stream %s left behind (lookup: %v)", name, err)
+		}
+	}
+	var slots, records int
+	if err := f.db.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", f.cfg.Postgres.Slot).Scan(&slots); err != nil {
+		f.t.Fatal(err)
+	}
+	if slots != 0 {
+		f.t.Errorf("slot %s left behind", f.cfg.Postgres.Slot)
+	}
+	err := f.db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+replication.BackfillTable+" WHERE slot_name = $1", f.cfg.Postgres.Slot).Scan(&records)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable:
+	case err != nil:
+		f.t.Fatal(err)
+	case records != 0:
+		f.t.Errorf("a backfill record of slot %s left behind", f.cfg.Postgres.Slot)
+	}
+}
+
+// Issue 27: with a wrong password setup created the streams, then printed
+// pgconn's text, which ends with the refused TLS attempt, without run's
+// hint. It checks PostgreSQL first and leads with the refusal and the fix.
+func TestSetupWrongPassword(t *testing.T) {
+	t.Parallel()
+	f := newOpsFixture(t)
+	pg := passwordPostgres(t)
+	f.setYAML(f.db.URL, strings.NewReplacer("postgres@", "status_user:wrong-password@", "sslmode=disable", "sslmode=prefer").Replace(pg.URL("postgres")))
+	_, err := f.step("setup")
+	if err == nil {
+		t.Fatal("setup succeeded with a wrong password")
+	}
+	for _, w := range []string{"password authentication failed", "check the user and password in postgres.url", "setup changed nothing"} {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("setup error lacks %q: %v", w, err)
+		}
+	}
+	if strings.Contains(err.Error(), "tls error") {
+		t.Errorf("setup error names the TLS attempt, which is not the cause: %v", err)
+	}
+	for _, name := range []string{f.stream, f.stream + "_DLQ"} {
+		if _, err := f.js.Stream(context.Background(), name); !errors.Is(err, jetstream.ErrStreamNotFound) {
+			t.Errorf("stream %s created although PostgreSQL refused (lookup: %v)", name, err)
+		}
+	}
+}
+
+// Issue 27: run with auto_setup said "publication does not exist" of a
+// publication that exists and lacks the table, and created the streams
+// before PostgreSQL refused.
+func TestRunAutoSetupNamesTheTableMissingFromThePublication(t *testing.T) {
+	t.Parallel()
+	f := newOpsFixture(t)
+	role := f.leastPrivilegeRole()
+	f.exec("CREATE TABLE other_outbox (id int)", "CREATE PUBLICATION "+f.cfg.Postgres.Publication+" FOR TABLE other_outbox")
+	f.setYAML("postgres@", role+"@")
+	f.cfg.Postgres.AutoSetup, f.cfg.HTTP.Listen = true, ""
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err := run(ctx, f.cfg, zaptest.NewLogger(t))
+	if err == nil || !strings.Contains(err.Error(), "does not include table public.outbox") || strings.Contains(err.Error(), "publication does not exist") {
+		t.Fatalf("run = %v, want the table missing from the publication named", err)
+	}
+	f.assertNothingLeft()
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -141,5 +142,21 @@ func leadWithCause(err error) string {
 	case pgErr.Code == "42501":
 		hint = ": grant the role what it lacks (README, step 2)"
 	}
-	return fmt.Sprintf("%s (SQLSTATE %s)%s [%v]", pgErr.Message, pgErr.Code, hint, err)
+	return fmt.Sprintf("%s (SQLSTATE %s)%s [%s]", pgErr.Message, pgErr.Code, hint, withoutAttempts(err))
+}
+
+// withoutAttempts is err's text without pgconn's list of connection
+// attempts: with sslmode=prefer it ends with the refused TLS attempt
+// ("tls error: server refused TLS connection"), which reads as the cause
+// and is not; the cause leads the message already.
+func withoutAttempts(err error) string {
+	var ce *pgconn.ConnectError
+	if !errors.As(err, &ce) {
+		return err.Error()
+	}
+	s := strings.TrimSuffix(strings.TrimSuffix(err.Error(), ce.Error()), ": ")
+	if s == "" || s == err.Error() {
+		return fmt.Sprintf("connect to postgres as %s to database %s", ce.Config.User, ce.Config.Database)
+	}
+	return s
 }

@@ -26,25 +26,8 @@ host all all 127.0.0.1/32 scram-sha-256
 // seq 0, , R0)"; the password refusal leads the message.
 func TestStatusSaysWhatItCannotTell(t *testing.T) {
 	t.Parallel()
-	testenv.Get(t) // skips under -short
-	pg, err := testenv.StartPostgres()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pg.Close)
-	if err := pg.SetHBA(passwordHBA); err != nil {
-		t.Fatal(err)
-	}
+	pg := passwordPostgres(t)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, pg.AdminURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = conn.Exec(ctx, "CREATE ROLE status_user WITH LOGIN REPLICATION PASSWORD 'right-password'")
-	conn.Close(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
 	port, err := testenv.FreePort()
 	if err != nil {
 		t.Fatal(err)
@@ -74,10 +57,36 @@ func TestStatusSaysWhatItCannotTell(t *testing.T) {
 	if !strings.Contains(rep.PostgresError, "password authentication failed") || !strings.Contains(rep.PostgresError, "check the user and password in postgres.url") {
 		t.Errorf("postgres error %q does not name the password", rep.PostgresError)
 	}
-	if i := strings.Index(rep.PostgresError, "tls error"); i < 0 || i < strings.Index(rep.PostgresError, "password authentication failed") {
-		t.Errorf("the TLS attempt leads the postgres error: %q", rep.PostgresError)
+	if strings.Contains(rep.PostgresError, "tls error") {
+		t.Errorf("the postgres error names the refused TLS attempt, which is not the cause: %q", rep.PostgresError)
 	}
 	if rep.NATSError == "" || len(rep.Problems) != 2 {
 		t.Errorf("nats error %q, problems %q", rep.NATSError, rep.Problems)
 	}
+}
+
+// passwordPostgres starts a server that asks for passwords (passwordHBA),
+// with the role status_user whose password is right-password.
+func passwordPostgres(t *testing.T) *testenv.Postgres {
+	t.Helper()
+	testenv.Get(t) // skips under -short
+	pg, err := testenv.StartPostgres()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	if err := pg.SetHBA(passwordHBA); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, pg.AdminURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = conn.Exec(ctx, "CREATE ROLE status_user WITH LOGIN REPLICATION PASSWORD 'right-password'")
+	conn.Close(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pg
 }

@@ -57,6 +57,8 @@ func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
 		Subjects:   []string{c.Router.DeadLetterFilter()},
 		Duplicates: c.NATS.DuplicateWindow,
 		Replicas:   c.NATS.Replicas,
+		// Its subjects are dead_letter_subject's, whatever the events use.
+		SubjectsKey: "dead_letter_subject",
 	}
 	return events, deadLetters
 }
