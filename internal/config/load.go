@@ -116,46 +116,25 @@ func checkKeys(n *yaml.Node, t reflect.Type, path string) error {
 		if n.Kind != yaml.MappingNode {
 			return bad("expected a mapping of keys")
 		}
-		fields := yamlFields(t)
-		seen := make(map[string]int, len(n.Content)/2)
-		for i := 0; i+1 < len(n.Content); i += 2 {
-			k, v := n.Content[i], n.Content[i+1]
-			sub := join(path, k.Value)
-			ft, ok := fields[k.Value]
-			if !ok {
-				keys := sortedKeys(fields)
-				hint := ""
-				if best, ok := closest(k.Value, keys); ok {
-					hint = fmt.Sprintf(": did you mean %s?", best)
-				}
-				return &Error{Path: sub, Msg: fmt.Sprintf("line %d: unknown key%s (known keys here: %s)", k.Line, hint, strings.Join(keys, ", "))}
-			}
-			if first, dup := seen[k.Value]; dup {
-				return &Error{Path: sub, Msg: fmt.Sprintf("line %d: given twice (first on line %d): keep one", k.Line, first)}
-			}
-			seen[k.Value] = k.Line
-			if err := checkKeys(v, ft, sub); err != nil {
-				return err
-			}
-		}
+		return checkStruct(n, t, path)
 	case t.Kind() == reflect.Slice:
 		if n.Kind != yaml.SequenceNode {
 			return bad("expected a list (e.g. [a, b] or one \"- item\" per line)")
 		}
+		var errs []error
 		for i, c := range n.Content {
-			if err := checkKeys(c, t.Elem(), fmt.Sprintf("%s[%d]", path, i)); err != nil {
-				return err
-			}
+			errs = append(errs, checkKeys(c, t.Elem(), fmt.Sprintf("%s[%d]", path, i)))
 		}
+		return errors.Join(errs...)
 	case t.Kind() == reflect.Map:
 		if n.Kind != yaml.MappingNode {
 			return bad("expected a mapping (key: value per line)")
 		}
+		var errs []error
 		for i := 0; i+1 < len(n.Content); i += 2 {
-			if err := checkKeys(n.Content[i+1], t.Elem(), join(path, n.Content[i].Value)); err != nil {
-				return err
-			}
+			errs = append(errs, checkKeys(n.Content[i+1], t.Elem(), join(path, n.Content[i].Value)))
 		}
+		return errors.Join(errs...)
 	case t.Kind() == reflect.Bool:
 		if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!bool" {
 			return bad("expected true or false")
@@ -173,6 +152,36 @@ func checkKeys(n *yaml.Node, t reflect.Type, path string) error {
 		}
 	}
 	return nil
+}
+
+// checkStruct checks a mapping's keys against the struct type t and
+// reports every unknown key, each with its did-you-mean, and every error
+// below them at once: two typos no longer take two runs.
+func checkStruct(n *yaml.Node, t reflect.Type, path string) error {
+	fields := yamlFields(t)
+	seen := make(map[string]int, len(n.Content)/2)
+	var errs []error
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		sub := join(path, k.Value)
+		ft, ok := fields[k.Value]
+		if !ok {
+			keys := sortedKeys(fields)
+			hint := ""
+			if best, ok := closest(k.Value, keys); ok {
+				hint = fmt.Sprintf(": did you mean %s?", best)
+			}
+			errs = append(errs, &Error{Path: sub, Msg: fmt.Sprintf("line %d: unknown key%s (known keys here: %s)", k.Line, hint, strings.Join(keys, ", "))})
+			continue
+		}
+		if first, dup := seen[k.Value]; dup {
+			errs = append(errs, &Error{Path: sub, Msg: fmt.Sprintf("line %d: given twice (first on line %d): keep one", k.Line, first)})
+			continue
+		}
+		seen[k.Value] = k.Line
+		errs = append(errs, checkKeys(v, ft, sub))
+	}
+	return errors.Join(errs...)
 }
 
 var durationType = reflect.TypeOf(time.Duration(0))

@@ -461,3 +461,36 @@ func TestLoadUnknownEnvironment(t *testing.T) {
 		})
 	}
 }
+
+// Issue 27: two typos took two runs (nats.max_inflight, then
+// tables[0].colums). Every unknown key is reported at once, each with its
+// did-you-mean.
+func TestLoadReportsEveryUnknownKey(t *testing.T) {
+	t.Parallel()
+	file := writeConfig(t, `postgres:
+  url: postgres://relay@db/app
+nats:
+  max_inflight: 100
+tables:
+  - table: public.outbox
+    colums:
+      event_id: id
+  - table: public.other
+    subjetc: "x.{aggregate_id}"
+`)
+	_, err := config.Load(config.Sources{File: file})
+	want := map[string]string{
+		"nats.max_inflight": "did you mean max_in_flight?",
+		"tables[0].colums":  "did you mean columns?",
+		"tables[1].subjetc": "did you mean subject?",
+	}
+	got := map[string]string{}
+	for _, ce := range configErrors(err) {
+		got[ce.Path] = ce.Msg
+	}
+	for path, hint := range want {
+		if !strings.Contains(got[path], hint) {
+			t.Errorf("%s: got %q, want %q among all errors:\n%v", path, got[path], hint, err)
+		}
+	}
+}
