@@ -284,6 +284,10 @@ Select records by id, or with --consumer and filters (--class, --older-than) or 
 			if err != nil {
 				return err
 			}
+			if st.actor == "" {
+				// Before the database: its error would hide this one.
+				return ErrActorRequired
+			}
 			ctx := cmd.Context()
 			s, closeFn, err := st.store(ctx)
 			if err != nil {

@@ -364,4 +364,14 @@ func TestUsageErrors(t *testing.T) {
 			t.Errorf("%v: err %v, want a usage error", args, err)
 		}
 	}
+	// Issue 27: without $USER, replay failed on the database, or said only
+	// "an actor is required"; both actions name the flag at once.
+	for _, args := range [][]string{
+		{"--actor", "", "--consumer-db", "postgres://nobody@127.0.0.1:1/none", "replay", "1"},
+		{"--actor", "", "discard", "1", "--reason", "r"},
+	} {
+		if err := cmd(args...); !errors.Is(err, ErrActorRequired) || !strings.Contains(err.Error(), "pass --actor NAME") {
+			t.Errorf("%v: err %v, want the --actor flag named", args, err)
+		}
+	}
 }

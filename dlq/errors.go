@@ -11,7 +11,7 @@ var (
 	// ErrReasonRequired reports a discard without a reason.
 	ErrReasonRequired = errors.New("a reason is required")
 	// ErrActorRequired reports an audited action without an actor.
-	ErrActorRequired = errors.New("an actor is required (who performs the action, for the audit trail: --actor, which defaults to $USER)")
+	ErrActorRequired = errors.New("an actor is required: pass --actor NAME (who performs the action, for the audit trail; it defaults to $USER, which is empty here)")
 	// ErrNothingSelected reports an action whose selection matched no record.
 	ErrNothingSelected = errors.New("no dead letter selected")
 	// ErrUsage reports a command line that does not say what to act on.

@@ -28,10 +28,13 @@ const (
 // the relay could not turn into an event (headers Outbox-DLQ-*, body with
 // the row, see the README's dead-letter section).
 type RelayRecord struct {
-	Seq         uint64              `json:"seq"`
-	Subject     string              `json:"subject"`
-	Time        time.Time           `json:"time"`
-	MsgID       string              `json:"msg_id"`
+	Seq     uint64    `json:"seq"`
+	Subject string    `json:"subject"`
+	Time    time.Time `json:"time"`
+	MsgID   string    `json:"msg_id"`
+	// EventID is the dead-lettered event's id, when the row had one; MsgID
+	// is the dead-letter record's own id.
+	EventID     string              `json:"event_id,omitempty"`
 	Table       string              `json:"table"`
 	Reason      string              `json:"reason"`
 	ReasonClass string              `json:"reason_class"`
@@ -97,6 +100,7 @@ func toRelayRecord(seq uint64, subject string, t time.Time, h nats.Header, data 
 	rec := RelayRecord{
 		Seq: seq, Subject: subject, Time: t, Header: h,
 		MsgID:       h.Get(contract.MsgID),
+		EventID:     h.Get(contract.EventID),
 		Table:       h.Get(contract.Table),
 		Reason:      h.Get(contract.DLQReason),
 		ReasonClass: h.Get(contract.DLQReasonClass),
@@ -117,6 +121,8 @@ func toRelayRecord(seq uint64, subject string, t time.Time, h nats.Header, data 
 		CommitTime  string `json:"commit_time"`
 		Reason      string `json:"reason"`
 		ReasonClass string `json:"reason_class"`
+		// A long event id is in the body only (no header).
+		EventID string `json:"event_id"`
 	}
 	if json.Unmarshal(data, &body) == nil {
 		fill := func(dst *string, v string) {
@@ -130,6 +136,7 @@ func toRelayRecord(seq uint64, subject string, t time.Time, h nats.Header, data 
 		fill(&rec.CommitTime, body.CommitTime)
 		fill(&rec.Reason, body.Reason)
 		fill(&rec.ReasonClass, body.ReasonClass)
+		fill(&rec.EventID, body.EventID)
 	}
 	return rec
 }
@@ -230,6 +237,7 @@ type relayAudit struct {
 	Stream      string    `json:"stream"`
 	Seq         uint64    `json:"seq"`
 	MsgID       string    `json:"msg_id,omitempty"`
+	EventID     string    `json:"event_id,omitempty"`
 	Table       string    `json:"table,omitempty"`
 	ReasonClass string    `json:"reason_class,omitempty"`
 	DLQReason   string    `json:"dlq_reason,omitempty"`
@@ -266,7 +274,7 @@ func (r *RelayDLQ) Discard(ctx context.Context, act Action, seqs []uint64) error
 	}
 	for _, rec := range recs {
 		entry, _ := json.Marshal(relayAudit{At: r.now().UTC(), Actor: act.Actor, Action: ActionDiscard, Stream: r.stream,
-			Seq: rec.Seq, MsgID: rec.MsgID, Table: rec.Table, ReasonClass: rec.ReasonClass, DLQReason: rec.Reason, Reason: act.Reason})
+			Seq: rec.Seq, MsgID: rec.MsgID, EventID: rec.EventID, Table: rec.Table, ReasonClass: rec.ReasonClass, DLQReason: rec.Reason, Reason: act.Reason})
 		// The audit entry and the delete cannot be one transaction. The
 		// entry's id names the record, so a second discard of it within the
 		// audit stream's duplicate window (another operator at the same
@@ -344,7 +352,7 @@ func (r *RelayDLQ) Audit(ctx context.Context, f AuditFilter) ([]AuditEntry, erro
 		}
 		detail, _ := json.Marshal(map[string]string{"msg_id": a.MsgID, "table": a.Table, "reason_class": a.ReasonClass, "reason": a.DLQReason})
 		out = append(out, AuditEntry{At: a.At, Actor: a.Actor, Action: a.Action, Queue: "relay:" + a.Stream,
-			Record: int64(a.Seq), EventID: a.MsgID, Reason: a.Reason, Detail: detail})
+			Record: int64(a.Seq), EventID: a.EventID, Reason: a.Reason, Detail: detail})
 		return true
 	})
 	if err != nil {

@@ -32,7 +32,7 @@ func TestRelayDiscardTwiceAtOnceAuditsOnce(t *testing.T) {
 	m := nats.NewMsg(dlqStream + ".public_outbox")
 	m.Header.Set(contract.MsgID, "dlq-1")
 	m.Header.Set(contract.Table, "public.outbox")
-	m.Data = []byte(`{"row":{}}`)
+	m.Data = []byte(`{"event_id":"evt-1","row":{}}`)
 	_, err = f.js.PublishMsg(ctx, m)
 	testenv.Must(t, err, "publish")
 
@@ -57,5 +57,9 @@ func TestRelayDiscardTwiceAtOnceAuditsOnce(t *testing.T) {
 	testenv.Must(t, err, "audit")
 	if len(entries) != 1 {
 		t.Fatalf("%d audit entries for one discarded record: %+v", len(entries), entries)
+	}
+	// Issue 27: the audit's EVENT column showed the record's own id.
+	if entries[0].EventID != "evt-1" {
+		t.Errorf("audit entry's event id = %q, want the dead-lettered event's, evt-1", entries[0].EventID)
 	}
 }
