@@ -222,15 +222,25 @@ type statusReport struct {
 	PostgresError string   `json:"postgres_error,omitempty"`
 	NATSError     string   `json:"nats_error,omitempty"`
 	Problems      []string `json:"problems,omitempty"`
+	// Warnings are worth knowing and do not make status exit 1: a risk
+	// that no setting removes (a failover on PostgreSQL 16 or older).
+	Warnings []string `json:"warnings,omitempty"`
 }
 
 // relayFigures are a running relay's figures from its /metrics.
 type relayFigures struct {
-	URL                  string  `json:"url"`
-	Ready                bool    `json:"ready"`
-	InFlight             float64 `json:"in_flight_messages"`
-	OldestUnackedAge     float64 `json:"oldest_unacked_age_seconds"`
-	ConfirmedLSN         string  `json:"confirmed_lsn"`
+	URL   string `json:"url"`
+	Ready bool   `json:"ready"`
+	// Standby: not streaming, and a healthy standby (/readyz?standby=ok):
+	// NATS connected, another instance holds the slot.
+	Standby          bool    `json:"standby,omitempty"`
+	InFlight         float64 `json:"in_flight_messages"`
+	OldestUnackedAge float64 `json:"oldest_unacked_age_seconds"`
+	// LastRelayedCommit is the end of the newest transaction this session
+	// relayed and had acknowledged (outbox_relay_confirmed_lsn). An idle
+	// relay confirms the server's WAL end to the slot, so the slot's
+	// confirmed_flush_lsn is often past it: that is not lag.
+	LastRelayedCommit    string  `json:"last_relayed_commit_lsn"`
 	EventsPublished      float64 `json:"events_published_total"`
 	Duplicates           float64 `json:"publish_duplicates_total"`
 	DeadLettered         float64 `json:"dead_lettered_total"`
@@ -264,12 +274,14 @@ func scrapeRelay(ctx context.Context, listen string) (*relayFigures, string) {
 	if err != nil {
 		return nil, err.Error() + " (is the relay running on this host?)"
 	}
+	ready := m["outbox_relay_ready"] == 1
 	return &relayFigures{
 		URL:                  url,
-		Ready:                m["outbox_relay_ready"] == 1,
+		Ready:                ready,
+		Standby:              !ready && standingBy(sctx, "http://"+net.JoinHostPort(host, port)+"/readyz?standby=ok"),
 		InFlight:             m["outbox_relay_in_flight_messages"],
 		OldestUnackedAge:     m["outbox_relay_oldest_unacked_age_seconds"],
-		ConfirmedLSN:         replication.LSN(uint64(m["outbox_relay_confirmed_lsn"])).String(),
+		LastRelayedCommit:    replication.LSN(uint64(m["outbox_relay_confirmed_lsn"])).String(),
 		EventsPublished:      m["outbox_relay_events_published_total"],
 		Duplicates:           m["outbox_relay_publish_duplicates_total"],
 		DeadLettered:         m["outbox_relay_dead_lettered_total"],
@@ -279,6 +291,21 @@ func scrapeRelay(ctx context.Context, listen string) (*relayFigures, string) {
 		ReconcileUnexpected:  m["outbox_relay_reconcile_unexpected_events"],
 		ReconcileLastSuccess: m["outbox_relay_reconcile_last_success_timestamp_seconds"],
 	}, ""
+}
+
+// standingBy asks the relay's /readyz?standby=ok, which answers 200 while
+// it is a healthy standby.
+func standingBy(ctx context.Context, url string) bool {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return false
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return false
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
 }
 
 func newStatusCmd(g *globals) *cobra.Command {
@@ -327,12 +354,12 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 		if st.Exists {
 			rep.ConfirmedFlushLSN = st.ConfirmedFlushLSN.String()
 		} else {
-			rep.Problems = append(rep.Problems, "slot does not exist: run `outbox-relay setup`")
+			rep.Problems = append(rep.Problems, missingSlotProblem(ctx, cfg))
 		}
 		if st.WALStatus == "lost" {
 			rep.Problems = append(rep.Problems, "slot is lost (wal_status = 'lost'): events were lost; follow docs/operations.md, \"Recovering after a lost slot\"")
 		}
-		rep.Failover, rep.Problems = failoverStatus(ctx, cfg, rep.Problems)
+		rep.Failover, rep.Problems, rep.Warnings = failoverStatus(ctx, cfg, rep.Problems, rep.Warnings)
 		if err := replication.CheckPublication(ctx, cfg.Replication()); err != nil {
 			rep.Problems = append(rep.Problems, "postgres: "+err.Error())
 		}
@@ -427,15 +454,10 @@ func printStatus(w io.Writer, r statusReport) {
 	}
 	if f := r.Relay; f != nil {
 		fmt.Fprintf(tw, "relay\t%s\n", f.URL)
-		fmt.Fprintf(tw, "  ready\t%v\n", f.Ready)
+		fmt.Fprintf(tw, "  state\t%s\n", relayState(f))
 		fmt.Fprintf(tw, "  in flight\t%.0f (oldest unacknowledged %s old)\n", f.InFlight, time.Duration(f.OldestUnackedAge*float64(time.Second)).Round(time.Millisecond))
-		if f.ConfirmedLSN == replication.LSN(0).String() {
-			// The watermark counts relayed transactions; an idle relay
-			// confirms the server's WAL end instead (the slot's
-			// confirmed_flush_lsn above).
-			fmt.Fprintf(tw, "  confirmable LSN\tnone yet: no transaction relayed by this session\n")
-		} else {
-			fmt.Fprintf(tw, "  confirmable LSN\t%s\n", f.ConfirmedLSN)
+		if !f.Standby {
+			fmt.Fprintf(tw, "  last relayed commit\t%s\n", lastRelayed(f.LastRelayedCommit, r.ConfirmedFlushLSN))
 		}
 		fmt.Fprintf(tw, "  since start\t%.0f published, %.0f duplicates, %.0f dead-lettered, %.0f retries, %.0f replication restarts\n",
 			f.EventsPublished, f.Duplicates, f.DeadLettered, f.Retries, f.ReplicationRestarts)
@@ -447,9 +469,56 @@ func printStatus(w io.Writer, r statusReport) {
 	}
 	printFailover(tw, r.Failover)
 	_ = tw.Flush()
+	for _, p := range r.Warnings {
+		fmt.Fprintln(w, "warning:", p)
+	}
 	for _, p := range r.Problems {
 		fmt.Fprintln(w, "problem:", p)
 	}
+}
+
+// relayState says what a relay on this host is doing.
+func relayState(f *relayFigures) string {
+	switch {
+	case f.Ready:
+		return "streaming"
+	case f.Standby:
+		return "standby, healthy, waiting for the slot (another instance streams from it)"
+	default:
+		return "not streaming (its log and /readyz say why)"
+	}
+}
+
+// lastRelayed presents the relay's last relayed commit beside the slot's
+// confirmed_flush_lsn: an idle relay confirms the server's WAL end, so the
+// slot is usually past the last commit, which is no lag; a slot behind it
+// takes it at the next status update.
+func lastRelayed(commit, slot string) string {
+	c, err := replication.ParseLSN(commit)
+	if err != nil || c == 0 {
+		return "none yet: no transaction relayed by this session"
+	}
+	sl, err := replication.ParseLSN(slot)
+	switch {
+	case err != nil:
+		return commit + ", acknowledged"
+	case sl >= c:
+		return commit + ", acknowledged and confirmed (the slot's confirmed_flush_lsn is at or past it)"
+	default:
+		return commit + ", acknowledged; the slot confirms it at the next status update"
+	}
+}
+
+// missingSlotProblem says what to do about a missing slot: run setup,
+// unless setup would refuse for a reason it names (wal_level = replica,
+// a role without REPLICATION). Problems of the tables and the publication
+// are reported by the publication check beside it.
+func missingSlotProblem(ctx context.Context, cfg config.Config) string {
+	err := replication.Preflight(ctx, cfg.Replication())
+	if err == nil || errors.Is(err, replication.ErrTableMissing) || errors.Is(err, replication.ErrPublicationMissing) || errors.Is(err, replication.ErrPublicationMismatch) {
+		return "slot does not exist: run `outbox-relay setup`"
+	}
+	return "slot does not exist, and setup would refuse: " + leadWithCause(err)
 }
 
 func humanBytes(n int64) string {

@@ -40,35 +40,53 @@ func refuseSlotLostInFailover(ctx context.Context, cfg config.Config, nc *nats.C
 	})
 }
 
-// failoverStatus checks whether a failover now would keep the slot and adds
-// each reason it would not to problems, so that `status` exits 1.
-func failoverStatus(ctx context.Context, cfg config.Config, problems []string) (*replication.FailoverReport, []string) {
+// failoverRunbook is where status sends an operator whose failover would
+// lose the slot for good (PostgreSQL 16 or older).
+const failoverRunbook = "https://github.com/outbox-relay/outbox-relay/blob/main/docs/operations.md#primary-failover-on-postgresql-16-or-older"
+
+// failoverStatus checks whether a failover now would lose the slot. A
+// reason a setting fixes is a problem, so that `status` exits 1; on
+// PostgreSQL 16 or older, where every failover loses the slot and only an
+// upgrade helps, the risk is a warning with the runbook: a status that
+// fails for good is one nobody reads.
+func failoverStatus(ctx context.Context, cfg config.Config, problems, warnings []string) (*replication.FailoverReport, []string, []string) {
 	rep, err := replication.CheckFailover(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
 	if err != nil {
-		return nil, append(problems, "failover check: "+err.Error())
+		return nil, append(problems, "failover check: "+err.Error()), warnings
 	}
-	for _, p := range rep.Problems {
-		problems = append(problems, "a failover now would lose the slot: "+p)
-	}
-	return &rep, problems
+	p, w := failoverFindings(rep)
+	return &rep, append(problems, p...), append(warnings, w...)
 }
 
-// printFailover prints the failover section of `status`.
+// failoverFindings sorts the report's reasons into problems and warnings
+// (failoverStatus).
+func failoverFindings(rep replication.FailoverReport) (problems, warnings []string) {
+	for _, p := range rep.Problems {
+		if rep.PrimaryVersion < replication.VersionFailoverSlots {
+			warnings = append(warnings, "a failover now would lose the slot: "+p+"; runbook: "+failoverRunbook)
+			continue
+		}
+		problems = append(problems, "a failover now would lose the slot: "+p)
+	}
+	return problems, warnings
+}
+
+// printFailover prints the failover section of `status`, its verdict on
+// the heading's line.
 func printFailover(w io.Writer, r *replication.FailoverReport) {
 	if r == nil {
 		return
 	}
-	fmt.Fprintf(w, "failover\t\n")
 	switch {
 	case r.Standbys == 0 && len(r.Checked) == 0:
-		fmt.Fprintf(w, "  standbys\tnone: no failover possible\n")
+		fmt.Fprintf(w, "failover\tno standby: no failover possible\n")
 		return
 	case r.AtRisk():
-		fmt.Fprintf(w, "  safe now\tno (%d standbys): see the problems below\n", r.Standbys)
+		fmt.Fprintf(w, "failover\tnot safe now (%d standbys): a failover would lose the slot, see below\n", r.Standbys)
 	case r.Unverified != "":
-		fmt.Fprintf(w, "  safe now\tunverified (%d standbys): %s\n", r.Standbys, r.Unverified)
+		fmt.Fprintf(w, "failover\tunverified (%d standbys): %s\n", r.Standbys, r.Unverified)
 	default:
-		fmt.Fprintf(w, "  safe now\tyes (%d standbys)\n", r.Standbys)
+		fmt.Fprintf(w, "failover\tsafe now (%d standbys)\n", r.Standbys)
 	}
 	for _, s := range r.Checked {
 		if s.Ready {

@@ -278,6 +278,15 @@ func TestReadyzStandby(t *testing.T) {
 	if got := f.get("/readyz?standby=ok"); got != http.StatusOK {
 		t.Errorf("active /readyz?standby=ok = %d, want 200", got)
 	}
+	// Issue 27: status said only "ready false" of a healthy standby.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if rl := collectStatus(ctx, standbyCfg).Relay; rl == nil || !rl.Standby || relayState(rl) != "standby, healthy, waiting for the slot (another instance streams from it)" {
+		t.Errorf("status of the standby: %+v", rl)
+	}
+	if rl := collectStatus(ctx, f.cfg).Relay; rl == nil || rl.Standby || relayState(rl) != "streaming" {
+		t.Errorf("status of the active instance: %+v", rl)
+	}
 	if err := stopActive(); err != nil {
 		t.Fatal(err)
 	}
