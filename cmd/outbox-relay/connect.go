@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"fmt"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -22,20 +23,42 @@ func newLogger(c config.Log) (*zap.Logger, error) { return logging.New(c.Level, 
 // It waits up to 10 s for the first connection, so that a command reports
 // an unreachable server rather than retrying silently.
 func connectNATS(c config.NATS, log *zap.Logger, name string) (*nats.Conn, error) {
-	nc, err := dialNATS(c, log, name)
+	attempts := &natsAttempts{}
+	nc, err := dialNATS(c, log, name, attempts)
 	if err != nil {
 		return nil, err
 	}
-	if err := waitNATS(context.Background(), nc, c.URL, 10*time.Second, nil); err != nil {
+	if err := waitNATS(context.Background(), nc, attempts, c.URL, 10*time.Second, nil); err != nil {
 		nc.Close()
 		return nil, err
 	}
 	return nc, nil
 }
 
+// natsAttempts keeps the latest failed connection attempt's error:
+// nats.go reports it to ReconnectErrHandler only and clears LastError
+// after each attempt, so a wait for the first connection could not say why
+// it still waits.
+type natsAttempts struct{ last atomic.Pointer[error] }
+
+func (a *natsAttempts) record(_ *nats.Conn, err error) {
+	if err != nil {
+		a.last.Store(&err)
+	}
+}
+
+// err returns the latest attempt's error, nil before any failed.
+func (a *natsAttempts) err() error {
+	if e := a.last.Load(); e != nil {
+		return *e
+	}
+	return nil
+}
+
 // dialNATS returns a connection that connects, and reconnects, in the
-// background (RetryOnFailedConnect): it is not connected yet.
-func dialNATS(c config.NATS, log *zap.Logger, name string) (*nats.Conn, error) {
+// background (RetryOnFailedConnect): it is not connected yet. Failed
+// attempts are recorded in attempts.
+func dialNATS(c config.NATS, log *zap.Logger, name string, attempts *natsAttempts) (*nats.Conn, error) {
 	opts := []nats.Option{
 		nats.Name(name),
 		nats.MaxReconnects(-1),
@@ -46,6 +69,7 @@ func dialNATS(c config.NATS, log *zap.Logger, name string) (*nats.Conn, error) {
 		nats.PingInterval(5 * time.Second),
 		nats.MaxPingsOutstanding(2),
 		nats.RetryOnFailedConnect(true),
+		nats.ReconnectErrHandler(attempts.record),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err != nil {
 				log.Warn("nats disconnected", zap.Error(err))

@@ -218,12 +218,13 @@ func serveHTTP(ctx context.Context, g *errgroup.Group, c config.HTTP, h http.Han
 // once), builds the relay and streams until ctx ends.
 func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs relay.Observer, reg prometheus.Registerer,
 	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool, opts ...relay.Option) error {
-	nc, err := dialNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot)
+	attempts := &natsAttempts{}
+	nc, err := dialNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot, attempts)
 	if err != nil {
 		return err
 	}
 	ncp.Store(nc)
-	if err := waitNATS(ctx, nc, cfg.NATS.URL, 0, log); err != nil {
+	if err := waitNATS(ctx, nc, attempts, cfg.NATS.URL, 0, log); err != nil {
 		return err
 	}
 	var mon *monitors // set before the relay runs, which is when readiness changes

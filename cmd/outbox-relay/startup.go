@@ -26,8 +26,10 @@ import (
 const (
 	startupRetryMin = 500 * time.Millisecond
 	startupRetryMax = 10 * time.Second
-	// natsWaitLog is how often the wait for NATS says it is still waiting.
-	natsWaitLog = 10 * time.Second
+	// natsWaitFirstLog is when the wait for NATS first says it waits, and
+	// why; natsWaitLog how often it says so again.
+	natsWaitFirstLog = 2 * time.Second
+	natsWaitLog      = 10 * time.Second
 )
 
 // retryStartup runs f until it succeeds, returns an error that waiting
@@ -80,14 +82,18 @@ func lingerHelps(err error) bool {
 }
 
 // waitNATS waits until nc is connected, ctx ends or timeout passes (0: no
-// timeout). A server that refuses the credentials ends the wait at once.
-func waitNATS(ctx context.Context, nc *nats.Conn, url string, timeout time.Duration, log *zap.Logger) error {
+// timeout), logging why it still waits. A server that refuses the
+// credentials ends the wait at once.
+func waitNATS(ctx context.Context, nc *nats.Conn, attempts *natsAttempts, url string, timeout time.Duration, log *zap.Logger) error {
 	start := time.Now()
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
-	lastLog := start
+	nextLog := start.Add(natsWaitFirstLog)
 	for !nc.IsConnected() {
 		last := nc.LastError()
+		if last == nil {
+			last = attempts.err()
+		}
 		if natsAuthError(last) {
 			return fmt.Errorf("connect to nats %s: %w (check nats.user/password, credentials_file or nkey_seed_file)", config.RedactURL(url), last)
 		}
@@ -97,8 +103,8 @@ func waitNATS(ctx context.Context, nc *nats.Conn, url string, timeout time.Durat
 			}
 			return fmt.Errorf("connect to nats %s: no server answered within %s", config.RedactURL(url), timeout)
 		}
-		if log != nil && time.Since(lastLog) >= natsWaitLog {
-			lastLog = time.Now()
+		if log != nil && !time.Now().Before(nextLog) {
+			nextLog = time.Now().Add(natsWaitLog)
 			log.Warn("nats unreachable at start; waiting", zap.String("url", config.RedactURL(url)), zap.Duration("waited", time.Since(start).Round(time.Second)), zap.Error(last))
 		}
 		select {

@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap/zaptest"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
@@ -314,5 +315,40 @@ func TestStopWhileWaitingForServers(t *testing.T) {
 	}
 	for _, e := range logs.FilterLevelExact(zap.ErrorLevel).All() {
 		t.Errorf("error logged: %s %v", e.Message, e.ContextMap())
+	}
+}
+
+// Issue 27: with NATS down at start, the first log line came after 10 s
+// with only url and waited: nats.go clears LastError after each attempt.
+// It now comes within natsWaitFirstLog and carries the attempt's error.
+func TestWaitNATSLogsTheCause(t *testing.T) {
+	t.Parallel()
+	port, err := testenv.FreePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.WarnLevel)
+	attempts := &natsAttempts{}
+	nc, err := dialNATS(config.NATS{URL: fmt.Sprintf("nats://127.0.0.1:%d", port)}, zap.NewNop(), "test", attempts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), natsWaitFirstLog+3*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := waitNATS(ctx, nc, attempts, nc.Opts.Url, 0, zap.New(core)); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("waitNATS = %v, want the deadline", err)
+	}
+	entries := logs.FilterMessage("nats unreachable at start; waiting").All()
+	if len(entries) == 0 {
+		t.Fatalf("no wait logged within %s", natsWaitFirstLog+3*time.Second)
+	}
+	first := entries[0]
+	if at := first.Time.Sub(start); at > natsWaitFirstLog+time.Second {
+		t.Errorf("first wait logged after %s", at)
+	}
+	if cause, ok := first.ContextMap()["error"].(string); !ok || !strings.Contains(cause, "connection refused") {
+		t.Errorf("the wait's log line carries no cause: %v", first.ContextMap())
 	}
 }
