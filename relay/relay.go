@@ -428,6 +428,7 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log 
 func (r *Relay) stream(ctx context.Context) error {
 	attempt := 0
 	var orphan uint32 // our walsender after we declared its connection dead
+	var standby standbyLog
 	for {
 		streamed, err := r.streamOnce(ctx, &orphan)
 		r.streaming.Store(false)
@@ -462,6 +463,7 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 		if streamed {
 			attempt = 0
+			standby.reset()
 		}
 		attempt++
 		wait := backoff.Jitter(backoff.Step(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt))
@@ -475,9 +477,10 @@ func (r *Relay) stream(ctx context.Context) error {
 		if errors.Is(err, replication.ErrSlotInUse) || errors.Is(err, replication.ErrBackfillInProgress) {
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
-			r.log.Info("slot in use by another instance; standing by", zap.Duration("retry_in", wait), zap.Error(err))
+			standby.retry(r.log, time.Now(), wait, err)
 			r.obs.StandingBy()
 		} else {
+			standby.reset()
 			r.log.Warn("replication interrupted; reconnecting", zap.Duration("retry_in", wait), zap.Int("attempt", attempt), zap.Error(err))
 			r.obs.Reconnected()
 		}
