@@ -61,7 +61,16 @@ func (d *demo) groupRewards(ctx context.Context) error {
 	d.quietEvents.Store(true)
 	defer d.quietEvents.Store(false)
 
-	credits := make(chan groupCredit, groupPhase1+groupPhase2+1)
+	// The stream already holds the first stage's events: the group's
+	// durable reads the stream from its start, as a new service joining an
+	// existing stream does. Their registrations are mapped here too, so the
+	// members credit them once and dead-letter nothing.
+	evs, _ := d.arrivals.expectedEvents()
+	history, err := seedRegistrations(ctx, pool, evs)
+	if err != nil {
+		return err
+	}
+	credits := make(chan groupCredit, len(history)+groupPhase1+groupPhase2+1)
 	var members []*groupMember
 	defer func() {
 		for _, m := range members {
@@ -80,7 +89,7 @@ func (d *demo) groupRewards(ctx context.Context) error {
 		return errors.New("the two members did not join the group")
 	}
 	d.out.detail("member-a and member-b joined group %s; partition p goes to the (p mod 2)-th live member, each partition pinned to one member by JetStream", groupName)
-	d.out.detail("the stream's events of the first stage name registrations this service's database does not map: the members dead-letter them (consumer_dead_letter; `outbox-relay dlq list`), as a new service joining an existing stream would, and carry on")
+	d.out.detail("the group reads the stream from its start: the %d registrations of the first stage are mapped in this service's database too, so the members credit them once and dead-letter nothing", len(history))
 
 	players := map[string]string{}
 	confirmN := func(n int) ([]confirmedEvent, error) {
@@ -113,9 +122,13 @@ func (d *demo) groupRewards(ctx context.Context) error {
 		by := map[string][]string{}
 		timeout := time.NewTimer(d.opts.wait + 15*time.Second)
 		defer timeout.Stop()
-		for range n {
+		for n > 0 {
 			select {
 			case c := <-credits:
+				if _, old := history[c.registration]; old {
+					continue // the first stage's, credited when the group started
+				}
+				n--
 				by[c.member] = append(by[c.member], short(c.registration))
 			case <-ctx.Done():
 				return nil, ctx.Err()
@@ -166,6 +179,9 @@ func (d *demo) groupRewards(ctx context.Context) error {
 	d.out.detail("%d more registrations confirmed: member-a took member-b's partitions over without an operator, all credited %.1fs after the crash", groupPhase2, time.Since(crashed).Seconds())
 	printBy(by)
 
+	for reg, player := range history {
+		players[reg] = player
+	}
 	for reg, player := range players {
 		var points int64
 		if err := pool.QueryRow(ctx, `SELECT points FROM reward_account WHERE player_id = $1`, player).Scan(&points); err != nil {
@@ -175,8 +191,31 @@ func (d *demo) groupRewards(ctx context.Context) error {
 			return fmt.Errorf("player %s (registration %s) has %d points, want %d: not credited exactly once", player, reg, points, rewardPoints)
 		}
 	}
-	d.out.detail("all %d players of this stage have exactly %d points: each registration credited once across the crash", len(players), rewardPoints)
+	var dead int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM consumer_dead_letter`).Scan(&dead); err != nil {
+		return err
+	}
+	if dead != 0 {
+		return fmt.Errorf("the group dead-lettered %d events, want none (`outbox-relay dlq list`)", dead)
+	}
+	d.out.detail("all %d players of this stage and the first have exactly %d points, no dead letter: each registration credited once across the crash", len(players), rewardPoints)
 	return nil
+}
+
+// seedRegistrations maps the events' registrations each to a new player
+// with an empty reward account, and returns them (registration -> player).
+func seedRegistrations(ctx context.Context, pool *pgxpool.Pool, evs []confirmedEvent) (map[string]string, error) {
+	players := make(map[string]string, len(evs))
+	for _, ev := range evs {
+		players[ev.RegistrationID] = uuid.NewString()
+		if _, err := pool.Exec(ctx, `INSERT INTO reward_account (player_id, points) VALUES ($1, 0)`, players[ev.RegistrationID]); err != nil {
+			return nil, fmt.Errorf("open reward account: %w", err)
+		}
+		if _, err := pool.Exec(ctx, `INSERT INTO reward_registration (registration_id, player_id) VALUES ($1, $2)`, ev.RegistrationID, players[ev.RegistrationID]); err != nil {
+			return nil, fmt.Errorf("map registration to player: %w", err)
+		}
+	}
+	return players, nil
 }
 
 // groupMembers counts the live members in the group's bucket.

@@ -78,15 +78,9 @@ func (d *demo) rewards(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	players := make(map[string]string, len(evs)) // registration -> player
-	for _, ev := range evs {
-		players[ev.RegistrationID] = uuid.NewString()
-		if _, err := pool.Exec(ctx, `INSERT INTO reward_account (player_id, points) VALUES ($1, 0)`, players[ev.RegistrationID]); err != nil {
-			return fmt.Errorf("open reward account: %w", err)
-		}
-		if _, err := pool.Exec(ctx, `INSERT INTO reward_registration (registration_id, player_id) VALUES ($1, $2)`, ev.RegistrationID, players[ev.RegistrationID]); err != nil {
-			return fmt.Errorf("map registration to player: %w", err)
-		}
+	players, err := seedRegistrations(ctx, pool, evs) // registration -> player
+	if err != nil {
+		return err
 	}
 	d.out.detail("opened %d reward accounts with 0 points, one per registration's player", len(evs))
 
