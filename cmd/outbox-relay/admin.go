@@ -62,10 +62,11 @@ func newSetupCmd(g *globals) *cobra.Command {
 			}
 			out := cmd.OutOrStdout()
 			created, err := setupStreams(ctx, js, cfg, out)
-			if err == nil {
-				err = setupPostgres(ctx, cfg, nc, out, cmd.ErrOrStderr())
-			}
 			if err != nil {
+				// PostgreSQL is still unchanged.
+				return undoStreams(js, created, fmt.Errorf("%w; PostgreSQL was not changed", err))
+			}
+			if err := setupPostgres(ctx, cfg, nc, out, cmd.ErrOrStderr()); err != nil {
 				return undoStreams(js, created, causeFirst{err})
 			}
 			// Without backfill an interrupted one stays: say so now, not
@@ -142,7 +143,7 @@ func setupStreams(ctx context.Context, js jetstream.JetStream, cfg config.Config
 // removed and what it had to leave.
 func undoStreams(js jetstream.JetStream, created []string, err error) error {
 	if len(created) == 0 {
-		return fmt.Errorf("%w; setup created nothing", err)
+		return err
 	}
 	// A fresh context: the setup's may be what ended (SIGINT).
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
