@@ -53,3 +53,12 @@ func ensurePartitions(ctx context.Context, js jetstream.JetStream, spec StreamSp
 	rep.Partitioned = true
 	return s.CachedInfo(), nil // the update's answer holds the new info
 }
+
+// StreamLayout is how the stream with this configuration stores events:
+// read from its own subject transform, never guessed from subjects.
+func StreamLayout(cfg jetstream.StreamConfig) contract.Layout {
+	if t := cfg.SubjectTransform; t != nil {
+		return contract.StreamLayout(t.Source, t.Destination)
+	}
+	return contract.Layout{}
+}

@@ -10,7 +10,7 @@ import (
 // CloudEventsConfig turns on CloudEvents binary content mode for a table's
 // (or message prefix's) events: the router sets ce-specversion, ce-id,
 // ce-source, ce-type, ce-subject, ce-time (when the row has occurred_at),
-// the extension ce-aggregateversion and content-type beside the Outbox-* headers, which stay, so existing
+// the extensions ce-aggregateversion and ce-aggregatetype and content-type beside the Outbox-* headers, which stay, so existing
 // consumers keep working. Nats-Msg-Id stays the event id.
 type CloudEventsConfig struct {
 	// Enabled adds the ce-* headers.
@@ -31,18 +31,19 @@ const DefaultCloudEventsSourcePrefix = "/outbox-relay/"
 var ceHeaders = []string{
 	contract.CESpecVersion, contract.CEID, contract.CESource, contract.CEType,
 	contract.CETime, contract.CESubject, contract.CEContentType, contract.CEAggregateVersion,
+	contract.CEAggregateType,
 }
 
 // ceFixedHeaders is the number of CloudEvents headers every event of a
 // CloudEvents table carries (ce-time is optional).
-const ceFixedHeaders = 7
+const ceFixedHeaders = 8
 
 // ceFixedHdrLen is the encoded size of those headers' names and of their
 // constant values.
 var ceFixedHdrLen = hdrLineLen(contract.CESpecVersion, len(contract.CESpecVersionValue)) +
 	hdrLineLen(contract.CEID, 0) + hdrLineLen(contract.CESource, 0) + hdrLineLen(contract.CEType, 0) +
 	hdrLineLen(contract.CESubject, 1) + // the '/' between aggregate type and id
-	hdrLineLen(contract.CEAggregateVersion, 0) +
+	hdrLineLen(contract.CEAggregateVersion, 0) + hdrLineLen(contract.CEAggregateType, 0) +
 	hdrLineLen(contract.CEContentType, len(contract.JSONContentType))
 
 // checkCloudEventsSource reports why s cannot be a ce-source value.

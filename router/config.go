@@ -272,7 +272,7 @@ func (t *tableCompiler) subject(dlqOK bool, dlqFilter string) {
 		if minLen := tmpl.renderedLen(&[numPlaceholders][]byte{}); c.MaxSubjectBytes > 0 && minLen > c.MaxSubjectBytes {
 			t.bad(".subject", "is at least %d bytes long, over max_subject_bytes %d", minLen, c.MaxSubjectBytes)
 		}
-		if dlqOK && FiltersOverlap(tmpl.filter, dlqFilter) {
+		if dlqOK && contract.FiltersOverlap(tmpl.filter, dlqFilter) {
 			t.bad(".subject", "subjects %q overlap the dead-letter subjects %q (change the subject or dead_letter_subject)", tmpl.filter, dlqFilter)
 		}
 	}
@@ -522,7 +522,7 @@ func (c *Config) SubjectFilters() []string {
 		covered := false
 		for j, g := range all {
 			// Keep the first of equal filters; drop any strictly covered.
-			if i != j && filterContains(g, f) && (f != g || j < i) {
+			if i != j && contract.FilterCovers(g, f) && (f != g || j < i) {
 				covered = true
 				break
 			}
@@ -542,40 +542,4 @@ func (c *Config) DeadLetterFilter() string {
 		s = DefaultDeadLetterSubject
 	}
 	return s + ".>"
-}
-
-// filtersOverlap reports whether some subject matches both filters.
-func FiltersOverlap(a, b string) bool {
-	at, bt := strings.Split(a, "."), strings.Split(b, ".")
-	for i := 0; ; i++ {
-		switch {
-		case i == len(at) || i == len(bt):
-			return len(at) == len(bt)
-		case at[i] == ">" || bt[i] == ">":
-			return true
-		case at[i] != "*" && bt[i] != "*" && at[i] != bt[i]:
-			return false
-		}
-	}
-}
-
-// filterContains reports whether every subject matching inner also matches
-// outer.
-func filterContains(outer, inner string) bool {
-	ot, it := strings.Split(outer, "."), strings.Split(inner, ".")
-	for i := 0; ; i++ {
-		switch {
-		case i == len(ot):
-			return i == len(it)
-		case ot[i] == ">":
-			return i < len(it)
-		case i == len(it):
-			return false
-		case it[i] == ">":
-			return false
-		case ot[i] == "*":
-		case ot[i] != it[i]:
-			return false
-		}
-	}
 }

@@ -421,7 +421,7 @@ func (r *Router) checkLimits(rule *tableRule, ev *event, commit CommitInfo, l *l
 	}
 	if l.ce = rule.ceSource != ""; l.ce {
 		nHeaders += ceFixedHeaders
-		extraLen += ceFixedHdrLen + len(rule.ceSource) + len(ev.eventID) + len(ev.eventType) + len(ev.aggType) + len(ev.aggID) + l.verLen
+		extraLen += ceFixedHdrLen + len(rule.ceSource) + len(ev.eventID) + len(ev.eventType) + 2*len(ev.aggType) + len(ev.aggID) + l.verLen
 		if ev.hasOccurred {
 			extraLen += hdrLineLen(contract.CETime, l.tsLen)
 			nHeaders++
@@ -540,6 +540,7 @@ func header(rule *tableRule, ev *event, l *layout, parts *[numParts]string) nats
 		set(contract.CEType, eventType)
 		set(contract.CESubject, parts[partCESubject])
 		set(contract.CEAggregateVersion, version)
+		set(contract.CEAggregateType, parts[partAggType])
 		set(contract.CEContentType, contract.JSONContentType)
 		if ev.hasOccurred {
 			set(contract.CETime, parts[partOccurredAt])

@@ -419,7 +419,7 @@ func (c *Config) Validate() error {
 			}
 			dlq := c.Router.DeadLetterFilter()
 			for _, s := range c.NATS.StreamSubjects {
-				if router.FiltersOverlap(s, dlq) {
+				if contract.FiltersOverlap(s, dlq) {
 					bad("nats.stream_subjects", "%q overlaps the dead-letter subjects %q: dead letters would land in the event stream", s, dlq)
 				}
 			}
@@ -501,7 +501,7 @@ func unjoin(err error) []error {
 
 func coveredBy(subjects []string, filter string) bool {
 	for _, s := range subjects {
-		if publisher.SubjectCovers(s, filter) {
+		if contract.FilterCovers(s, filter) {
 			return true
 		}
 	}

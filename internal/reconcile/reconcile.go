@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -286,22 +287,17 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	}
 	// The streams are read whole, not through today's subject templates:
 	// an event stored under an earlier template is still its row's event.
-	// Events are keyed on Outbox-Table; one without the header (stored by a
-	// polling relay before a cut-over, or by another tool) matches a row
-	// of any table with its id.
+	// An event is its row's only when it names the row's table
+	// (contract.EventKey): one without Outbox-Table (another producer's, a
+	// polling relay's) proves nothing of any row, or a foreign message
+	// with a colliding id would vouch for a row never relayed.
 	rowOf := func(ev *StreamEvent) *row {
-		if ev.Table != "" {
-			return rows[key(ev.Table, ev.EventID)]
+		k, ok := contract.EventKey(ev.Table, ev.EventID)
+		if !ok {
+			return nil
 		}
-		for _, t := range tables {
-			if r := rows[key(t.Qualified, ev.EventID)]; r != nil {
-				return r
-			}
-		}
-		return nil
+		return rows[k]
 	}
-	subjects := cfg.Router.SubjectFilters()
-
 	// 2. Dead letters: rows the relay could not publish are accounted for.
 	markDLQ := func(ev *StreamEvent) error {
 		if r := rowOf(ev); r != nil {
@@ -333,9 +329,10 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 			r.found++
 			return nil
 		}
-		// Unexpected only on today's subjects: a stream may hold other
-		// producers' events too.
-		if !known[ev.Table] || !SubjectMatches(ev.Subject, subjects) {
+		// Unexpected only on today's subjects (checked below, in their
+		// published form, once the scan has read the stream's layout): a
+		// stream may hold other producers' events too.
+		if !known[ev.Table] {
 			return nil
 		}
 		if ev.OccurredAt.IsZero() || ev.OccurredAt.Before(cfg.Since) || !ev.OccurredAt.Before(cfg.Until) {
@@ -352,6 +349,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	if err != nil {
 		return nil, err
 	}
+	unexpected = onSubjects(unexpected, evScan.Layout, cfg.Router.SubjectFilters())
 	rep.StreamMessages, rep.DeadLetterMessages = evScan.Messages, dlqScan.Messages
 	if t := evScan.ExpiredBefore(cfg.ClockSkew); !t.IsZero() {
 		t = t.UTC()
@@ -394,7 +392,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	// 4b. The scan started at since minus the clock skew by storage time:
 	// an event stored earlier, its row dated ahead of its commit, is not
 	// missing. Look the rows still not found up by their subjects.
-	if err := lookUpBySubject(ctx, db, js, cfg, tables, rows, rep); err != nil {
+	if err := lookUpBySubject(ctx, db, js, cfg, evScan.Layout, tables, rows, rep); err != nil {
 		return nil, err
 	}
 
@@ -421,11 +419,23 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	return rep, nil
 }
 
-func key(table, id string) string { return table + "\x00" + id }
+func key(table, id string) string { k, _ := contract.EventKey(table, id); return k }
+
+// onSubjects keeps the events published on one of the filters: a
+// partitioned stream stores them under another subject (layout).
+func onSubjects(evs []*StreamEvent, layout contract.Layout, filters []string) []*StreamEvent {
+	out := evs[:0]
+	for _, ev := range evs {
+		if contract.SubjectMatches(layout.Published(ev.Subject), filters...) {
+			out = append(out, ev)
+		}
+	}
+	return out
+}
 
 // lookUpBySubject marks found the rows in neither stream (and not expired)
 // whose event is on its subject in the event stream, up to MaxLookedUp rows.
-func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, tables []*Table, rows map[string]*row, rep *Report) error {
+func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, layout contract.Layout, tables []*Table, rows map[string]*row, rep *Report) error {
 	byTable := map[string][]Event{}
 	n := 0
 	for _, r := range rows {
@@ -450,7 +460,7 @@ func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Con
 			if err != nil {
 				return err
 			}
-			found, err := inStream(ctx, js, cfg.Stream, rs)
+			found, err := inStream(ctx, js, cfg.Stream, layout, t.Qualified, rs)
 			if err != nil {
 				return err
 			}
