@@ -132,6 +132,11 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 		}
 	}
 	rep.Info = info
+	warnings, err := CheckShape(info.Config)
+	if err != nil {
+		return nil, err
+	}
+	rep.Warnings = append(rep.Warnings, warnings...)
 	rep.Durable, rep.DurableReason = Durability(info.Config)
 	if !rep.Durable {
 		if spec.RequireDurable {

@@ -250,6 +250,14 @@ func (c *cleaner) checkDurable(ctx context.Context, js jetstream.JetStream) erro
 	if err != nil {
 		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
 	}
+	// A stream that deletes events by itself (work-queue retention, a
+	// per-subject limit) cannot prove a row relayed by their absence or
+	// presence now, and its rows may be the last copy.
+	warnings, err := publisher.CheckShape(info.Config)
+	if err != nil {
+		return err
+	}
+	c.rep.Warnings = append(c.rep.Warnings, warnings...)
 	if info.Config.Storage != jetstream.FileStorage {
 		return fmt.Errorf("%w: stream %s keeps its events in memory, so its rows are the only copy that survives a restart (use --mode published, or move the stream to file storage)", ErrNotDurable, c.cfg.Stream)
 	}

@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -280,6 +281,11 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		return nil, err
 	}
 	rep.SnapshotLSN = snapshot.String()
+	// A stream that deletes events by itself would make every consumed
+	// event look missing, and a repair would store it again.
+	if _, err := publisher.CheckStream(ctx, js, cfg.Stream); err != nil {
+		return nil, err
+	}
 
 	known := make(map[string]bool, len(tables))
 	for _, t := range tables {

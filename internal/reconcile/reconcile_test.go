@@ -21,6 +21,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -809,5 +810,36 @@ func TestReconcileReportsSharedIDsAndRowsWithoutTime(t *testing.T) {
 	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour})
 	if err != nil || crep.Tables[0].NoOccurredAt != 1 {
 		t.Fatalf("cleanup: %+v, %v", crep, err)
+	}
+}
+
+// Issue 26: a stream edited to keep one message per subject (discard old)
+// deletes an aggregate's earlier events, which reconcile then reported
+// missing (and repair stored again) and cleanup could not prove. Both
+// tools now refuse such a stream, naming the fix.
+func TestToolsRefuseStreamsThatDeleteEvents(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	f.CreateStreams(ctx)
+	s, err := f.JS.Stream(ctx, f.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := s.CachedInfo().Config
+	cfg.MaxMsgsPerSubject = 1
+	if _, err := f.JS.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	rcfg := config(f, time.Now().Add(-time.Hour))
+	rcfg.Slot = ""
+	if _, err := reconcile.Run(ctx, f.DB.Pool, f.JS, rcfg); !errors.Is(err, publisher.ErrDeletesEvents) {
+		t.Errorf("reconcile: %v, want ErrDeletesEvents", err)
+	}
+	if _, err := reconcile.Repair(ctx, f.DB.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, nil); !errors.Is(err, publisher.ErrDeletesEvents) {
+		t.Errorf("repair: %v, want ErrDeletesEvents", err)
+	}
+	if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0)); !errors.Is(err, publisher.ErrDeletesEvents) {
+		t.Errorf("cleanup: %v, want ErrDeletesEvents", err)
 	}
 }

@@ -103,6 +103,9 @@ func Repair(ctx context.Context, db DB, js jetstream.JetStream, cfg RepairConfig
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
+	if _, err := publisher.CheckStream(ctx, js, cfg.Stream); err != nil {
+		return nil, err
+	}
 	layout, err := streamLayout(ctx, js, cfg.Stream)
 	if err != nil {
 		return nil, err
