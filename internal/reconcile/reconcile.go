@@ -136,7 +136,8 @@ type Group struct {
 type Report struct {
 	Since time.Time `json:"since"`
 	Until time.Time `json:"until"`
-	// SnapshotLSN is pg_current_wal_insert_lsn() in the rows' snapshot.
+	// SnapshotLSN is pg_current_wal_insert_lsn() in the rows' snapshot
+	// (pg_last_wal_replay_lsn() on a standby).
 	SnapshotLSN string `json:"snapshot_lsn"`
 	// ConfirmedLSN is the slot's confirmed_flush_lsn, read when some rows
 	// were not found in the streams; empty when it was not needed or the
@@ -569,6 +570,11 @@ func SortEvents(evs []Event) {
 	})
 }
 
+// snapshotLSN reads a WAL position past every commit the snapshot sees,
+// on a primary and during recovery alike.
+const snapshotLSN = `SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_insert_lsn() END)::text,
+	set_config('TimeZone', 'UTC', true)`
+
 // readRows reads the window's rows of every table in one REPEATABLE READ
 // snapshot and returns an LSN after the commit of every row it saw.
 func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, rep *Report, fn func(*row) error) (replication.LSN, error) {
@@ -580,9 +586,11 @@ func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, rep *Repo
 	// The first statement takes the snapshot; the insert position read
 	// while it runs is past the commit record of every transaction the
 	// snapshot sees (a commit record is written before the transaction
-	// becomes visible).
+	// becomes visible). On a standby (decoding from PostgreSQL 16 on) no
+	// WAL is inserted: the replay position is past every commit record
+	// the snapshot sees (replayed before it becomes visible there).
 	var lsnText string
-	if err := tx.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text, set_config('TimeZone', 'UTC', true)").Scan(&lsnText, new(string)); err != nil {
+	if err := tx.QueryRow(ctx, snapshotLSN).Scan(&lsnText, new(string)); err != nil {
 		return 0, fmt.Errorf("read WAL position: %w", err)
 	}
 	lsn, err := replication.ParseLSN(lsnText)

@@ -4,13 +4,16 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap/zaptest"
 
@@ -841,5 +844,51 @@ func TestToolsRefuseStreamsThatDeleteEvents(t *testing.T) {
 	}
 	if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0)); !errors.Is(err, publisher.ErrDeletesEvents) {
 		t.Errorf("cleanup: %v, want ErrDeletesEvents", err)
+	}
+}
+
+// Issue 26: reconcile read its snapshot's WAL position with
+// pg_current_wal_insert_lsn(), which fails during recovery, so it could
+// not run against a standby that decodes (PostgreSQL 16+, docs/
+// operations.md). It reads pg_last_wal_replay_lsn() there. Runs in the 15
+// and 17 lanes (make test-pg17).
+func TestReconcileOnStandby(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	primary, err := testenv.StartPostgres()
+	testenv.Must(t, err, "start the primary")
+	t.Cleanup(primary.Close)
+	db := testenv.NewDatabaseOn(t, primary)
+	db.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "outbox.sql"))
+	standby, err := primary.StartStandby(testenv.StandbyOptions{})
+	testenv.Must(t, err, "start the standby")
+	t.Cleanup(standby.Close)
+	f := opstest.New(t, "", 0) // the streams and the router's mapping
+	f.CreateStreams(ctx)
+	since := time.Now().Add(-time.Minute)
+	var evs []reconcile.Event
+	for i := range 5 {
+		e := reconcile.Event{Table: "public.outbox", AggregateType: "registration", AggregateID: fmt.Sprintf("a%d", i), AggregateVersion: "1", EventID: uuid.NewString()}
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, $2, $3, 1, 'E', '{}')`, e.EventID, e.AggregateType, e.AggregateID); err != nil {
+			t.Fatal(err)
+		}
+		evs = append(evs, e)
+	}
+	// The events, stored as the relay would.
+	if rr, err := reconcile.Repair(ctx, db.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, evs); err != nil || rr.Published != 5 {
+		t.Fatalf("publish: %+v, %v", rr, err)
+	}
+	var lsn string
+	testenv.Must(t, db.Pool.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn), "primary LSN") // past the commits, flushed soon (asynchronous commit)
+	testenv.Must(t, standby.WaitReplayed(ctx, lsn), "replay")
+	sp, err := pgxpool.New(ctx, standby.URL(db.Name))
+	testenv.Must(t, err, "connect to the standby")
+	t.Cleanup(sp.Close)
+	rep, err := reconcile.Run(ctx, sp, f.JS, reconcile.Config{Router: f.Cfg.Router, Stream: f.Stream, DeadLetterStream: f.DLQ, Since: since}, reconcile.WithLogger(zaptest.NewLogger(t)))
+	if err != nil {
+		t.Fatalf("reconcile on the standby: %v", err)
+	}
+	if rep.Total.Rows != 5 || rep.Total.InStream != 5 || !rep.Confirmed || rep.Differences() != 0 || rep.SnapshotLSN == "" {
+		t.Fatalf("report on the standby: %+v (snapshot %s)", rep.Total, rep.SnapshotLSN)
 	}
 }
