@@ -3,6 +3,8 @@ package router
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strings"
 
@@ -413,6 +415,26 @@ func (t *tableCompiler) messageTable() {
 // maxEscapedTableLen is the longest EscapeToken("schema.table"): two
 // 63-byte identifiers and the dot, each byte escaped.
 const maxEscapedTableLen = 3 * (2*maxIdentifierBytes + 1)
+
+// QualifiedTable returns a configured table name with its schema: a name
+// without one is in DefaultSchema. The one place that default is applied.
+func QualifiedTable(name string) string {
+	if strings.Contains(name, ".") {
+		return name
+	}
+	return DefaultSchema + "." + name
+}
+
+// Clone returns a copy of c that shares nothing mutable with it: its
+// table list and every table's header map are copied, so that validating
+// or compiling the copy never changes c.
+func (c Config) Clone() Config {
+	c.Tables = slices.Clone(c.Tables)
+	for i := range c.Tables {
+		c.Tables[i].Headers = maps.Clone(c.Tables[i].Headers)
+	}
+	return c
+}
 
 // splitTableName parses "schema.table" or "table"; msg explains a bad name.
 func splitTableName(s string) (schema, name, msg string) {

@@ -3,7 +3,6 @@ package router
 import (
 	"fmt"
 	"math"
-	"slices"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -88,16 +87,7 @@ func New(cfg Config, opts ...Option) (*Router, error) {
 			return nil, err
 		}
 	}
-	cfg.Tables = slices.Clone(cfg.Tables)
-	for i := range cfg.Tables {
-		if h := cfg.Tables[i].Headers; h != nil {
-			cp := make(map[string]string, len(h))
-			for k, v := range h {
-				cp[k] = v
-			}
-			cfg.Tables[i].Headers = cp
-		}
-	}
+	cfg = cfg.Clone()
 	rules, err := cfg.compile()
 	if err != nil {
 		return nil, err
