@@ -278,3 +278,40 @@ func TestRunbookRetention(t *testing.T) {
 		}
 	})
 }
+
+// "Recovering after a lost slot" on a stream its max_age emptied (issue
+// 26): the backfill's skip rule set the cutoff at the last stored event
+// plus the clock-skew margin (1m), so rows written in the minute after it,
+// never relayed, were skipped as "older than the stream's first message".
+// Only the rows dated before the newest event the limits removed are
+// skipped now; the rest are backfilled.
+func TestRunbookLostSlotOnAStreamEmptiedByMaxAge(t *testing.T) {
+	inLayouts(t, func(t *testing.T, f *opsFixture) {
+		ctx := context.Background()
+		relayThenLoseSlot(t, f, 2)
+		s, err := f.js.Stream(ctx, f.stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := s.CachedInfo().Config
+		cfg.MaxAge, cfg.Duplicates = time.Second, time.Second
+		if _, err := f.js.UpdateStream(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+		if !testenv.WaitFor(30*time.Second, func() bool {
+			info, err := s.Info(ctx)
+			return err == nil && info.State.Msgs == 0
+		}) {
+			t.Fatal("the stream's max_age did not empty it")
+		}
+		// Never relayed: written after the stream's last event.
+		f.insert(ctx, 3, "RegistrationConfirmed")
+		if _, err := f.step("teardown", "--yes"); err != nil {
+			t.Fatal(err)
+		}
+		out, err := f.step("setup")
+		if err != nil || !strings.Contains(out, "backfilled 3 waiting rows") || !strings.Contains(out, "2 skipped: older than the stream's first message") {
+			t.Fatalf("setup: %v", err)
+		}
+	})
+}
