@@ -21,16 +21,10 @@ import (
 // partition. A stream with the transform of the layout before (partition
 // tokens last) is refused the same way, and setup replaces it.
 func TestEnsureStreamPartitions(t *testing.T) {
-	js, err := jetstream.New(connectNATS(t))
-	testenv.Must(t, err, "jetstream")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	name := testenv.UniqueName("P")
-	spec := publisher.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}, Duplicates: time.Minute}
-	if _, err := publisher.EnsureStream(ctx, js, spec, true); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), name) })
+	js, spec := plainStream(ctx, t)
+	name := spec.Name
 	spec.Partitions = 4
 	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
 		t.Fatalf("unpartitioned existing stream: %v, want an error naming setup", err)
@@ -115,21 +109,15 @@ func TestEnsureStreamPartitions(t *testing.T) {
 // filter matches, so consumer groups never delivered them. Refused with
 // the steps; an empty plain stream is partitioned.
 func TestEnsureStreamRefusesPartitioningStoredEvents(t *testing.T) {
-	js, err := jetstream.New(connectNATS(t))
-	testenv.Must(t, err, "jetstream")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	name := testenv.UniqueName("P")
-	spec := publisher.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}, Duplicates: time.Minute}
-	if _, err := publisher.EnsureStream(ctx, js, spec, true); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), name) })
+	js, spec := plainStream(ctx, t)
+	name := spec.Name
 	if _, err := js.Publish(ctx, name+".order.42", []byte("x")); err != nil {
 		t.Fatal(err)
 	}
 	spec.Partitions, spec.UpdatePartitions = 4, true
-	_, err = publisher.EnsureStream(ctx, js, spec, true)
+	_, err := publisher.EnsureStream(ctx, js, spec, true)
 	if !errors.Is(err, publisher.ErrLayoutChange) || !strings.Contains(err.Error(), "holds 1 message(s)") {
 		t.Fatalf("partition a stream holding an event: %v, want ErrLayoutChange", err)
 	}
@@ -142,4 +130,19 @@ func TestEnsureStreamRefusesPartitioningStoredEvents(t *testing.T) {
 	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned {
 		t.Fatalf("partition the purged stream: %+v, %v", rep, err)
 	}
+}
+
+// plainStream creates a stream <name>.*.* without a partition transform,
+// deleted when the test ends.
+func plainStream(ctx context.Context, t *testing.T) (jetstream.JetStream, publisher.StreamSpec) {
+	t.Helper()
+	js, err := jetstream.New(connectNATS(t))
+	testenv.Must(t, err, "jetstream")
+	name := testenv.UniqueName("P")
+	spec := publisher.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}, Duplicates: time.Minute}
+	if _, err := publisher.EnsureStream(ctx, js, spec, true); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), name) })
+	return js, spec
 }
