@@ -48,6 +48,20 @@ func TestParseCloudEvents(t *testing.T) {
 		}, want: func(e *Event) {
 			e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, e.OccurredAt, e.CommitLSN = "Outboxed", "order", "o-9", 3, time.Time{}, "0/16B37A0"
 		}},
+		// Issue 23: the type holds a '/'; the relay's ce-aggregatetype
+		// says where it ends, so the key is its Outbox-* twin's.
+		{name: "type with a slash", edit: func(h nats.Header) {
+			h.Set(CESubject, "billing/invoice/r-1/a")
+			h.Set(CEAggregateType, "billing/invoice")
+		}, want: func(e *Event) { e.AggregateType = "billing/invoice" }},
+		// Issue 23: an untyped aggregate ("/id") was refused for good
+		// (a dead letter) although its Outbox-* twin is accepted.
+		{name: "untyped aggregate", edit: func(h nats.Header) { h.Set(CESubject, "/r-1/a") }, want: func(e *Event) { e.AggregateType = "" }},
+		{name: "untyped aggregate, typed header", edit: func(h nats.Header) {
+			h.Set(CESubject, "/r-1/a")
+			h.Set(CEAggregateType, "")
+		}, want: func(e *Event) { e.AggregateType = "" }},
+		{name: "subject not of its aggregatetype", edit: func(h nats.Header) { h.Set(CEAggregateType, "order") }, wantErr: CESubject},
 		{name: "other spec version", edit: func(h nats.Header) { h.Set(CESpecVersion, "0.3") }, wantErr: CESpecVersion},
 		{name: "no type", edit: func(h nats.Header) { h.Del(CEType) }, wantErr: CEType},
 		{name: "no subject", edit: func(h nats.Header) { h.Del(CESubject) }, wantErr: CESubject},
@@ -107,7 +121,7 @@ func FuzzParseCloudEvents(f *testing.F) {
 			}
 			return
 		}
-		if ev.AggregateType+"/"+ev.AggregateID != subject || ev.AggregateType == "" || ev.ID != id || ev.Type != typ {
+		if CESubjectOf(ev.AggregateType, ev.AggregateID) != subject || ev.ID != id || ev.Type != typ {
 			t.Fatalf("Parse(%q) = %+v", subject, ev)
 		}
 	})

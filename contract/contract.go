@@ -84,6 +84,10 @@ const (
 	// aggregate version, so that an event keeps its order position when a
 	// CloudEvents tool forwards only the ce-* headers.
 	CEAggregateVersion = "ce-aggregateversion"
+	// CEAggregateType is the extension attribute aggregatetype: the
+	// aggregate type alone, so that ce-subject ("<type>/<id>") splits
+	// where the relay joined it even when the type holds a '/'.
+	CEAggregateType = "ce-aggregatetype"
 	// CEContentType is the binding's lower-case content type header. NATS
 	// header names are case-sensitive, so it is set beside Content-Type,
 	// with the same value.
@@ -184,10 +188,11 @@ func Parse(h nats.Header, data []byte) (Event, error) {
 
 // ParseCloudEvents reads an event from CloudEvents binary-mode headers
 // alone: ce-specversion must be 1.0; ce-id is the event id and ce-type its
-// type; ce-subject is "<aggregate type>/<aggregate id>", split at its first
-// '/'; ce-aggregateversion (an extension the relay sets) is the aggregate
-// version; ce-time, when present, is the occurrence time. Commit LSN, commit
-// time and table stay empty: CloudEvents has no attributes for them.
+// type; ce-subject is "<aggregate type>/<aggregate id>" (see
+// SplitCESubject); ce-aggregateversion (an extension the relay sets) is the
+// aggregate version; ce-time, when present, is the occurrence time. Commit
+// LSN, commit time and table stay empty: CloudEvents has no attributes for
+// them.
 func ParseCloudEvents(h nats.Header, data []byte) (Event, error) {
 	ev := Event{ID: h.Get(CEID), Type: h.Get(CEType), Payload: data}
 	subject := h.Values(CESubject)
@@ -202,8 +207,8 @@ func ParseCloudEvents(h nats.Header, data []byte) (Event, error) {
 		return ev, &FieldError{Header: CESubject, Reason: "is missing (want <aggregate type>/<aggregate id>)"}
 	}
 	var ok bool
-	if ev.AggregateType, ev.AggregateID, ok = strings.Cut(subject[0], "/"); !ok || ev.AggregateType == "" {
-		return ev, &FieldError{Header: CESubject, Reason: fmt.Sprintf("is %q, want <aggregate type>/<aggregate id>", subject[0])}
+	if ev.AggregateType, ev.AggregateID, ok = SplitCESubject(subject[0], h.Values(CEAggregateType)); !ok {
+		return ev, &FieldError{Header: CESubject, Reason: fmt.Sprintf("is %q, want <aggregate type>/<aggregate id> (with %s, that type first)", subject[0], CEAggregateType)}
 	}
 	v := h.Get(CEAggregateVersion)
 	if v == "" {
@@ -220,4 +225,30 @@ func ParseCloudEvents(h nats.Header, data []byte) (Event, error) {
 		}
 	}
 	return ev, nil
+}
+
+// CESubjectOf returns the ce-subject of an aggregate: "<type>/<id>".
+func CESubjectOf(aggType, aggID string) string { return aggType + "/" + aggID }
+
+// SplitCESubject splits a ce-subject back into the aggregate type and id.
+// aggType holds the ce-aggregatetype values: the relay sets it, and the
+// subject then splits right after that type, whatever '/' the type or the
+// id holds. Without it (another producer) the subject splits at its first
+// '/'. An empty type ("/42", an untyped aggregate) is an aggregate like
+// any other: its Outbox-* twin has the same empty type.
+func SplitCESubject(subject string, aggType []string) (typ, id string, ok bool) {
+	if len(aggType) > 0 {
+		id, ok = strings.CutPrefix(subject, aggType[0]+"/")
+		return aggType[0], id, ok
+	}
+	return strings.Cut(subject, "/")
+}
+
+// EventKey is an event's identity across the relay and its tools: the
+// outbox table (Outbox-Table) and the event id, which is unique only
+// within its table. ok is false without a table: a message that does not
+// say which table's row it is (another producer's, a polling relay's)
+// identifies no row, so it can prove none relayed.
+func EventKey(table, eventID string) (key string, ok bool) {
+	return table + "\x00" + eventID, table != ""
 }

@@ -177,3 +177,62 @@ func splitStored(source, subject string) (toks []string, at, partitions, p int, 
 	}
 	return toks, at, n, q, true
 }
+
+// Layout is how a stream stores the events published to it. It is read
+// from the stream's own configuration (StreamLayout of its subject
+// transform), never guessed from a subject's tokens: a plain stream's
+// subject can have as many tokens, with numbers in the same places, as a
+// partitioned one's.
+type Layout struct {
+	// Source is the stream subject the partition transform applies to;
+	// empty when the stream stores events under their published subject.
+	Source string
+	// Partitions is the partition count of the transform.
+	Partitions int
+}
+
+// StreamLayout returns the layout of a stream whose subject transform maps
+// source to destination (both empty when it has none). A transform that
+// PartitionTransform did not make leaves the layout plain.
+func StreamLayout(source, destination string) Layout {
+	n := TransformPartitions(source, destination)
+	if n == 0 {
+		return Layout{}
+	}
+	return Layout{Source: source, Partitions: n}
+}
+
+// Partitioned reports whether the stream partitions its subjects.
+func (l Layout) Partitioned() bool { return l.Source != "" }
+
+// Published returns the subject an event stored on subject was published
+// on: what a re-publish uses and what the router's filters match.
+func (l Layout) Published(subject string) string {
+	if !l.Partitioned() {
+		return subject
+	}
+	return PublishedSubject(l.Source, subject)
+}
+
+// StoredFilters returns subject filters that together match every subject
+// the stream may store an event published on subject under: the subject
+// itself (a plain stream, or an event stored before the transform was set)
+// and, on a partitioned stream, the subject with wildcards for the
+// partition tokens (any count, so events stored before a count change are
+// found too). The filters do not overlap, as JetStream requires of one
+// consumer's filters.
+func (l Layout) StoredFilters(subject string) []string {
+	if !l.Partitioned() || !SubjectMatches(subject, l.Source) {
+		return []string{subject}
+	}
+	_, at, err := slot(l.Source)
+	if err != nil {
+		return []string{subject}
+	}
+	toks := strings.Split(subject, ".")
+	out := make([]string, 0, len(toks)+2)
+	out = append(out, toks[:at]...)
+	out = append(out, "*", "*")
+	out = append(out, toks[at:]...)
+	return []string{subject, strings.Join(out, ".")}
+}

@@ -1,6 +1,7 @@
 package contract
 
 import (
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -109,4 +110,48 @@ func FuzzSubjectPartition(f *testing.F) {
 			t.Fatalf("PublishedSubject(%q, %q) = %q, want %q", source, stored, got, published)
 		}
 	})
+}
+
+func TestLayout(t *testing.T) {
+	dst, err := PartitionTransform("outbox.*.*", 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	part := StreamLayout("outbox.*.*", dst)
+	plain := StreamLayout("", "")
+	foreign := StreamLayout("outbox.*.*", "outbox.{{wildcard(2)}}.{{wildcard(1)}}")
+	if !part.Partitioned() || part.Partitions != 8 || plain.Partitioned() || foreign.Partitioned() {
+		t.Fatalf("layouts: %+v %+v %+v", part, plain, foreign)
+	}
+	for _, tc := range []struct {
+		l              Layout
+		stored, public string
+	}{
+		{part, "outbox.registration.8.3.42", "outbox.registration.42"},
+		{part, "outbox.registration.16.3.42", "outbox.registration.42"}, // before a count change
+		{part, "outbox.registration.42", "outbox.registration.42"},      // before the transform
+		// A plain stream's five-token subject is never read as
+		// partitioned (issue 26: outbox.registration.42.8.2 was read as
+		// partition 8 of 42 and published outbox.registration.2).
+		{plain, "outbox.registration.42.8.2", "outbox.registration.42.8.2"},
+		{plain, "outbox.registration.8.3.42", "outbox.registration.8.3.42"},
+	} {
+		if got := tc.l.Published(tc.stored); got != tc.public {
+			t.Errorf("%+v.Published(%q) = %q, want %q", tc.l, tc.stored, got, tc.public)
+		}
+	}
+	if got, want := part.StoredFilters("outbox.registration.42"), []string{"outbox.registration.42", "outbox.registration.*.*.42"}; !reflect.DeepEqual(got, want) {
+		t.Errorf("StoredFilters = %q, want %q", got, want)
+	}
+	if got := part.StoredFilters("other.x"); !reflect.DeepEqual(got, []string{"other.x"}) {
+		t.Errorf("StoredFilters(other.x) = %q", got)
+	}
+	if got := plain.StoredFilters("outbox.registration.42"); !reflect.DeepEqual(got, []string{"outbox.registration.42"}) {
+		t.Errorf("plain StoredFilters = %q", got)
+	}
+	for _, f := range part.StoredFilters("outbox.registration.42") {
+		if !SubjectMatches("outbox.registration.8.3.42", f) && f != "outbox.registration.42" {
+			t.Errorf("filter %q does not match the stored subject", f)
+		}
+	}
 }

@@ -44,6 +44,9 @@ func ensurePartitions(ctx context.Context, js jetstream.JetStream, spec StreamSp
 		return nil, fmt.Errorf("stream %s has %s, nats.partitions %d wants %s -> %s: run `outbox-relay setup` to set it (see docs/consumer.md \"Changing the number of partitions\")",
 			spec.Name, now, spec.Partitions, want.Source, want.Destination)
 	}
+	if info.State.Msgs > 0 && StreamLayout(info.Config).Source != want.Source {
+		return nil, layoutChangeError(spec, have, want, info.State.Msgs)
+	}
 	cfg := info.Config
 	cfg.SubjectTransform = want
 	s, err := js.UpdateStream(ctx, cfg)
@@ -52,4 +55,28 @@ func ensurePartitions(ctx context.Context, js jetstream.JetStream, spec StreamSp
 	}
 	rep.Partitioned = true
 	return s.CachedInfo(), nil // the update's answer holds the new info
+}
+
+// StreamLayout is how the stream with this configuration stores events:
+// read from its own subject transform, never guessed from subjects.
+func StreamLayout(cfg jetstream.StreamConfig) contract.Layout {
+	if t := cfg.SubjectTransform; t != nil {
+		return contract.StreamLayout(t.Source, t.Destination)
+	}
+	return contract.Layout{}
+}
+
+// layoutChangeError refuses to set a partition transform over messages
+// stored in another layout (none, or an earlier version's): the stream's
+// subjects would no longer say how to read them, consumer groups would
+// never deliver them, and the tools would misread them. Changing only the
+// count is fine: the count is in the stored subject.
+func layoutChangeError(spec StreamSpec, have, want *jetstream.SubjectTransformConfig, msgs uint64) error {
+	now := "their published subjects (no partition transform)"
+	if have != nil {
+		now = fmt.Sprintf("the subject transform %s -> %s", have.Source, have.Destination)
+	}
+	return fmt.Errorf("%w: stream %s holds %d message(s) stored under %s; the partition transform %s -> %s would leave them on subjects no partition's filter matches. "+
+		"Either let every consumer of the stream finish, purge it (nats stream purge %s) and rerun `outbox-relay setup`; or set nats.stream to a new stream name (with subjects that do not overlap this one's) and rerun setup; or unset nats.partitions to keep the stream as it is",
+		ErrLayoutChange, spec.Name, msgs, now, want.Source, want.Destination, spec.Name)
 }

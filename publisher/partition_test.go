@@ -2,6 +2,7 @@ package publisher_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -20,16 +21,10 @@ import (
 // partition. A stream with the transform of the layout before (partition
 // tokens last) is refused the same way, and setup replaces it.
 func TestEnsureStreamPartitions(t *testing.T) {
-	js, err := jetstream.New(connectNATS(t))
-	testenv.Must(t, err, "jetstream")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	name := testenv.UniqueName("P")
-	spec := publisher.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}, Duplicates: time.Minute}
-	if _, err := publisher.EnsureStream(ctx, js, spec, true); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), name) })
+	js, spec := plainStream(ctx, t)
+	name := spec.Name
 	spec.Partitions = 4
 	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
 		t.Fatalf("unpartitioned existing stream: %v, want an error naming setup", err)
@@ -77,11 +72,28 @@ func TestEnsureStreamPartitions(t *testing.T) {
 	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
 		t.Fatalf("old layout: %v, want an error naming setup", err)
 	}
+	// Issue 26: setup replaced the transform over the 3 messages stored
+	// in the other layout, stranding them (and the tools then misread
+	// them). It refuses with the steps; once the stream is purged it
+	// replaces the transform.
 	spec.UpdatePartitions = true
+	if _, err := publisher.EnsureStream(ctx, js, spec, true); !errors.Is(err, publisher.ErrLayoutChange) || !strings.Contains(err.Error(), "nats stream purge "+name) {
+		t.Fatalf("setup over the old layout with messages: %v, want ErrLayoutChange naming the purge", err)
+	}
+	testenv.Must(t, s.Purge(ctx), "purge")
 	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned ||
 		contract.TransformPartitions(name+".*.*", rep.Info.Config.SubjectTransform.Destination) != 8 {
 		t.Fatalf("setup over the old layout: %+v, %v; want the transform replaced", rep, err)
 	}
+	// A count change keeps the layout: allowed over stored messages.
+	if _, err := js.Publish(ctx, name+".order.42", []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	spec.Partitions = 16
+	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned {
+		t.Fatalf("count change 8 -> 16 over a message: %+v, %v", rep, err)
+	}
+	spec.Partitions = 8
 	spec.UpdatePartitions = false
 	// A created stream is partitioned from the start.
 	spec.Name, spec.Subjects, spec.Partitions = name+"_new", []string{name + "_new.*.*"}, 2
@@ -90,4 +102,47 @@ func TestEnsureStreamPartitions(t *testing.T) {
 		t.Fatalf("created stream: %+v, %v; want a transform", rep, err)
 	}
 	_ = js.DeleteStream(ctx, spec.Name)
+}
+
+// Issue 26: setup added the partition transform to a plain stream holding
+// events: they stayed on their published subjects, which no partition's
+// filter matches, so consumer groups never delivered them. Refused with
+// the steps; an empty plain stream is partitioned.
+func TestEnsureStreamRefusesPartitioningStoredEvents(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	js, spec := plainStream(ctx, t)
+	name := spec.Name
+	if _, err := js.Publish(ctx, name+".order.42", []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	spec.Partitions, spec.UpdatePartitions = 4, true
+	_, err := publisher.EnsureStream(ctx, js, spec, true)
+	if !errors.Is(err, publisher.ErrLayoutChange) || !strings.Contains(err.Error(), "holds 1 message(s)") {
+		t.Fatalf("partition a stream holding an event: %v, want ErrLayoutChange", err)
+	}
+	s, err := js.Stream(ctx, name)
+	testenv.Must(t, err, "stream")
+	if info, err := s.Info(ctx); err != nil || info.Config.SubjectTransform != nil {
+		t.Fatalf("the refused stream was changed: %+v, %v", info, err)
+	}
+	testenv.Must(t, s.Purge(ctx), "purge")
+	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned {
+		t.Fatalf("partition the purged stream: %+v, %v", rep, err)
+	}
+}
+
+// plainStream creates a stream <name>.*.* without a partition transform,
+// deleted when the test ends.
+func plainStream(ctx context.Context, t *testing.T) (jetstream.JetStream, publisher.StreamSpec) {
+	t.Helper()
+	js, err := jetstream.New(connectNATS(t))
+	testenv.Must(t, err, "jetstream")
+	name := testenv.UniqueName("P")
+	spec := publisher.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}, Duplicates: time.Minute}
+	if _, err := publisher.EnsureStream(ctx, js, spec, true); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), name) })
+	return js, spec
 }

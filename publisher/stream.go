@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/contract"
 )
 
 // StreamSpec describes a stream the relay publishes to.
@@ -135,6 +137,11 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 		}
 	}
 	rep.Info = info
+	warnings, err := CheckShape(info.Config)
+	if err != nil {
+		return nil, err
+	}
+	rep.Warnings = append(rep.Warnings, warnings...)
 	rep.Durable, rep.DurableReason = Durability(info.Config)
 	if !rep.Durable {
 		if spec.RequireDurable {
@@ -183,60 +190,18 @@ func overlapError(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 
 func overlapsAny(subjects []string, other string) bool {
 	for _, s := range subjects {
-		if subjectsOverlap(s, other) {
+		if contract.FiltersOverlap(s, other) {
 			return true
 		}
 	}
 	return false
-}
-
-// subjectsOverlap reports whether some subject matches both a and b (each
-// may hold * and > wildcards).
-func subjectsOverlap(a, b string) bool {
-	at, bt := strings.Split(a, "."), strings.Split(b, ".")
-	for i := 0; i < len(at) && i < len(bt); i++ {
-		x, y := at[i], bt[i]
-		if x == ">" || y == ">" {
-			return true
-		}
-		if x != y && x != "*" && y != "*" {
-			return false
-		}
-	}
-	return len(at) == len(bt)
 }
 
 func coveredByAny(streamSubjects []string, filter string) bool {
 	for _, s := range streamSubjects {
-		if SubjectCovers(s, filter) {
+		if contract.FilterCovers(s, filter) {
 			return true
 		}
 	}
 	return false
-}
-
-// SubjectCovers reports whether every subject matching filter also matches
-// the stream subject s (both may hold * and > wildcards).
-func SubjectCovers(s, filter string) bool {
-	st := strings.Split(s, ".")
-	ft := strings.Split(filter, ".")
-	for i, tok := range st {
-		if tok == ">" {
-			return i < len(ft)
-		}
-		if i >= len(ft) {
-			return false
-		}
-		switch {
-		case tok == "*":
-			if ft[i] == ">" {
-				return false
-			}
-		case ft[i] == "*" || ft[i] == ">":
-			return false
-		case tok != ft[i]:
-			return false
-		}
-	}
-	return len(st) == len(ft)
 }

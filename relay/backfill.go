@@ -221,11 +221,7 @@ func createBackfillSlot(ctx context.Context, guard *replication.BackfillGuard, c
 
 func tableConfig(c router.Config, table string) router.TableConfig {
 	for _, t := range c.Tables {
-		name := t.Table
-		if !strings.Contains(name, ".") {
-			name = "public." + name
-		}
-		if name == table {
+		if router.QualifiedTable(t.Table) == table {
 			return t
 		}
 	}

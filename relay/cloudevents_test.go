@@ -156,8 +156,8 @@ func TestRelayCloudEvents(t *testing.T) {
 			ev.DataSchema() != "" || string(ev.Data()) != w.data {
 			t.Errorf("event %d: %s, want %+v", i, ev, w)
 		}
-		if exts := ev.Extensions(); len(exts) != 1 || exts["aggregateversion"] != w.version {
-			t.Errorf("event %d: extensions %v, want only aggregateversion %s", i, exts, w.version)
+		if exts := ev.Extensions(); len(exts) != 2 || exts["aggregateversion"] != w.version || exts["aggregatetype"] != m.Event.AggregateType {
+			t.Errorf("event %d: extensions %v, want only aggregateversion %s and aggregatetype %s", i, exts, w.version, m.Event.AggregateType)
 		}
 		// Beside, not instead: the Outbox-* contract and Nats-Msg-Id stay.
 		if m.Headers[contract.MsgID][0] != w.id || m.Event.ID != w.id || m.Event.Type != w.typ || m.Headers[contract.ContentType][0] != contract.JSONContentType {

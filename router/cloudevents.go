@@ -3,14 +3,12 @@ package router
 import (
 	"net/url"
 	"strings"
-
-	"github.com/outbox-relay/outbox-relay/contract"
 )
 
 // CloudEventsConfig turns on CloudEvents binary content mode for a table's
 // (or message prefix's) events: the router sets ce-specversion, ce-id,
 // ce-source, ce-type, ce-subject, ce-time (when the row has occurred_at),
-// the extension ce-aggregateversion and content-type beside the Outbox-* headers, which stay, so existing
+// the extensions ce-aggregateversion and ce-aggregatetype and content-type beside the Outbox-* headers, which stay, so existing
 // consumers keep working. Nats-Msg-Id stays the event id.
 type CloudEventsConfig struct {
 	// Enabled adds the ce-* headers.
@@ -26,24 +24,9 @@ type CloudEventsConfig struct {
 // DefaultCloudEventsSourcePrefix starts the default ce-source.
 const DefaultCloudEventsSourcePrefix = "/outbox-relay/"
 
-// ceHeaders are the headers CloudEvents mode adds; an extra column of such
-// a table must not be mapped to one.
-var ceHeaders = []string{
-	contract.CESpecVersion, contract.CEID, contract.CESource, contract.CEType,
-	contract.CETime, contract.CESubject, contract.CEContentType, contract.CEAggregateVersion,
-}
-
-// ceFixedHeaders is the number of CloudEvents headers every event of a
-// CloudEvents table carries (ce-time is optional).
-const ceFixedHeaders = 7
-
-// ceFixedHdrLen is the encoded size of those headers' names and of their
-// constant values.
-var ceFixedHdrLen = hdrLineLen(contract.CESpecVersion, len(contract.CESpecVersionValue)) +
-	hdrLineLen(contract.CEID, 0) + hdrLineLen(contract.CESource, 0) + hdrLineLen(contract.CEType, 0) +
-	hdrLineLen(contract.CESubject, 1) + // the '/' between aggregate type and id
-	hdrLineLen(contract.CEAggregateVersion, 0) +
-	hdrLineLen(contract.CEContentType, len(contract.JSONContentType))
+// ceHeaders are the headers CloudEvents mode adds (cloudEventsHeaders);
+// an extra column of such a table must not be mapped to one.
+var ceHeaders = cloudEventsHeaders.names()
 
 // checkCloudEventsSource reports why s cannot be a ce-source value.
 func checkCloudEventsSource(s string) string {

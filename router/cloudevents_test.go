@@ -39,6 +39,7 @@ func TestRouteCloudEvents(t *testing.T) {
 		h[contract.CESubject] = []string{"registration/r-1"}
 		h[contract.CEContentType] = []string{"application/json"}
 		h[contract.CEAggregateVersion] = []string{"7"}
+		h[contract.CEAggregateType] = []string{"registration"}
 		if v, ok := h[contract.OccurredAt]; ok {
 			h[contract.CETime] = v
 		}
@@ -68,6 +69,17 @@ func TestRouteCloudEvents(t *testing.T) {
 				h := withCE("/outbox-relay/public.outbox", base())
 				h[contract.AggregateID] = []string{"a/b"}
 				h[contract.CESubject] = []string{"registration/a/b"}
+				return h
+			}()},
+		// Issue 23: ce-aggregatetype tells a consumer reading ce-* only
+		// where the type ends.
+		{name: "aggregate type with a slash", ce: CloudEventsConfig{Enabled: true},
+			edit: func(row map[string]replication.Value) { row["aggregate_type"] = txt("billing/invoice") },
+			want: func() nats.Header {
+				h := withCE("/outbox-relay/public.outbox", base())
+				h[contract.AggregateType] = []string{"billing/invoice"}
+				h[contract.CEAggregateType] = []string{"billing/invoice"}
+				h[contract.CESubject] = []string{"billing/invoice/r-1"}
 				return h
 			}()},
 	} {

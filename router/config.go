@@ -3,6 +3,8 @@ package router
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strings"
 
@@ -272,7 +274,7 @@ func (t *tableCompiler) subject(dlqOK bool, dlqFilter string) {
 		if minLen := tmpl.renderedLen(&[numPlaceholders][]byte{}); c.MaxSubjectBytes > 0 && minLen > c.MaxSubjectBytes {
 			t.bad(".subject", "is at least %d bytes long, over max_subject_bytes %d", minLen, c.MaxSubjectBytes)
 		}
-		if dlqOK && FiltersOverlap(tmpl.filter, dlqFilter) {
+		if dlqOK && contract.FiltersOverlap(tmpl.filter, dlqFilter) {
 			t.bad(".subject", "subjects %q overlap the dead-letter subjects %q (change the subject or dead_letter_subject)", tmpl.filter, dlqFilter)
 		}
 	}
@@ -414,6 +416,26 @@ func (t *tableCompiler) messageTable() {
 // 63-byte identifiers and the dot, each byte escaped.
 const maxEscapedTableLen = 3 * (2*maxIdentifierBytes + 1)
 
+// QualifiedTable returns a configured table name with its schema: a name
+// without one is in DefaultSchema. The one place that default is applied.
+func QualifiedTable(name string) string {
+	if strings.Contains(name, ".") {
+		return name
+	}
+	return DefaultSchema + "." + name
+}
+
+// Clone returns a copy of c that shares nothing mutable with it: its
+// table list and every table's header map are copied, so that validating
+// or compiling the copy never changes c.
+func (c Config) Clone() Config {
+	c.Tables = slices.Clone(c.Tables)
+	for i := range c.Tables {
+		c.Tables[i].Headers = maps.Clone(c.Tables[i].Headers)
+	}
+	return c
+}
+
 // splitTableName parses "schema.table" or "table"; msg explains a bad name.
 func splitTableName(s string) (schema, name, msg string) {
 	if s == "" {
@@ -522,7 +544,7 @@ func (c *Config) SubjectFilters() []string {
 		covered := false
 		for j, g := range all {
 			// Keep the first of equal filters; drop any strictly covered.
-			if i != j && filterContains(g, f) && (f != g || j < i) {
+			if i != j && contract.FilterCovers(g, f) && (f != g || j < i) {
 				covered = true
 				break
 			}
@@ -542,40 +564,4 @@ func (c *Config) DeadLetterFilter() string {
 		s = DefaultDeadLetterSubject
 	}
 	return s + ".>"
-}
-
-// filtersOverlap reports whether some subject matches both filters.
-func FiltersOverlap(a, b string) bool {
-	at, bt := strings.Split(a, "."), strings.Split(b, ".")
-	for i := 0; ; i++ {
-		switch {
-		case i == len(at) || i == len(bt):
-			return len(at) == len(bt)
-		case at[i] == ">" || bt[i] == ">":
-			return true
-		case at[i] != "*" && bt[i] != "*" && at[i] != bt[i]:
-			return false
-		}
-	}
-}
-
-// filterContains reports whether every subject matching inner also matches
-// outer.
-func filterContains(outer, inner string) bool {
-	ot, it := strings.Split(outer, "."), strings.Split(inner, ".")
-	for i := 0; ; i++ {
-		switch {
-		case i == len(ot):
-			return i == len(it)
-		case ot[i] == ">":
-			return i < len(it)
-		case i == len(it):
-			return false
-		case it[i] == ">":
-			return false
-		case ot[i] == "*":
-		case ot[i] != it[i]:
-			return false
-		}
-	}
 }

@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/outbox-relay/outbox-relay/contract"
 )
 
 func TestValidateDefaults(t *testing.T) {
@@ -157,34 +159,6 @@ func TestSubjectFilters(t *testing.T) {
 	}
 }
 
-func TestFilterRelations(t *testing.T) {
-	tests := []struct {
-		a, b             string
-		overlap, aHoldsB bool
-	}{
-		{"a.*", "a.b", true, true},
-		{"a.>", "a.b.c", true, true},
-		{"a.*", "a.b.c", false, false},
-		{"a.*.*", "a.dlq.>", true, false},
-		{"a.b", "a.c", false, false},
-		{"a.>", "a", false, false},
-		{"*", ">", true, false},
-		{">", "*", true, true},
-		{"a.*", "a.*", true, true},
-	}
-	for _, tt := range tests {
-		if got := FiltersOverlap(tt.a, tt.b); got != tt.overlap {
-			t.Errorf("FiltersOverlap(%q, %q) = %v", tt.a, tt.b, got)
-		}
-		if got := FiltersOverlap(tt.b, tt.a); got != tt.overlap {
-			t.Errorf("FiltersOverlap(%q, %q) = %v", tt.b, tt.a, got)
-		}
-		if got := filterContains(tt.a, tt.b); got != tt.aHoldsB {
-			t.Errorf("filterContains(%q, %q) = %v", tt.a, tt.b, got)
-		}
-	}
-}
-
 func TestConfigYAML(t *testing.T) {
 	const doc = `
 dead_letter_subject: dead
@@ -241,7 +215,7 @@ func FuzzValidate(f *testing.F) {
 			t.Fatalf("New after a successful Validate: %v", err)
 		}
 		for _, f := range c.SubjectFilters() {
-			if FiltersOverlap(f, c.DeadLetterFilter()) {
+			if contract.FiltersOverlap(f, c.DeadLetterFilter()) {
 				t.Fatalf("event filter %q overlaps %q", f, c.DeadLetterFilter())
 			}
 		}

@@ -26,7 +26,8 @@
 //
 // A table with CloudEventsConfig.Enabled also gets CloudEvents binary
 // content mode headers (ce-specversion, ce-id, ce-source, ce-type,
-// ce-subject, ce-time, ce-aggregateversion, content-type; see
+// ce-subject, ce-time, ce-aggregateversion, ce-aggregatetype, content-type;
+// see
 // https://github.com/cloudevents/spec/blob/main/cloudevents/bindings/nats-protocol-binding.md),
 // beside the contract's, never instead of them. Their values reuse the
 // strings of the contract headers, and they count against the header limits.

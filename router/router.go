@@ -3,14 +3,12 @@ package router
 import (
 	"fmt"
 	"math"
-	"slices"
 	"strconv"
 	"time"
 	"unicode/utf8"
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -88,16 +86,7 @@ func New(cfg Config, opts ...Option) (*Router, error) {
 			return nil, err
 		}
 	}
-	cfg.Tables = slices.Clone(cfg.Tables)
-	for i := range cfg.Tables {
-		if h := cfg.Tables[i].Headers; h != nil {
-			cp := make(map[string]string, len(h))
-			for k, v := range h {
-				cp[k] = v
-			}
-			cfg.Tables[i].Headers = cp
-		}
-	}
+	cfg = cfg.Clone()
 	rules, err := cfg.compile()
 	if err != nil {
 		return nil, err
@@ -203,7 +192,7 @@ func (p *plan) compile() {
 const maxKeptScratch = 64 << 10
 
 // fixedHeaders is the number of headers every event carries.
-const fixedHeaders = 10
+var fixedHeaders = eventHeaders.always
 
 // hdrOverhead is the encoded size of a header block without its lines
 // ("NATS/1.0\r\n" and the final "\r\n"); each line adds name, ": ", value,
@@ -212,15 +201,6 @@ const fixedHeaders = 10
 const hdrOverhead = len("NATS/1.0\r\n") + len("\r\n")
 
 func hdrLineLen(name string, valueLen int) int { return len(name) + 2 + valueLen + 2 }
-
-// The fixed part of the header block: names and separators of the headers
-// every event has, plus the constant Content-Type value.
-var fixedHdrLen = hdrOverhead +
-	hdrLineLen(contract.MsgID, 0) + hdrLineLen(contract.EventID, 0) +
-	hdrLineLen(contract.EventType, 0) + hdrLineLen(contract.AggregateType, 0) +
-	hdrLineLen(contract.AggregateID, 0) + hdrLineLen(contract.AggregateVersion, 0) +
-	hdrLineLen(contract.CommitLSN, 0) + hdrLineLen(contract.CommitTime, 0) +
-	hdrLineLen(contract.Table, 0) + hdrLineLen(contract.ContentType, len(contract.JSONContentType))
 
 // MaxHeaderBytes is the largest header block JetStream stores: a longer
 // one is refused for good (error 10097, "header size exceeds maximum
@@ -410,26 +390,25 @@ func (r *Router) checkLimits(rule *tableRule, ev *event, commit CommitInfo, l *l
 		}
 	}
 	l.verLen = len(strconv.AppendInt(l.verBuf[:0], ev.version, 10))
-	nHeaders, extraLen := fixedHeaders+len(ev.extras), 0
-	for _, x := range ev.extras {
-		extraLen += hdrLineLen(x.name, len(x.value))
-	}
 	if ev.hasOccurred {
 		l.tsLen = len(ev.occurredAt.AppendFormat(l.tsBuf[:0], time.RFC3339Nano))
-		extraLen += hdrLineLen(contract.OccurredAt, l.tsLen)
-		nHeaders++
-	}
-	if l.ce = rule.ceSource != ""; l.ce {
-		nHeaders += ceFixedHeaders
-		extraLen += ceFixedHdrLen + len(rule.ceSource) + len(ev.eventID) + len(ev.eventType) + len(ev.aggType) + len(ev.aggID) + l.verLen
-		if ev.hasOccurred {
-			extraLen += hdrLineLen(contract.CETime, l.tsLen)
-			nHeaders++
-		}
 	}
 	l.lsn, l.ts = r.commitStrings(commit)
-	hdrLen := fixedHdrLen + extraLen + 2*len(ev.eventID) + len(ev.eventType) + len(ev.aggType) + len(ev.aggID) +
-		l.verLen + len(l.lsn) + len(l.ts) + len(rule.qualified)
+	lens := [numVals]int{
+		vEventID: len(ev.eventID), vEventType: len(ev.eventType), vAggType: len(ev.aggType), vAggID: len(ev.aggID),
+		vVersion: l.verLen, vOccurredAt: l.tsLen, vCommitLSN: len(l.lsn), vCommitTime: len(l.ts), vTable: len(rule.qualified),
+		vCESource: len(rule.ceSource), vCESubject: len(ev.aggType) + 1 + len(ev.aggID),
+	}
+	hdrLen, nHeaders := eventHeaders.size(&lens, ev.hasOccurred)
+	hdrLen += hdrOverhead
+	if l.ce = rule.ceSource != ""; l.ce {
+		n, c := cloudEventsHeaders.size(&lens, ev.hasOccurred)
+		hdrLen, nHeaders = hdrLen+n, nHeaders+c
+	}
+	nHeaders += len(ev.extras)
+	for _, x := range ev.extras {
+		hdrLen += hdrLineLen(x.name, len(x.value))
+	}
 	if total := hdrLen + len(ev.payload); total > r.maxPayload {
 		return &RouteError{
 			Table: rule.qualified, Class: ClassTooLarge, EventID: string(ev.eventID),
@@ -512,38 +491,21 @@ func (r *Router) build(rule *tableRule, ev *event, l *layout, commit CommitInfo)
 // share one backing array: one allocation, not one per header.
 func header(rule *tableRule, ev *event, l *layout, parts *[numParts]string) nats.Header {
 	h := make(nats.Header, l.nHeaders)
-	vals := make([]string, 0, l.nHeaders)
+	backing := make([]string, 0, l.nHeaders)
 	set := func(k, v string) {
-		vals = append(vals, v)
-		h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
+		backing = append(backing, v)
+		h[k] = backing[len(backing)-1 : len(backing) : len(backing)]
 	}
-	eventID, eventType, version := parts[partEventID], parts[partEventType], parts[partVersion]
-	set(contract.MsgID, eventID)
-	set(contract.EventID, eventID)
-	set(contract.EventType, eventType)
-	set(contract.AggregateType, parts[partAggType])
-	set(contract.AggregateID, parts[partAggID])
-	set(contract.AggregateVersion, version)
-	if ev.hasOccurred {
-		set(contract.OccurredAt, parts[partOccurredAt])
+	vals := [numVals]string{
+		vEventID: parts[partEventID], vEventType: parts[partEventType], vAggType: parts[partAggType], vAggID: parts[partAggID],
+		vVersion: parts[partVersion], vOccurredAt: parts[partOccurredAt], vCommitLSN: l.lsn, vCommitTime: l.ts, vTable: rule.qualified,
+		vCESource: rule.ceSource, vCESubject: parts[partCESubject],
 	}
-	set(contract.CommitLSN, l.lsn)
-	set(contract.CommitTime, l.ts)
-	set(contract.Table, rule.qualified)
-	set(contract.ContentType, contract.JSONContentType)
+	eventHeaders.set(set, &vals, ev.hasOccurred)
 	if l.ce {
 		// Shared strings, no formatting: CloudEvents mode costs header
 		// slots, and the subject's bytes.
-		set(contract.CESpecVersion, contract.CESpecVersionValue)
-		set(contract.CEID, eventID)
-		set(contract.CESource, rule.ceSource)
-		set(contract.CEType, eventType)
-		set(contract.CESubject, parts[partCESubject])
-		set(contract.CEAggregateVersion, version)
-		set(contract.CEContentType, contract.JSONContentType)
-		if ev.hasOccurred {
-			set(contract.CETime, parts[partOccurredAt])
-		}
+		cloudEventsHeaders.set(set, &vals, ev.hasOccurred)
 	}
 	extras := parts[partExtras]
 	for _, x := range ev.extras {

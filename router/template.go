@@ -223,3 +223,31 @@ func (t *template) renderedLen(vals *[numPlaceholders][]byte) int {
 	}
 	return n
 }
+
+// EventPlaceholders returns the placeholders of the table's subject
+// template (DefaultSubject when empty) whose value can differ between the
+// events of one aggregate: {event_type}. A partitioned stream hashes the
+// subject's wildcard tokens, so such a token spreads one aggregate over
+// partitions and its order is lost for consumer groups. A template that
+// does not parse returns nil (Validate reports it).
+func (t TableConfig) EventPlaceholders() []string {
+	s := t.Subject
+	if s == "" {
+		s = DefaultSubject
+	}
+	tp, err := parseTemplate(s)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, seg := range tp.segs {
+		switch seg.ph {
+		case phNone, phAggregateType, phAggregateID, phTable, phSchema:
+			// Constant for one aggregate: its type and id, and the
+			// table it is written to.
+		default:
+			out = append(out, "{"+placeholderNames[seg.ph]+"}")
+		}
+	}
+	return out
+}

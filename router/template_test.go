@@ -3,6 +3,8 @@ package router
 import (
 	"strings"
 	"testing"
+
+	"github.com/outbox-relay/outbox-relay/contract"
 )
 
 func TestParseTemplate(t *testing.T) {
@@ -84,20 +86,6 @@ func checkSubject(s string) string {
 	return ""
 }
 
-// subjectMatches reports whether the literal subject matches filter.
-func subjectMatches(filter, subject string) bool {
-	ft, st := strings.Split(filter, "."), strings.Split(subject, ".")
-	for i, f := range ft {
-		if f == ">" {
-			return i < len(st)
-		}
-		if i >= len(st) || (f != "*" && f != st[i]) {
-			return false
-		}
-	}
-	return len(ft) == len(st)
-}
-
 func FuzzParseTemplate(f *testing.F) {
 	for _, s := range []string{DefaultSubject, "a.{table}:{schema}.b", "a.{table}-{schema}.b", "{event_type}", "x.{aggregate_id}.y.{aggregate_type}", "{", "}", "a..b", "$x"} {
 		f.Add(s, "Order", "id.1", "")
@@ -124,7 +112,7 @@ func FuzzParseTemplate(f *testing.F) {
 		if len(subject) != tp.renderedLen(&vals) {
 			t.Fatalf("renderedLen = %d, rendered %d bytes", tp.renderedLen(&vals), len(subject))
 		}
-		if !subjectMatches(tp.filter, subject) {
+		if !contract.SubjectMatches(subject, tp.filter) {
 			t.Fatalf("filter %q does not match subject %q of template %q", tp.filter, subject, tmpl)
 		}
 	})

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -249,6 +250,14 @@ func (c *cleaner) checkDurable(ctx context.Context, js jetstream.JetStream) erro
 	if err != nil {
 		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
 	}
+	// A stream that deletes events by itself (work-queue retention, a
+	// per-subject limit) cannot prove a row relayed by their absence or
+	// presence now, and its rows may be the last copy.
+	warnings, err := publisher.CheckShape(info.Config)
+	if err != nil {
+		return err
+	}
+	c.rep.Warnings = append(c.rep.Warnings, warnings...)
 	if info.Config.Storage != jetstream.FileStorage {
 		return fmt.Errorf("%w: stream %s keeps its events in memory, so its rows are the only copy that survives a restart (use --mode published, or move the stream to file storage)", ErrNotDurable, c.cfg.Stream)
 	}
@@ -276,16 +285,12 @@ func (c *cleaner) byStream(ctx context.Context, js jetstream.JetStream, tables [
 	}
 	batches := make([][]string, len(tables))
 	// The whole stream, not today's subject templates: an event stored
-	// under an earlier template proves its row relayed too. An event
-	// without Outbox-Table (a polling relay's, before a cut-over) proves
-	// the row of any table with its id.
+	// under an earlier template proves its row relayed too. Only an event
+	// naming its table does (contract.EventKey): one without Outbox-Table
+	// (another producer's, a polling relay's) proves no row relayed, so
+	// its id deletes nothing.
 	res, err := reconcile.ScanStream(ctx, js, c.cfg.Stream, nil, reconcile.ScanFrom{Time: oldest.Add(-c.cfg.ClockSkew)}, func(ev *reconcile.StreamEvent) error {
-		if ev.Table == "" {
-			for i := range tables {
-				if err := c.add(ctx, tables, batches, i, ev); err != nil {
-					return err
-				}
-			}
+		if _, ok := contract.EventKey(ev.Table, ev.EventID); !ok {
 			return nil
 		}
 		i, ok := idx[ev.Table]
@@ -322,9 +327,7 @@ func (c *cleaner) add(ctx context.Context, tables []*reconcile.Table, batches []
 	// that was down for hours stores old rows now): the event must have
 	// had time to reach the server's disk.
 	if !ev.Stored.Before(*c.rep.StoredBefore) {
-		if ev.Table != "" { // a header-less event is tried on every table
-			c.rep.Tables[i].StoredRecently++
-		}
+		c.rep.Tables[i].StoredRecently++
 		return nil
 	}
 	batches[i] = append(batches[i], ev.EventID)

@@ -419,7 +419,7 @@ func (c *Config) Validate() error {
 			}
 			dlq := c.Router.DeadLetterFilter()
 			for _, s := range c.NATS.StreamSubjects {
-				if router.FiltersOverlap(s, dlq) {
+				if contract.FiltersOverlap(s, dlq) {
 					bad("nats.stream_subjects", "%q overlaps the dead-letter subjects %q: dead letters would land in the event stream", s, dlq)
 				}
 			}
@@ -427,6 +427,14 @@ func (c *Config) Validate() error {
 	}
 	if c.NATS.Partitions > 0 && len(c.NATS.StreamSubjects) > 1 {
 		bad("nats.partitions", "needs one stream subject to partition, have %v: use one subject template (such as the default outbox.{aggregate_type}.{aggregate_id}) for all tables", c.NATS.StreamSubjects)
+	}
+	if c.NATS.Partitions > 0 {
+		for i, t := range c.Router.Tables {
+			if ph := t.EventPlaceholders(); len(ph) > 0 {
+				bad(messagePath(fmt.Sprintf("tables[%d].subject", i), realTables), "%q holds %s, which differs between one aggregate's events: with nats.partitions the stream hashes every subject token, so the aggregate's events would land in several partitions and lose their order for consumer groups; use only {aggregate_type}, {aggregate_id}, {table}, {schema} and literal text (e.g. the default %s), or unset nats.partitions",
+					t.Subject, strings.Join(ph, ", "), router.DefaultSubject)
+			}
+		}
 	}
 	return errors.Join(errs...)
 }
@@ -501,7 +509,7 @@ func unjoin(err error) []error {
 
 func coveredBy(subjects []string, filter string) bool {
 	for _, s := range subjects {
-		if publisher.SubjectCovers(s, filter) {
+		if contract.FilterCovers(s, filter) {
 			return true
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/router"
 )
 
 // Tables returns the schema-qualified outbox tables (the publication's),
@@ -13,10 +14,7 @@ import (
 func (c *Config) Tables() []string {
 	var out []string
 	for _, t := range c.Router.Tables {
-		name := t.Table
-		if !strings.Contains(name, ".") {
-			name = "public." + name
-		}
+		name := router.QualifiedTable(t.Table)
 		if strings.HasPrefix(name, relay.MessageSchema+".") {
 			continue
 		}

@@ -271,3 +271,11 @@ func (w *Writer) Write(ctx context.Context, n, batch int) []relaytest.Event {
 	}
 	return out
 }
+
+// Partition makes the fixture's event stream partitioned for consumer
+// groups (n partitions, one stream subject without '>'), as nats.partitions
+// does. Call it before the streams are created.
+func (f *Fixture) Partition(n int) {
+	f.Cfg.Stream.Subjects = []string{f.Prefix + ".*.*"}
+	f.Cfg.Stream.Partitions = n
+}

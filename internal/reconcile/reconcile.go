@@ -12,6 +12,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
+	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -134,7 +136,8 @@ type Group struct {
 type Report struct {
 	Since time.Time `json:"since"`
 	Until time.Time `json:"until"`
-	// SnapshotLSN is pg_current_wal_insert_lsn() in the rows' snapshot.
+	// SnapshotLSN is pg_current_wal_insert_lsn() in the rows' snapshot
+	// (pg_last_wal_replay_lsn() on a standby).
 	SnapshotLSN string `json:"snapshot_lsn"`
 	// ConfirmedLSN is the slot's confirmed_flush_lsn, read when some rows
 	// were not found in the streams; empty when it was not needed or the
@@ -279,6 +282,11 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 		return nil, err
 	}
 	rep.SnapshotLSN = snapshot.String()
+	// A stream that deletes events by itself would make every consumed
+	// event look missing, and a repair would store it again.
+	if _, err := publisher.CheckStream(ctx, js, cfg.Stream); err != nil {
+		return nil, err
+	}
 
 	known := make(map[string]bool, len(tables))
 	for _, t := range tables {
@@ -286,22 +294,17 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	}
 	// The streams are read whole, not through today's subject templates:
 	// an event stored under an earlier template is still its row's event.
-	// Events are keyed on Outbox-Table; one without the header (stored by a
-	// polling relay before a cut-over, or by another tool) matches a row
-	// of any table with its id.
+	// An event is its row's only when it names the row's table
+	// (contract.EventKey): one without Outbox-Table (another producer's, a
+	// polling relay's) proves nothing of any row, or a foreign message
+	// with a colliding id would vouch for a row never relayed.
 	rowOf := func(ev *StreamEvent) *row {
-		if ev.Table != "" {
-			return rows[key(ev.Table, ev.EventID)]
+		k, ok := contract.EventKey(ev.Table, ev.EventID)
+		if !ok {
+			return nil
 		}
-		for _, t := range tables {
-			if r := rows[key(t.Qualified, ev.EventID)]; r != nil {
-				return r
-			}
-		}
-		return nil
+		return rows[k]
 	}
-	subjects := cfg.Router.SubjectFilters()
-
 	// 2. Dead letters: rows the relay could not publish are accounted for.
 	markDLQ := func(ev *StreamEvent) error {
 		if r := rowOf(ev); r != nil {
@@ -333,9 +336,10 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 			r.found++
 			return nil
 		}
-		// Unexpected only on today's subjects: a stream may hold other
-		// producers' events too.
-		if !known[ev.Table] || !SubjectMatches(ev.Subject, subjects) {
+		// Unexpected only on today's subjects (checked below, in their
+		// published form, once the scan has read the stream's layout): a
+		// stream may hold other producers' events too.
+		if !known[ev.Table] {
 			return nil
 		}
 		if ev.OccurredAt.IsZero() || ev.OccurredAt.Before(cfg.Since) || !ev.OccurredAt.Before(cfg.Until) {
@@ -352,6 +356,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	if err != nil {
 		return nil, err
 	}
+	unexpected = onSubjects(unexpected, evScan.Layout, cfg.Router.SubjectFilters())
 	rep.StreamMessages, rep.DeadLetterMessages = evScan.Messages, dlqScan.Messages
 	if t := evScan.ExpiredBefore(cfg.ClockSkew); !t.IsZero() {
 		t = t.UTC()
@@ -394,7 +399,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	// 4b. The scan started at since minus the clock skew by storage time:
 	// an event stored earlier, its row dated ahead of its commit, is not
 	// missing. Look the rows still not found up by their subjects.
-	if err := lookUpBySubject(ctx, db, js, cfg, tables, rows, rep); err != nil {
+	if err := lookUpBySubject(ctx, db, js, cfg, evScan.Layout, tables, rows, rep); err != nil {
 		return nil, err
 	}
 
@@ -421,11 +426,23 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	return rep, nil
 }
 
-func key(table, id string) string { return table + "\x00" + id }
+func key(table, id string) string { k, _ := contract.EventKey(table, id); return k }
+
+// onSubjects keeps the events published on one of the filters: a
+// partitioned stream stores them under another subject (layout).
+func onSubjects(evs []*StreamEvent, layout contract.Layout, filters []string) []*StreamEvent {
+	out := evs[:0]
+	for _, ev := range evs {
+		if contract.SubjectMatches(layout.Published(ev.Subject), filters...) {
+			out = append(out, ev)
+		}
+	}
+	return out
+}
 
 // lookUpBySubject marks found the rows in neither stream (and not expired)
 // whose event is on its subject in the event stream, up to MaxLookedUp rows.
-func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, tables []*Table, rows map[string]*row, rep *Report) error {
+func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, layout contract.Layout, tables []*Table, rows map[string]*row, rep *Report) error {
 	byTable := map[string][]Event{}
 	n := 0
 	for _, r := range rows {
@@ -450,7 +467,7 @@ func lookUpBySubject(ctx context.Context, db DB, js jetstream.JetStream, cfg Con
 			if err != nil {
 				return err
 			}
-			found, err := inStream(ctx, js, cfg.Stream, rs)
+			found, err := inStream(ctx, js, cfg.Stream, layout, t.Qualified, rs)
 			if err != nil {
 				return err
 			}
@@ -553,6 +570,11 @@ func SortEvents(evs []Event) {
 	})
 }
 
+// snapshotLSN reads a WAL position past every commit the snapshot sees,
+// on a primary and during recovery alike.
+const snapshotLSN = `SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_insert_lsn() END)::text,
+	set_config('TimeZone', 'UTC', true)`
+
 // readRows reads the window's rows of every table in one REPEATABLE READ
 // snapshot and returns an LSN after the commit of every row it saw.
 func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, rep *Report, fn func(*row) error) (replication.LSN, error) {
@@ -564,9 +586,11 @@ func readRows(ctx context.Context, db DB, tables []*Table, cfg Config, rep *Repo
 	// The first statement takes the snapshot; the insert position read
 	// while it runs is past the commit record of every transaction the
 	// snapshot sees (a commit record is written before the transaction
-	// becomes visible).
+	// becomes visible). On a standby (decoding from PostgreSQL 16 on) no
+	// WAL is inserted: the replay position is past every commit record
+	// the snapshot sees (replayed before it becomes visible there).
 	var lsnText string
-	if err := tx.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text, set_config('TimeZone', 'UTC', true)").Scan(&lsnText, new(string)); err != nil {
+	if err := tx.QueryRow(ctx, snapshotLSN).Scan(&lsnText, new(string)); err != nil {
 		return 0, fmt.Errorf("read WAL position: %w", err)
 	}
 	lsn, err := replication.ParseLSN(lsnText)

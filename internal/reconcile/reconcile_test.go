@@ -4,13 +4,16 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap/zaptest"
 
@@ -21,6 +24,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -229,10 +233,24 @@ func TestReconcileAfterSlotRecreated(t *testing.T) {
 // Dead-lettered rows are accounted for, not missing; an event without a
 // row is unexpected; a row that cannot be routed is not republished, and
 // the later events of its aggregate wait behind it.
+//
+// Issue 26: on a partitioned stream the stored subject was matched against
+// the router's filters, so "unexpected" was never reported there. Both
+// layouts now.
 func TestReconcileDeadLettersUnexpectedAndUnroutable(t *testing.T) {
 	t.Parallel()
+	for _, l := range layouts {
+		t.Run(l.name, func(t *testing.T) {
+			t.Parallel()
+			f := opstest.New(t, "", time.Second)
+			l.apply(f)
+			testDeadLettersUnexpectedAndUnroutable(t, f)
+		})
+	}
+}
+
+func testDeadLettersUnexpectedAndUnroutable(t *testing.T, f *opstest.Fixture) {
 	ctx := context.Background()
-	f := opstest.New(t, "", time.Second)
 	if _, err := f.DB.Pool.Exec(ctx, "ALTER TABLE outbox ALTER COLUMN event_type DROP NOT NULL"); err != nil {
 		t.Fatal(err)
 	}
@@ -491,7 +509,9 @@ func TestReconcileReportsEventsExpiredByStreamLimits(t *testing.T) {
 	if !testenv.WaitFor(10*time.Second, func() bool { return time.Now().After(info.State.FirstTime.Add(skew + 100*time.Millisecond)) }) {
 		t.Fatal("clock does not move")
 	}
-	setMaxMsgs(t, f, -1)
+	// A limit stays (issue 26: only the stream's limits explain a removal
+	// from its head), high enough to remove nothing more.
+	setMaxMsgs(t, f, 1000)
 	young := w.Write(ctx, 5, 5)
 	f.WaitCount(ctx, f.Stream, 15, 30*time.Second)
 	lost := map[string]bool{young[2].ID: true}
@@ -529,42 +549,109 @@ func TestReconcileReportsEventsExpiredByStreamLimits(t *testing.T) {
 	}
 }
 
+// Issue 26: deleting the stream's first message by hand (the runbook
+// "Events deleted from the stream", seq 1 and 5) turned missing rows into
+// "expired": any first sequence above 1 was blamed on the limits, so
+// reconcile exited 0 and repair published nothing. A stream without limits
+// removes nothing by itself: both rows are missing and repaired, in both
+// layouts.
+func TestReconcileHandDeletedHeadIsMissingNotExpired(t *testing.T) {
+	t.Parallel()
+	for _, l := range layouts {
+		t.Run(l.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			f := opstest.New(t, "", time.Second)
+			l.apply(f)
+			f.Setup(ctx)
+			f.Start(ctx)
+			since := time.Now().Add(-time.Minute)
+			f.NewWriter(5).Write(ctx, 10, 5)
+			f.WaitCount(ctx, f.Stream, 10, 30*time.Second)
+			s, err := f.JS.Stream(ctx, f.Stream)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, seq := range []uint64{1, 5} {
+				if err := s.DeleteMsg(ctx, seq); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rep := run(t, f, config(f, since))
+			if tot := rep.Total; tot.Missing != 2 || tot.Expired != 0 || tot.InStream != 8 || rep.ExpiredBefore != nil {
+				t.Fatalf("after deleting seq 1 and 5: %+v, expired before %v; want 2 missing, none expired", tot, rep.ExpiredBefore)
+			}
+			time.Sleep(1100 * time.Millisecond) // past the 1s duplicate window
+			if rr := repair(t, f, rep.Missing); rr.Published != 2 {
+				t.Fatalf("repair: %+v", rr)
+			}
+			if rep = run(t, f, config(f, since)); rep.Differences() != 0 || rep.Total.InStream != 10 {
+				t.Fatalf("after repair: %+v", rep.Total)
+			}
+		})
+	}
+}
+
 // Issue 17, case 6: a row dated ahead of its commit (a writer's clock, a
 // business time) has its event stored before the window's scan starts:
 // reconcile reported it missing and --repair stored a second copy. Run now
 // looks rows not found up by subject, and Repair does so before it
 // publishes.
+//
+// Issue 26: on a partitioned stream the look-up filtered on the published
+// subject while the stream stores the partitioned one, so it never
+// matched: every repair stored another copy. Both layouts now: found by
+// subject, and a repair run twice stores nothing either time.
 func TestReconcileFutureDatedRowIsNotMissing(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	f := opstest.New(t, "", time.Second) // a short duplicate window
-	f.Setup(ctx)
-	f.Start(ctx)
-	w := f.NewWriter(3)
-	w.Age = -3 * time.Minute // dated now+3m
-	evs := w.Write(ctx, 3, 3)
-	f.WaitCount(ctx, f.Stream, 3, 30*time.Second)
-	time.Sleep(1100 * time.Millisecond) // past the duplicate window
+	for _, l := range layouts {
+		t.Run(l.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			f := opstest.New(t, "", time.Second) // a short duplicate window
+			l.apply(f)
+			f.Setup(ctx)
+			f.Start(ctx)
+			w := f.NewWriter(3)
+			w.Age = -3 * time.Minute // dated now+3m
+			evs := w.Write(ctx, 3, 3)
+			f.WaitCount(ctx, f.Stream, 3, 30*time.Second)
+			time.Sleep(1100 * time.Millisecond) // past the duplicate window
 
-	now := time.Now()
-	cfg := config(f, now.Add(150*time.Second))
-	cfg.Until = now.Add(4 * time.Minute)
-	rep := run(t, f, cfg)
-	if rep.Total.Rows != 3 || rep.Total.InStream != 3 || rep.Total.Missing != 0 || rep.FoundBySubject != 3 {
-		t.Fatalf("future-dated rows: %+v (found by subject %d), want 3 in stream", rep.Total, rep.FoundBySubject)
+			now := time.Now()
+			cfg := config(f, now.Add(150*time.Second))
+			cfg.Until = now.Add(4 * time.Minute)
+			rep := run(t, f, cfg)
+			if rep.Total.Rows != 3 || rep.Total.InStream != 3 || rep.Total.Missing != 0 || rep.FoundBySubject != 3 {
+				t.Fatalf("future-dated rows: %+v (found by subject %d), want 3 in stream", rep.Total, rep.FoundBySubject)
+			}
+			// Repair, handed the rows anyway (e.g. from an older report),
+			// stores no second copy, however often it runs.
+			var todo []reconcile.Event
+			for _, e := range evs {
+				todo = append(todo, reconcile.Event{Table: "public.outbox", AggregateType: "registration", AggregateID: e.Aggregate, AggregateVersion: "1", EventID: e.ID})
+			}
+			for i := 1; i <= 2; i++ {
+				if rr := repair(t, f, todo); rr.Published != 0 || rr.AlreadyInStream != 3 {
+					t.Fatalf("repair #%d of events in the stream: %+v", i, rr)
+				}
+			}
+			if n := relaytest.StreamCount(ctx, f.JS, f.Stream); n != 3 {
+				t.Fatalf("stream holds %d messages, want 3", n)
+			}
+		})
 	}
-	// Repair, handed the rows anyway (e.g. from an older report), stores no
-	// second copy.
-	var todo []reconcile.Event
-	for _, e := range evs {
-		todo = append(todo, reconcile.Event{Table: "public.outbox", AggregateType: "registration", AggregateID: e.Aggregate, AggregateVersion: "1", EventID: e.ID})
-	}
-	if rr := repair(t, f, todo); rr.Published != 0 || rr.AlreadyInStream != 3 {
-		t.Fatalf("repair of events in the stream: %+v", rr)
-	}
-	if n := relaytest.StreamCount(ctx, f.JS, f.Stream); n != 3 {
-		t.Fatalf("stream holds %d messages, want 3", n)
-	}
+}
+
+// layouts are the event stream's subject layouts every stream-reading
+// test runs in: events stored as published, and partitioned for consumer
+// groups (nats.partitions).
+var layouts = []struct {
+	name  string
+	apply func(*opstest.Fixture)
+}{
+	{"plain", func(*opstest.Fixture) {}},
+	{"partitioned", func(f *opstest.Fixture) { f.Partition(8) }},
 }
 
 // Issue 17, case 7: with messages: configured, the router has a synthetic
@@ -638,10 +725,13 @@ func TestReconcileReportsRowsWithoutEventID(t *testing.T) {
 
 // Issue 17, likely cases: the scans filtered by today's subject templates
 // and skipped events without Outbox-Table. After a template change the
-// older events looked missing (and repair duplicated them); events of a
-// polling relay before a cut-over (no Outbox-Table) were never matched.
-// The streams are now read whole and keyed on Outbox-Table, an event
-// without it matching any table's row with its id; cleanup does the same.
+// older events looked missing (and repair duplicated them). The streams
+// are now read whole and keyed on Outbox-Table.
+//
+// Issue 26: an event without Outbox-Table matched a row of any table with
+// its id, so another producer's message with a colliding Nats-Msg-Id let
+// cleanup delete a row never relayed. Such a message now proves nothing:
+// its rows stay pending (no slot here) and cleanup keeps them.
 func TestReconcileAndCleanupAfterTemplateChangeAndWithoutTableHeader(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -679,34 +769,12 @@ func TestReconcileAndCleanupAfterTemplateChangeAndWithoutTableHeader(t *testing.
 	cfg := config(f, since)
 	cfg.Slot = "" // no relay: what is not found is pending
 	rep := run(t, f, cfg)
-	if rep.Total.Rows != 9 || rep.Total.InStream != 9 || rep.Total.Pending != 0 || rep.Total.Unexpected != 0 {
-		t.Fatalf("report %+v, want all 9 rows in the stream", rep.Total)
+	if rep.Total.Rows != 9 || rep.Total.InStream != 5 || rep.Total.Pending != 4 || rep.Total.Unexpected != 0 {
+		t.Fatalf("report %+v, want the 5 templated rows in the stream, the 4 polled ones pending", rep.Total)
 	}
 	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0))
-	if err != nil || crep.Tables[0].Deleted != 9 {
-		t.Fatalf("cleanup: %+v, %v", crep, err)
-	}
-}
-
-func TestSubjectMatches(t *testing.T) {
-	for _, c := range []struct {
-		subject string
-		filters []string
-		want    bool
-	}{
-		{"a.b.c", []string{"a.*.c"}, true},
-		{"a.b.c", []string{"a.>"}, true},
-		{"a.b.c", []string{"a.*"}, false},
-		{"a.b", []string{"a.*.c"}, false},
-		{"a.b.c", []string{"x.>", "a.b.c"}, true},
-		{"a", []string{">"}, true},
-		{"a", []string{"*"}, true},
-		{"a.b", nil, false},
-		{"ab.c", []string{"a.*"}, false},
-	} {
-		if got := reconcile.SubjectMatches(c.subject, c.filters); got != c.want {
-			t.Errorf("SubjectMatches(%q, %q) = %v, want %v", c.subject, c.filters, got, c.want)
-		}
+	if err != nil || crep.Tables[0].Deleted != 5 || crep.Tables[0].Remaining != 4 {
+		t.Fatalf("cleanup: %+v, %v; want the 5 templated rows deleted, the 4 polled ones kept", crep, err)
 	}
 }
 
@@ -745,5 +813,82 @@ func TestReconcileReportsSharedIDsAndRowsWithoutTime(t *testing.T) {
 	crep, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour})
 	if err != nil || crep.Tables[0].NoOccurredAt != 1 {
 		t.Fatalf("cleanup: %+v, %v", crep, err)
+	}
+}
+
+// Issue 26: a stream edited to keep one message per subject (discard old)
+// deletes an aggregate's earlier events, which reconcile then reported
+// missing (and repair stored again) and cleanup could not prove. Both
+// tools now refuse such a stream, naming the fix.
+func TestToolsRefuseStreamsThatDeleteEvents(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := opstest.New(t, "", 0)
+	f.CreateStreams(ctx)
+	s, err := f.JS.Stream(ctx, f.Stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := s.CachedInfo().Config
+	cfg.MaxMsgsPerSubject = 1
+	if _, err := f.JS.UpdateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	rcfg := config(f, time.Now().Add(-time.Hour))
+	rcfg.Slot = ""
+	if _, err := reconcile.Run(ctx, f.DB.Pool, f.JS, rcfg); !errors.Is(err, publisher.ErrDeletesEvents) {
+		t.Errorf("reconcile: %v, want ErrDeletesEvents", err)
+	}
+	if _, err := reconcile.Repair(ctx, f.DB.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, nil); !errors.Is(err, publisher.ErrDeletesEvents) {
+		t.Errorf("repair: %v, want ErrDeletesEvents", err)
+	}
+	if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0)); !errors.Is(err, publisher.ErrDeletesEvents) {
+		t.Errorf("cleanup: %v, want ErrDeletesEvents", err)
+	}
+}
+
+// Issue 26: reconcile read its snapshot's WAL position with
+// pg_current_wal_insert_lsn(), which fails during recovery, so it could
+// not run against a standby that decodes (PostgreSQL 16+, docs/
+// operations.md). It reads pg_last_wal_replay_lsn() there. Runs in the 15
+// and 17 lanes (make test-pg17).
+func TestReconcileOnStandby(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	primary, err := testenv.StartPostgres()
+	testenv.Must(t, err, "start the primary")
+	t.Cleanup(primary.Close)
+	db := testenv.NewDatabaseOn(t, primary)
+	db.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "outbox.sql"))
+	standby, err := primary.StartStandby(testenv.StandbyOptions{})
+	testenv.Must(t, err, "start the standby")
+	t.Cleanup(standby.Close)
+	f := opstest.New(t, "", 0) // the streams and the router's mapping
+	f.CreateStreams(ctx)
+	since := time.Now().Add(-time.Minute)
+	var evs []reconcile.Event
+	for i := range 5 {
+		e := reconcile.Event{Table: "public.outbox", AggregateType: "registration", AggregateID: fmt.Sprintf("a%d", i), AggregateVersion: "1", EventID: uuid.NewString()}
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ($1, $2, $3, 1, 'E', '{}')`, e.EventID, e.AggregateType, e.AggregateID); err != nil {
+			t.Fatal(err)
+		}
+		evs = append(evs, e)
+	}
+	// The events, stored as the relay would.
+	if rr, err := reconcile.Repair(ctx, db.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, evs); err != nil || rr.Published != 5 {
+		t.Fatalf("publish: %+v, %v", rr, err)
+	}
+	var lsn string
+	testenv.Must(t, db.Pool.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn), "primary LSN") // past the commits, flushed soon (asynchronous commit)
+	testenv.Must(t, standby.WaitReplayed(ctx, lsn), "replay")
+	sp, err := pgxpool.New(ctx, standby.URL(db.Name))
+	testenv.Must(t, err, "connect to the standby")
+	t.Cleanup(sp.Close)
+	rep, err := reconcile.Run(ctx, sp, f.JS, reconcile.Config{Router: f.Cfg.Router, Stream: f.Stream, DeadLetterStream: f.DLQ, Since: since}, reconcile.WithLogger(zaptest.NewLogger(t)))
+	if err != nil {
+		t.Fatalf("reconcile on the standby: %v", err)
+	}
+	if rep.Total.Rows != 5 || rep.Total.InStream != 5 || !rep.Confirmed || rep.Differences() != 0 || rep.SnapshotLSN == "" {
+		t.Fatalf("report on the standby: %+v (snapshot %s)", rep.Total, rep.SnapshotLSN)
 	}
 }

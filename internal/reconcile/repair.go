@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -102,9 +103,16 @@ func Repair(ctx context.Context, db DB, js jetstream.JetStream, cfg RepairConfig
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
+	if _, err := publisher.CheckStream(ctx, js, cfg.Stream); err != nil {
+		return nil, err
+	}
+	layout, err := streamLayout(ctx, js, cfg.Stream)
+	if err != nil {
+		return nil, err
+	}
 	evs := append([]Event(nil), events...)
 	SortEvents(evs)
-	rp := &repairer{db: db, js: js, cfg: cfg, rt: rt, log: o.log, rep: &RepairReport{}, failedKeys: map[string]string{},
+	rp := &repairer{db: db, js: js, cfg: cfg, rt: rt, layout: layout, log: o.log, rep: &RepairReport{}, failedKeys: map[string]string{},
 		repairedAt: o.now().UTC().Format(time.RFC3339Nano)}
 	for start := 0; start < len(evs); {
 		// A chunk holds one table's events.
@@ -130,6 +138,7 @@ type repairer struct {
 	js         jetstream.JetStream
 	cfg        RepairConfig
 	rt         *router.Router
+	layout     contract.Layout
 	log        *zap.Logger
 	repairedAt string
 
@@ -174,7 +183,7 @@ func (rp *repairer) chunk(ctx context.Context, t *Table, evs []Event) error {
 	// storage time from the window's start; an event stored earlier (its
 	// row dated ahead of its commit) is not missing. Look each subject up
 	// once more before storing a second copy.
-	stored, err := inStream(ctx, rp.js, rp.cfg.Stream, rs)
+	stored, err := inStream(ctx, rp.js, rp.cfg.Stream, rp.layout, t.Qualified, rs)
 	if err != nil {
 		return err
 	}
@@ -278,11 +287,12 @@ func routeRows(ctx context.Context, db DB, t *Table, rt *router.Router, evs []Ev
 // subjectLookup is how many subjects one lookup consumer filters on.
 const subjectLookup = 256
 
-// inStream returns the event ids of rs that the stream holds, by reading
-// the headers of every message on their subjects (the stream's subject
-// index makes this cheap for per-aggregate subjects, whatever the age of
-// the messages).
-func inStream(ctx context.Context, js jetstream.JetStream, stream string, rs []routed) (map[string]bool, error) {
+// inStream returns the event ids of rs (rows of table) that the stream
+// holds, by reading the headers of every message on their subjects as the
+// stream's layout stores them (the stream's subject index makes this
+// cheap for per-aggregate subjects, whatever the age of the messages). An
+// event is its row's only when it names the row's table (Outbox-Table).
+func inStream(ctx context.Context, js jetstream.JetStream, stream string, layout contract.Layout, table string, rs []routed) (map[string]bool, error) {
 	want := make(map[string]bool, len(rs))
 	var subjects []string
 	seen := map[string]bool{}
@@ -296,8 +306,12 @@ func inStream(ctx context.Context, js jetstream.JetStream, stream string, rs []r
 	found := map[string]bool{}
 	for len(subjects) > 0 {
 		n := min(len(subjects), subjectLookup)
-		_, err := ScanStream(ctx, js, stream, subjects[:n], ScanFrom{}, func(ev *StreamEvent) error {
-			if want[ev.EventID] {
+		var filters []string
+		for _, s := range subjects[:n] {
+			filters = append(filters, layout.StoredFilters(s)...)
+		}
+		_, err := ScanStream(ctx, js, stream, filters, ScanFrom{}, func(ev *StreamEvent) error {
+			if ev.Table == table && want[ev.EventID] {
 				found[ev.EventID] = true
 			}
 			return nil
@@ -308,6 +322,15 @@ func inStream(ctx context.Context, js jetstream.JetStream, stream string, rs []r
 		subjects = subjects[n:]
 	}
 	return found, nil
+}
+
+// streamLayout reads how stream stores events.
+func streamLayout(ctx context.Context, js jetstream.JetStream, stream string) (contract.Layout, error) {
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		return contract.Layout{}, fmt.Errorf("stream %s: %w", stream, err)
+	}
+	return publisher.StreamLayout(s.CachedInfo().Config), nil
 }
 
 // publish sends one event unless an earlier event of its aggregate failed.

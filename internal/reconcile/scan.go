@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
 // StreamEvent is what a scan reports of one stored message: its headers'
@@ -53,21 +53,50 @@ type ScanResult struct {
 	// max_msgs, max_bytes, a purge).
 	FirstSeq            uint64
 	FirstTime, LastTime time.Time
+	// Limits are the stream's limits that remove stored events, and At
+	// when the scan began: what ExpiredBefore may blame a removal on.
+	Limits Limits
+	At     time.Time
+	// Layout is how the stream stores events (its subject transform).
+	Layout contract.Layout
+}
+
+// Limits are the limits of a stream that remove stored events from its
+// head: max_age, max_msgs, max_bytes (limits retention).
+type Limits struct {
+	MaxAge            time.Duration
+	MaxMsgs, MaxBytes int64
+}
+
+func limitsOf(cfg jetstream.StreamConfig) Limits {
+	return Limits{MaxAge: cfg.MaxAge, MaxMsgs: cfg.MaxMsgs, MaxBytes: cfg.MaxBytes}
 }
 
 // ExpiredBefore returns the occurred-at time before which an event may
-// have been removed from the stream's head by its limits (zero when
-// nothing was removed): events are stored after their row committed, so
-// an event of a row dated skew or more after the first stored message
-// cannot have been stored before it.
+// have been removed from the stream's head by its limits; zero when the
+// limits explain no removal. Only the limits can: a stream without any
+// that lost its first messages lost them by hand (a delete, a purge), and
+// their rows are missing, to be repaired. With max_age alone, only events
+// older than it can have expired. Events are stored after their row
+// committed, so a row dated skew or more after the newest event the limits
+// may have removed cannot have been stored before it. A stream emptied by
+// its limits removed nothing stored after its last message.
 func (r ScanResult) ExpiredBefore(skew time.Duration) time.Time {
-	switch {
-	case r.FirstSeq <= 1:
+	l := r.Limits
+	if r.FirstSeq <= 1 || (l.MaxAge <= 0 && l.MaxMsgs <= 0 && l.MaxBytes <= 0) {
 		return time.Time{}
-	case r.FirstSeq > r.LastSeq: // everything stored was removed
-		return r.LastTime.Add(skew)
 	}
-	return r.FirstTime.Add(skew)
+	head := r.FirstTime
+	if r.FirstSeq > r.LastSeq { // everything stored was removed
+		head = r.LastTime
+	}
+	if l.MaxMsgs <= 0 && l.MaxBytes <= 0 {
+		// Age alone: a message younger than max_age was removed by hand.
+		if aged := r.At.Add(-l.MaxAge); aged.Before(head) {
+			head = aged
+		}
+	}
+	return head.Add(skew)
 }
 
 // ScanStream calls fn for every message of stream matching filters (all when
@@ -87,6 +116,10 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 	last := info.State.LastSeq
 	res.LastSeq = last
 	res.FirstSeq, res.FirstTime, res.LastTime = info.State.FirstSeq, info.State.FirstTime, info.State.LastTime
+	res.Limits, res.At, res.Layout = limitsOf(info.Config), info.TimeStamp, publisher.StreamLayout(info.Config)
+	if res.At.IsZero() { // a server that does not say
+		res.At = time.Now()
+	}
 	if info.State.Msgs == 0 || last == 0 || (from.Seq > 0 && from.Seq > last) {
 		return res, nil
 	}
@@ -194,32 +227,5 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 				return res, nil
 			}
 		}
-	}
-}
-
-// SubjectMatches reports whether subject matches one of the filters (NATS
-// wildcards: '*' one token, '>' the rest).
-func SubjectMatches(subject string, filters []string) bool {
-	for _, f := range filters {
-		if subjectMatch(subject, f) {
-			return true
-		}
-	}
-	return false
-}
-
-func subjectMatch(subject, filter string) bool {
-	for {
-		ft, frest, fmore := strings.Cut(filter, ".")
-		st, srest, smore := strings.Cut(subject, ".")
-		switch {
-		case ft == ">":
-			return true
-		case ft != "*" && ft != st:
-			return false
-		case !fmore || !smore:
-			return fmore == smore
-		}
-		filter, subject = frest, srest
 	}
 }

@@ -72,16 +72,7 @@ func Tableless(cfg router.Config) []string {
 // (Tableless). A table without an occurred-at column fails with
 // ErrNoTimeColumn, a missing table with ErrTableMissing.
 func LoadTables(ctx context.Context, db DB, cfg router.Config) ([]*Table, error) {
-	cfg.Tables = append([]router.TableConfig(nil), cfg.Tables...)
-	for i := range cfg.Tables {
-		if h := cfg.Tables[i].Headers; h != nil {
-			cp := make(map[string]string, len(h))
-			for k, v := range h {
-				cp[k] = v
-			}
-			cfg.Tables[i].Headers = cp
-		}
-	}
+	cfg = cfg.Clone()
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
