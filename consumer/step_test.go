@@ -17,8 +17,8 @@ import (
 // fuse installs a deferred trigger that fires at the commit of a
 // transaction that inserted into commit_fuse: mode 'kill' terminates the
 // committing backend before its commit record (the transaction rolls back,
-// the client sees the connection end), mode 'sleep' holds the commit for a
-// second and then lets it commit.
+// the client sees the connection end), mode 'sleep' holds the commit for
+// two seconds and then lets it commit.
 func (f *fixture) fuse() {
 	f.t.Helper()
 	mustExec(f.t, f.pool, `CREATE TABLE commit_fuse (mode text NOT NULL)`)
@@ -28,7 +28,7 @@ func (f *fixture) fuse() {
 				PERFORM pg_terminate_backend(pg_backend_pid());
 				PERFORM pg_sleep(10); -- the termination lands here
 			ELSE
-				PERFORM pg_sleep(1);
+				PERFORM pg_sleep(2);
 			END IF;
 			RETURN NULL;
 		END $$`)
@@ -221,7 +221,7 @@ func TestCommitNobodyCanConfirmIsRetriedNotDeadLettered(t *testing.T) {
 	pool, proxy := f.proxiedPool()
 	h := &fusedHandler{recorder: newRecorder("indoubt"), fuses: map[string]string{"id-1": "sleep"}}
 	cfg := f.baseConfig("indoubt")
-	cfg.HandlerTimeout = 2 * time.Second
+	cfg.AckWait, cfg.HandlerTimeout = 10*time.Second, 4*time.Second // longer than the fuse
 	cfg.TransientAttempts, cfg.MaxAttempts = 1, 1
 	c, err := New(pool, f.js, cfg, h, WithRegisterer(f.reg))
 	testenv.Must(t, err, "new consumer")
@@ -231,9 +231,8 @@ func TestCommitNobodyCanConfirmIsRetriedNotDeadLettered(t *testing.T) {
 
 	// While the commit waits in the fuse, the network to the database
 	// fails: the connection is reset and new ones carry nothing.
-	cut := make(chan struct{})
+	cut := make(chan bool, 1)
 	go func() {
-		defer close(cut)
 		if testenv.WaitFor(10*time.Second, func() bool {
 			var n int
 			err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
@@ -242,12 +241,17 @@ func TestCommitNobodyCanConfirmIsRetriedNotDeadLettered(t *testing.T) {
 		}) {
 			proxy.Stall(testenv.Both)
 			proxy.Cut()
+			cut <- true
+			return
 		}
+		cut <- false
 	}()
 	w := newWorker(c, 0)
 	ctx := context.Background()
 	out := c.processItems(ctx, its)
-	<-cut
+	if !<-cut {
+		t.Fatalf("the commit was not seen waiting behind the fuse: %+v", out.res)
+	}
 	f.waitFor("the commit behind the fuse", 10*time.Second, func() bool {
 		return queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'indoubt'`) == 1
 	})
