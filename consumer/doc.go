@@ -43,11 +43,13 @@
 // # Invariants the code keeps
 //
 //   - The effect and the dedup row commit in one transaction, and a message
-//     is acknowledged only after that commit is known to have happened.
+//     is acknowledged only when its result is known to stand: committed, or
+//     decided without a write outside a transaction that failed.
 //   - A message's attempt is charged to it only for its own failure: a
 //     neighbour's, or a batch's deadline, is never its.
-//   - One aggregate's messages are applied in stream order by one worker; a
-//     message waiting for its retry holds back only its aggregate.
+//   - One aggregate's messages are applied by one worker in the order they
+//     are delivered; a message waiting for its retry holds back only its
+//     aggregate.
 //   - Everything a worker holds is a delivered, unacknowledged message, so
 //     the durable consumer's MaxAckPending bounds it (per partition, for a
 //     group member).
