@@ -2,7 +2,6 @@ package consumer
 
 import (
 	"context"
-	"errors"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -52,16 +51,17 @@ func (c *Consumer) processItems(ctx context.Context, its []*item) batchOutcome {
 }
 
 // processBatch applies its (stream deliveries, no replays) in one
-// transaction where it can. A message whose attempt fails (the handler, its
-// version check or position move) or is rejected makes the transaction roll
-// back: the failure is its result, exactly one attempt, and the batch is
-// tried again without it and without the later messages of its aggregate,
-// which go back to the worker's queue so that the worker holds them behind
-// it as in per-message mode; a rejected message is redone in the retried
-// batch as a rejection. A failure that belongs to no single message (begin,
-// the dedup statement, HandleBatch, the batch's deadline) sends the batch's
-// untried messages back to be processed one at a time. So no message is
-// applied twice, none fails for a neighbour, and each ends as it would alone.
+// transaction where it can, running each message's step in order (see
+// step). A message whose attempt fails or is rejected makes the transaction
+// roll back: the failure is its result, exactly one attempt, and the batch
+// is tried again without it and without the later messages of its
+// aggregate, which go back to the worker's queue so that the worker holds
+// them behind it as in per-message mode; a rejected message is redone in
+// the retried batch as a rejection. A failure that belongs to no single
+// message (begin, the dedup statement, HandleBatch, the batch's deadline, a
+// commit not known to have gone through) sends the batch's messages back to
+// be processed one at a time. So no message is applied twice, none fails
+// for a neighbour, and each ends as it would alone.
 func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 	out := batchOutcome{res: make([]result, len(its))}
 	var todo []int
@@ -82,23 +82,23 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 			return oneByOne(out, todo)
 		}
 		start := time.Now()
-		res, failedAt, ok := c.batchTx(ctx, its, todo, rejects)
+		try := c.batchTx(ctx, its, todo, rejects)
 		c.met.batchTx.Observe(time.Since(start).Seconds())
-		if !ok {
+		switch try.end {
+		case batchBroken:
 			return oneByOne(out, todo)
-		}
-		if failedAt < 0 {
+		case batchCommitted:
 			for k, i := range todo {
-				out.res[i] = res[k]
+				out.res[i] = try.res[k]
 			}
 			return out
 		}
-		f, r := todo[failedAt], res[failedAt]
-		if r.kind == resRejectRedo {
-			rejects[f] = r.reject
+		f := todo[try.at]
+		if try.failed.kind == resRejectRedo {
+			rejects[f] = try.failed.reject
 			continue
 		}
-		out.res[f] = r
+		out.res[f] = try.failed
 		rest := todo[:0:0]
 		for _, i := range todo {
 			switch {
@@ -133,18 +133,41 @@ const insertConsumedBatch = `
 	ON CONFLICT (consumer, event_id) DO NOTHING
 	RETURNING event_id`
 
-// batchTx runs one transaction over the items its[todo[k]]. It returns a
-// result per todo entry and commits when every message either applied or
-// needs no write (duplicate, conflict, gap). Otherwise it rolls back and
-// returns the index k of the first message whose attempt failed (or that is
-// to be redone as a rejection: resRejectRedo). ok is false when the
-// transaction failed for no single message.
-func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects map[int]*RejectError) (res []result, failedAt int, ok bool) {
+// batchEnd is how a batch's transaction ended.
+type batchEnd int
+
+const (
+	// batchCommitted: committed; batchTry.res holds every message's result.
+	batchCommitted batchEnd = iota
+	// batchOneFailed: rolled back because of the message todo[batchTry.at],
+	// whose attempt is batchTry.failed (resRejectRedo: redo it as a
+	// rejection); the other messages were not attempted.
+	batchOneFailed
+	// batchBroken: rolled back, or not known to have committed, for no
+	// single message: no message was attempted, and no result from inside
+	// the transaction stands (a duplicate may be one of the dedup row its
+	// own earlier delivery wrote in it).
+	batchBroken
+)
+
+// batchTry is what one batch transaction came to.
+type batchTry struct {
+	end    batchEnd
+	res    []result // batchCommitted: per todo entry
+	at     int      // batchOneFailed
+	failed result   // batchOneFailed
+}
+
+// batchTx runs one transaction over the items its[todo[k]]: the batch's
+// dedup statement, then each message's step, then HandleBatch and the
+// commit.
+func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects map[int]*RejectError) batchTry {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
+	broken := batchTry{end: batchBroken}
 	tx, err := c.db.Begin(ctx)
 	if err != nil {
-		return nil, -1, false
+		return broken
 	}
 	committed := false
 	defer func() {
@@ -154,94 +177,42 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 	}()
 	fresh, err := c.insertBatch(ctx, tx, its, todo, rejects)
 	if err != nil {
-		return nil, -1, false
+		return broken
 	}
-	res = make([]result, len(todo))
-	var (
-		apply     []*Message // for a BatchHandler
-		withdrawn map[string]bool
-	)
+	res := make([]result, len(todo))
+	var apply []*Message // for a BatchHandler
 	bh, _ := c.h.(BatchHandler)
 	for k, i := range todo {
-		it := its[i]
-		if !fresh[k] && withdrawn[it.m.ID] {
-			// An earlier message of this batch with the same id wrote the
-			// row and withdrew it: this one comes next, as it would alone.
-			var err error
-			if fresh[k], err = c.insertOne(ctx, tx, it, rejects[i]); err != nil {
-				res[k] = failed(err, "record consumed message")
-				return res, k, true
+		s := c.step(ctx, tx, stepIn{it: its[i], reject: rejects[i], recorded: fresh[k], deferred: bh != nil, shared: true})
+		switch s.outcome {
+		case stepBroken:
+			return broken
+		case stepFailed:
+			return batchTry{end: batchOneFailed, at: k, failed: s.res}
+		case stepWrote:
+			if bh != nil && rejects[i] == nil {
+				apply = append(apply, &its[i].m)
 			}
 		}
-		if !fresh[k] {
-			// Recorded before, or by an earlier message of this batch with
-			// the same id: the stored hash decides, as for a single message.
-			if res[k] = c.compareConsumed(ctx, tx, it); res[k].kind == resFailed {
-				return res, k, true
-			}
-			continue
-		}
-		var pos *position
-		if c.cfg.VersionCheck {
-			var vres result
-			if vres, pos = c.checkVersion(ctx, tx, it); vres.kind != resApplied {
-				if vres.kind == resFailed {
-					res[k] = vres
-					return res, k, true
-				}
-				// Duplicate, conflict or gap: nothing of it may commit.
-				if _, err := tx.Exec(ctx, `DELETE FROM consumed_message WHERE consumer = $1 AND event_id = $2`, c.cfg.Name, it.m.ID); err != nil {
-					res[k] = failed(err, "withdraw consumed message")
-					return res, k, true
-				}
-				if withdrawn == nil {
-					withdrawn = map[string]bool{}
-				}
-				withdrawn[it.m.ID] = true
-				res[k] = vres
-				continue
-			}
-		}
-		res[k] = result{kind: resApplied}
-		if rejects[i] != nil {
-			res[k] = result{kind: resRejected}
-		} else if bh != nil {
-			apply = append(apply, &it.m)
-		} else if err := c.callHandler(ctx, tx, it); err != nil {
-			res[k] = handlerResult(err)
-			return res, k, ctx.Err() == nil
-		}
-		if c.cfg.VersionCheck {
-			if err := c.movePosition(ctx, tx, it, pos); err != nil {
-				res[k] = failed(err, "move aggregate position")
-				return res, k, ctx.Err() == nil
-			}
-		}
+		res[k] = s.res
 	}
 	if len(apply) > 0 {
 		if err := c.callBatchHandler(ctx, tx, bh, apply); err != nil {
 			c.log.Debug("batch handler failed; applying the batch one message at a time", zap.Error(err))
-			return nil, -1, false
+			return broken
 		}
 	}
-	if err := tx.Commit(ctx); err != nil {
-		committed = true
-		if !c.batchCommitted(ctx, its, todo, res) {
-			for k := range res {
-				if res[k].kind == resApplied || res[k].kind == resRejected {
-					res[k] = failed(err, "commit")
-				}
-			}
-			return res, -1, true
-		}
+	err = tx.Commit(ctx)
+	committed = true // after a failed commit nothing is left to roll back
+	if err != nil && c.batchCommitted(ctx, its, todo, res) != commitDone {
+		return broken
 	}
-	committed = true
 	for k, i := range todo {
 		if res[k].kind == resApplied || res[k].kind == resRejected {
 			c.committed(its[i])
 		}
 	}
-	return res, -1, true
+	return batchTry{end: batchCommitted, res: res}
 }
 
 // insertBatch runs the batch's dedup statement and reports, per todo entry,
@@ -289,44 +260,17 @@ func (c *Consumer) insertBatch(ctx context.Context, tx pgx.Tx, its []*item, todo
 	return fresh, nil
 }
 
-// insertOne writes the dedup row of one message, recording the rejection
-// when reject is set, and reports whether it was written (false: the event
-// id is recorded already).
-func (c *Consumer) insertOne(ctx context.Context, tx pgx.Tx, it *item, reject *RejectError) (bool, error) {
-	ev := &it.m.Event
-	outcome, reason := outcomeApplied, (*string)(nil)
-	if reject != nil {
-		outcome, reason = outcomeRejected, &reject.Reason
-	}
-	tag, err := tx.Exec(ctx, insertConsumed, c.cfg.Name, ev.ID, it.hash, ev.Type, ev.AggregateType,
-		ev.AggregateID, ev.AggregateVersion, outcome, reason)
-	return tag.RowsAffected() == 1, err
-}
-
-// batchCommitted reports whether a batch whose commit returned an error went
-// through after all: the dedup row of one of its applied messages is there
-// with that message's hash (the transaction commits entirely or not at all).
-func (c *Consumer) batchCommitted(ctx context.Context, its []*item, todo []int, res []result) bool {
+// batchCommitted tells whether a batch whose commit returned an error went
+// through after all, by the dedup row of one of its applied messages (the
+// transaction commits entirely or not at all).
+func (c *Consumer) batchCommitted(ctx context.Context, its []*item, todo []int, res []result) commitState {
 	for k, i := range todo {
 		if res[k].kind == resApplied || res[k].kind == resRejected {
-			return c.wasCommitted(ctx, its[i])
+			state, _ := c.wasCommitted(ctx, its[i])
+			return state
 		}
 	}
-	return false
-}
-
-// handlerResult turns a handler's error into the message's result; a
-// rejection is redone without the handler's effect.
-func handlerResult(err error) result {
-	class := ClassOf(err)
-	var re *RejectError
-	switch {
-	case class == ClassRejected && errors.As(err, &re):
-		return result{kind: resRejectRedo, reject: re}
-	case class == ClassRejected: // Reject-classed error without a reason
-		return result{kind: resRejectRedo, reject: &RejectError{Reason: err.Error()}}
-	}
-	return result{kind: resFailed, class: class, err: err}
+	return commitUnknown // nothing was written that could tell
 }
 
 // callBatchHandler runs HandleBatch, turning a panic into an error.

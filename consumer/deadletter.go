@@ -216,11 +216,7 @@ func (c *Consumer) commitReplay(ctx context.Context, tx pgx.Tx, it *item, outcom
 	}
 	err = tx.Commit(ctx)
 	*committed = true // after a failed commit nothing is left to roll back
-	if err != nil && !c.wasCommitted(ctx, it) {
-		return failed(err, "commit")
-	}
-	c.committed(it)
-	return res
+	return c.commitResult(ctx, it, res, err)
 }
 
 // reopenDeadLetter puts a record whose replay failed back to open with the

@@ -377,6 +377,8 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 		return w.deadLetter(ctx, it, ClassConflict, res.err, w.fail(seq, ClassConflict))
 	case resStale:
 		return 0, false
+	case resInDoubt: // never charged: the redelivery finds the dedup row if it committed
+		return w.retry(it, ClassTransient, res.err, 1, w.msgLog(it))
 	}
 	// resFailed
 	f := w.fail(seq, res.class)
@@ -469,6 +471,9 @@ func (w *worker) finishReplay(ctx context.Context, it *item, res result) {
 		c.met.replayResult(map[resultKind]string{resApplied: outcomeApplied, resRejected: outcomeRejected, resDuplicate: outcomeDuplicate}[res.kind])
 		return
 	case resStale:
+		return
+	case resInDoubt: // left 'replaying' for the next poll, ahead of its aggregate's later records
+		it.replay.fail(it.key)
 		return
 	case resSkipped:
 		res = result{kind: resFailed, class: ClassPermanent, err: fmt.Errorf("event type %q is not in the consumer's EventTypes", it.m.Type)}

@@ -1,0 +1,275 @@
+package consumer
+
+import (
+	"context"
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
+)
+
+// fuse installs a deferred trigger that fires at the commit of a
+// transaction that inserted into commit_fuse: mode 'kill' terminates the
+// committing backend before its commit record (the transaction rolls back,
+// the client sees the connection end), mode 'sleep' holds the commit for
+// two seconds and then lets it commit.
+func (f *fixture) fuse() {
+	f.t.Helper()
+	mustExec(f.t, f.pool, `CREATE TABLE commit_fuse (mode text NOT NULL)`)
+	mustExec(f.t, f.pool, `CREATE FUNCTION blow_commit_fuse() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.mode = 'kill' THEN
+				PERFORM pg_terminate_backend(pg_backend_pid());
+				PERFORM pg_sleep(10); -- the termination lands here
+			ELSE
+				PERFORM pg_sleep(2);
+			END IF;
+			RETURN NULL;
+		END $$`)
+	mustExec(f.t, f.pool, `CREATE CONSTRAINT TRIGGER commit_fuse AFTER INSERT ON commit_fuse
+		DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION blow_commit_fuse()`)
+}
+
+// fusedHandler records each application in the applied table and, on the
+// first call for an event listed in fuses, arms the commit fuse with its mode.
+type fusedHandler struct {
+	*recorder
+	fuses map[string]string // event id → mode
+	slow  map[string]time.Duration
+}
+
+func (h *fusedHandler) Handle(ctx context.Context, tx pgx.Tx, m *Message) error {
+	if err := h.recorder.Handle(ctx, tx, m); err != nil {
+		return err
+	}
+	if mode := h.fuses[m.ID]; mode != "" && h.callCount(m.ID) == 1 {
+		if _, err := tx.Exec(ctx, `INSERT INTO commit_fuse VALUES ($1)`, mode); err != nil {
+			return err
+		}
+	}
+	// A handler that overruns its deadline and returns nil, as one that
+	// ignores its context does.
+	time.Sleep(h.slow[m.ID])
+	return nil
+}
+
+// durable creates a pull consumer named name on the fixture's stream.
+func (f *fixture) durable(name string, ackWait time.Duration) jetstream.Consumer {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	jc, err := f.js.CreateOrUpdateConsumer(ctx, f.stream, jetstream.ConsumerConfig{
+		Durable: name, AckPolicy: jetstream.AckExplicitPolicy, AckWait: ackWait, MaxDeliver: -1,
+	})
+	testenv.Must(f.t, err, "create durable")
+	return jc
+}
+
+// fetch takes n deliveries from jc, waiting up to timeout for them.
+func (f *fixture) fetch(c *Consumer, jc jetstream.Consumer, n int, timeout time.Duration) []*item {
+	f.t.Helper()
+	var its []*item
+	deadline := time.Now().Add(timeout)
+	for len(its) < n && time.Now().Before(deadline) {
+		b, err := jc.Fetch(n-len(its), jetstream.FetchMaxWait(time.Until(deadline)))
+		testenv.Must(f.t, err, "fetch")
+		for m := range b.Messages() {
+			its = append(its, c.newItem(m))
+		}
+	}
+	if len(its) < n {
+		f.t.Fatalf("%d of %d deliveries within %s", len(its), n, timeout)
+	}
+	return its
+}
+
+// drive settles its the way a worker does, and then whatever the worker
+// takes from its queue (messages a batch gave back), until it takes
+// nothing.
+func drive(c *Consumer, w *worker, its []*item) {
+	ctx := context.Background()
+	for len(its) > 0 {
+		w.finishAll(ctx, its, c.processItems(ctx, its))
+		its = w.take()
+	}
+}
+
+// acked waits until the durable's ack floor reaches seq (an ack is not
+// confirmed to its sender) and reports whether it did.
+func (f *fixture) acked(jc jetstream.Consumer, seq uint64) bool {
+	f.t.Helper()
+	return testenv.WaitFor(5*time.Second, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		info, err := jc.Info(ctx)
+		return err == nil && info.AckFloor.Stream >= seq
+	})
+}
+
+// Two deliveries of one stream message in one batch (a redelivery of a
+// message still queued), and the batch's commit is lost: the backend ends
+// during COMMIT and the transaction rolls back. The second delivery was a
+// duplicate only of the dedup row its own first delivery wrote inside that
+// transaction: acking it loses the event. Nothing from inside a transaction
+// whose commit failed may be acknowledged.
+func TestLostBatchCommitAcksNothingFromInside(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	f.fuse()
+	h := &fusedHandler{recorder: newRecorder("lostcommit"), fuses: map[string]string{"lc-1": "kill"}}
+	cfg := f.baseConfig("lostcommit")
+	cfg.BatchSize = 8
+	c := f.newConsumer(cfg, h)
+	f.publish(event{ID: "lc-1", AggID: "a", Version: 1})
+	jc := f.durable(cfg.Name, time.Second)
+	first := f.fetch(c, jc, 1, 5*time.Second)
+	again := f.fetch(c, jc, 1, 10*time.Second) // redelivered after AckWait, unacked
+	its := append(first, again...)
+	if its[0].m.StreamSeq != its[1].m.StreamSeq || its[1].m.Deliveries < 2 {
+		t.Fatalf("want two deliveries of one message, got seq %d and %d (delivery %d)", its[0].m.StreamSeq, its[1].m.StreamSeq, its[1].m.Deliveries)
+	}
+	drive(c, newWorker(c, 0), its)
+	acked := f.acked(jc, its[0].m.StreamSeq)
+	applied := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'lostcommit'`)
+	recorded := queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'lostcommit'`)
+	if acked && (applied != 1 || recorded != 1) {
+		t.Fatalf("message acknowledged while the database holds %d effects and %d dedup rows: lost", applied, recorded)
+	}
+	if !acked {
+		t.Fatalf("message not acknowledged")
+	}
+	if h.callCount("lc-1") < 2 {
+		t.Fatalf("handler called %d times: the lost commit was not retried", h.callCount("lc-1"))
+	}
+	if applied != 1 || recorded != 1 {
+		t.Fatalf("%d effects and %d dedup rows, want 1 and 1", applied, recorded)
+	}
+}
+
+// A batch holds a slow message (its handler outlasts HandlerTimeout and
+// returns nil) and a duplicate behind it. The deadline ran out in the slow
+// message's handler: the duplicate's dedup statements then fail on it, and
+// that failure is the batch's, not the duplicate's. The duplicate is
+// acknowledged as one; the slow message is charged, on its own attempt.
+func TestBatchDeadlineIsNotChargedToANeighbour(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	h := &fusedHandler{recorder: newRecorder("deadline"), slow: map[string]time.Duration{"dl-slow": 1300 * time.Millisecond}}
+	cfg := f.baseConfig("deadline")
+	cfg.BatchSize = 8
+	cfg.HandlerTimeout = time.Second
+	cfg.MaxAttempts = 1
+	c := f.newConsumer(cfg, h)
+	dup := event{ID: "dl-dup", AggID: "d", Version: 1}
+	if res := c.process(context.Background(), f.items(c, dup)[0]); res.kind != resApplied {
+		t.Fatalf("applying the duplicate's first delivery: %+v", res)
+	}
+	dup.MsgID = "dl-dup-again" // stored again, as after the dedup window
+	f.publish(event{ID: "dl-slow", AggID: "s", Version: 1}, dup)
+	jc := f.durable(cfg.Name, 30*time.Second)
+	its := f.fetch(c, jc, 2, 5*time.Second)
+	drive(c, newWorker(c, 0), its)
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'deadline' AND event_id = 'dl-dup'`); n != 0 {
+		t.Errorf("the duplicate was dead-lettered for its neighbour's deadline")
+	}
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'deadline' AND event_id = 'dl-slow'
+		AND failure_class = 'unknown' AND reason LIKE 'handler returned after HandlerTimeout 1s: context deadline exceeded%'`); n != 1 {
+		t.Errorf("the slow message was not charged with its deadline (dead letters: %d)", n)
+	}
+	if !f.acked(jc, its[1].m.StreamSeq) {
+		t.Errorf("the duplicate (seq %d) was not acknowledged", its[1].m.StreamSeq)
+	}
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'deadline' AND event_id = 'dl-dup'`); n != 1 {
+		t.Errorf("the duplicate applied %d times", n)
+	}
+}
+
+// proxiedPool is a pool for the fixture's database through a TCP proxy.
+func (f *fixture) proxiedPool() (*pgxpool.Pool, *testenv.Proxy) {
+	f.t.Helper()
+	pcfg, err := pgxpool.ParseConfig(f.db.URL)
+	testenv.Must(f.t, err, "parse pool config")
+	p, err := testenv.StartProxy(net.JoinHostPort(pcfg.ConnConfig.Host, strconv.Itoa(int(pcfg.ConnConfig.Port))))
+	testenv.Must(f.t, err, "start proxy")
+	f.t.Cleanup(p.Close)
+	host, port, _ := net.SplitHostPort(p.Addr)
+	pn, _ := strconv.Atoi(port)
+	pcfg.ConnConfig.Host, pcfg.ConnConfig.Port = host, uint16(pn)
+	pcfg.ConnConfig.Fallbacks = nil
+	pcfg.MaxConns = 4
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	testenv.Must(f.t, err, "open proxied pool")
+	f.t.Cleanup(pool.Close)
+	return pool, p
+}
+
+// The commit goes through on the server while the client loses the
+// connection, and the database cannot be reached to ask whether it did: the
+// outcome is unknown. With one transient attempt allowed, a "not committed"
+// answer dead-letters an event that is applied; unknown must be retried,
+// and the redelivery finds the event applied.
+func TestCommitNobodyCanConfirmIsRetriedNotDeadLettered(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	f.fuse()
+	pool, proxy := f.proxiedPool()
+	h := &fusedHandler{recorder: newRecorder("indoubt"), fuses: map[string]string{"id-1": "sleep"}}
+	cfg := f.baseConfig("indoubt")
+	cfg.AckWait, cfg.HandlerTimeout = 10*time.Second, 4*time.Second // longer than the fuse
+	cfg.TransientAttempts, cfg.MaxAttempts = 1, 1
+	c, err := New(pool, f.js, cfg, h, WithRegisterer(f.reg))
+	testenv.Must(t, err, "new consumer")
+	f.publish(event{ID: "id-1", AggID: "a", Version: 1})
+	jc := f.durable(cfg.Name, 5*time.Second)
+	its := f.fetch(c, jc, 1, 5*time.Second)
+
+	// While the commit waits in the fuse, the network to the database
+	// fails: the connection is reset and new ones carry nothing.
+	cut := make(chan bool, 1)
+	go func() {
+		if testenv.WaitFor(10*time.Second, func() bool {
+			var n int
+			err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+				WHERE wait_event = 'PgSleep' AND datname = current_database()`).Scan(&n)
+			return err == nil && n > 0
+		}) {
+			proxy.Stall(testenv.Both)
+			proxy.Cut()
+			cut <- true
+			return
+		}
+		cut <- false
+	}()
+	w := newWorker(c, 0)
+	ctx := context.Background()
+	out := c.processItems(ctx, its)
+	if !<-cut {
+		t.Fatalf("the commit was not seen waiting behind the fuse: %+v", out.res)
+	}
+	f.waitFor("the commit behind the fuse", 10*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'indoubt'`) == 1
+	})
+	proxy.Heal()
+	w.finishAll(ctx, its, out)
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'indoubt'`); n != 0 {
+		reason := ""
+		_ = f.pool.QueryRow(ctx, `SELECT reason FROM consumer_dead_letter WHERE consumer = 'indoubt'`).Scan(&reason)
+		t.Fatalf("an applied event was dead-lettered after a commit of unknown outcome: %s", reason)
+	}
+	drive(c, w, f.fetch(c, jc, 1, 10*time.Second)) // the retry
+	if !f.acked(jc, its[0].m.StreamSeq) {
+		t.Fatalf("the retried message was not acknowledged")
+	}
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'indoubt'`); n != 1 {
+		t.Fatalf("applied %d times", n)
+	}
+	if n := h.callCount("id-1"); n != 1 {
+		t.Fatalf("the handler ran %d times for an event applied at once", n)
+	}
+}
