@@ -267,7 +267,12 @@ func TestBatchCrashBetweenCommitAndAck(t *testing.T) {
 	testenv.Must(t, err, "jetstream")
 	cfg := f.baseConfig("crash")
 	cfg.Workers = 1
-	cfg.AckWait = 2 * time.Second
+	// The transaction deadline (HandlerTimeout, half of AckWait by default)
+	// must not fire on a loaded machine: a batch past it is retried one
+	// message at a time, and the crash would then hit a lone commit, not
+	// the batch this test is about.
+	cfg.AckWait = 10 * time.Second
+	cfg.HandlerTimeout = 8 * time.Second
 	cfg.VersionCheck = true
 	cfg.GapWait = cfg.RetryMax + cfg.AckWait
 	var crashed atomic.Bool
