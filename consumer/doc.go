@@ -118,29 +118,26 @@
 //     other aggregates of its worker (1/Workers of them), not the dispatcher
 //     or other workers; the worker keeps its queued messages alive. Run
 //     waits for a handler in flight to return before it returns.
-//   - Without VersionCheck, this order holds while the process lives,
-//     through NATS and database outages. On shutdown, queued messages are
-//     given back for immediate redelivery, except those held behind a
-//     failed message: they come back AckWait after its redelivery, so the
-//     next process (a rolling deploy) gets the failed message first; if it
-//     fails again there, only VersionCheck keeps the order. After a crash,
-//     JetStream redelivers the unacknowledged messages as their ack_wait or
-//     nak delays expire, which can put a retried message behind a later
-//     one of the same aggregate. With VersionCheck, the database position
-//     enforces the order across crashes, restarts and replays: an early
-//     arrival is deferred until the missing versions are applied, for up to
-//     GapWait, which must be at least RetryMax + AckWait (the longest an
-//     earlier version takes to come back after a crash).
+//   - Without VersionCheck, this order holds across crashes, restarts,
+//     lost pulls and NATS outages: the durable is pulled through a feed
+//     (feed.go) that starts each Run with a reset of the durable to its ack
+//     floor, after which JetStream delivers in stream order, and resets
+//     again whenever the consumer sequence of its deliveries breaks
+//     (deliveries in transit lost with a pull that ended, or taken by
+//     another process). With VersionCheck, the database position enforces
+//     the order as well: an early arrival is deferred until the missing
+//     versions are applied, for up to GapWait.
 //   - Several processes sharing one durable consumer split an aggregate's
 //     messages between them; only VersionCheck keeps its order then. To
 //     scale out with order per aggregate, run them as one consumer group
 //     (Config.Group, GroupConfig): the stream is partitioned by a subject
 //     transform, each partition is a durable consumer that JetStream pins
-//     to one member at a time, and a partition moves only after its old
-//     owner's messages are settled (a hand-off) or due for redelivery (a
-//     crash, after PinnedTTL), the new owner re-sorting the redeliveries.
-//     A partition-count change drains the old partitions first. See
-//     docs/consumer.md "Consumer groups".
+//     to one member at a time, and a member that takes a partition over
+//     unpins it and resets it to its ack floor before it pulls, so the new
+//     owner is delivered the partition in stream order whatever the
+//     previous one held; the dedup row's unique key serializes a previous
+//     owner still applying against it. A partition-count change drains the
+//     old partitions first. See docs/consumer.md "Consumer groups".
 //
 // VersionCheck needs every event of an aggregate. A consumer that filters
 // event types or subjects, or a producer that changes an aggregate without
@@ -162,9 +159,10 @@
 // outbox_consumer_consume_latency_seconds (outbox commit to consumer commit),
 // outbox_consumer_transaction_duration_seconds (one message's transaction),
 // outbox_consumer_batch_size, outbox_consumer_batch_transaction_duration_seconds,
-// outbox_consumer_dead_letters_open{owner} and
-// outbox_consumer_dead_letter_oldest_age_seconds{owner}; all carry a
-// consumer label.
+// outbox_consumer_dead_letters_open{owner},
+// outbox_consumer_dead_letter_oldest_age_seconds{owner} and
+// outbox_consumer_resumes_total{reason} (resets to the ack floor, feed.go);
+// all carry a consumer label.
 //
 // JetStream pull consumers: https://docs.nats.io/nats-concepts/jetstream/consumers;
 // PostgreSQL INSERT … ON CONFLICT: https://www.postgresql.org/docs/current/sql-insert.html.

@@ -44,11 +44,12 @@ type GroupConfig struct {
 	// MemberTTL/3) still counts as alive. Default DefaultMemberTTL.
 	MemberTTL time.Duration
 	// PinnedTTL is how long a partition stays pinned to a member that
-	// stopped pulling from it (a crash) before JetStream gives it to
-	// another. It must cover AckWait + RetryMax + 3s, so that every message
-	// the old member still held is due for redelivery, and delivered first,
-	// when the new member is pinned (see docs/consumer.md "Order across
-	// rebalances"). Default exactly that.
+	// stopped pulling from it before JetStream lets another member pull it.
+	// Order does not depend on it: a new owner unpins the partition and
+	// resets its durable to the ack floor before it pulls (see
+	// docs/consumer.md "Order across rebalances"). It must exceed the pull
+	// expiry (2 s) + 1 s, so that a live owner keeps its pin between pulls.
+	// Default MemberTTL + 2 s.
 	PinnedTTL time.Duration
 	// DrainTimeout bounds a voluntary hand-off (a member joins or leaves):
 	// the member keeps a partition pinned until its in-flight messages of
@@ -90,7 +91,7 @@ func (c *Config) setGroupDefaults() {
 		g.MemberTTL = DefaultMemberTTL
 	}
 	if g.PinnedTTL == 0 {
-		g.PinnedTTL = c.AckWait + c.RetryMax + groupPullExpiry + time.Second
+		g.PinnedTTL = g.MemberTTL + groupPullExpiry
 	}
 	if g.DrainTimeout == 0 {
 		g.DrainTimeout = c.AckWait + c.RetryMax
@@ -136,9 +137,9 @@ func (c *Config) validateGroup() error {
 		return bad("VersionCheck with InitialVersion 0 is unsafe in a group: after a partition moves, a later version can arrive first and would be taken as the aggregate's start; set InitialVersion to the first version your producer writes (usually 1)")
 	case g.MemberTTL < time.Second:
 		return bad("Group.MemberTTL %s is below 1s", g.MemberTTL)
-	case g.PinnedTTL < c.AckWait+c.RetryMax+groupPullExpiry+time.Second:
-		return bad("Group.PinnedTTL %s is below AckWait %s + RetryMax %s + 3s: a new owner could receive later messages of a crashed member's partition before the ones it held; raise PinnedTTL or leave it 0",
-			g.PinnedTTL, c.AckWait, c.RetryMax)
+	case g.PinnedTTL < groupPullExpiry+time.Second:
+		return bad("Group.PinnedTTL %s is below the pull expiry %s + 1s: an owner would lose its pin between two pulls; raise PinnedTTL or leave it 0",
+			g.PinnedTTL, groupPullExpiry)
 	case g.DrainTimeout <= 0:
 		return bad("Group.DrainTimeout %s must be positive", g.DrainTimeout)
 	case c.VersionCheck && c.GapWait < c.RetryMax+c.AckWait+g.PinnedTTL:
