@@ -20,7 +20,7 @@ const (
 	DefaultMemberTTL = 6 * time.Second
 	// groupPullExpiry is how long one pull request of a partition lives. The
 	// pinned member re-pulls at least this often while it has room, which
-	// keeps its pin; PinnedTTL must exceed it.
+	// keeps its pin; PinnedTTL must exceed it by a second.
 	groupPullExpiry = 2 * time.Second
 )
 
@@ -52,8 +52,10 @@ type GroupConfig struct {
 	// Default MemberTTL + 2 s.
 	PinnedTTL time.Duration
 	// DrainTimeout bounds a voluntary hand-off (a member joins or leaves):
-	// the member keeps a partition pinned until its in-flight messages of
-	// it are settled, at most this long. Default AckWait + RetryMax.
+	// how long the member lets its workers settle the messages of a
+	// partition it gives up before it unpins it. The next owner does not
+	// wait for it (it resets the partition to its ack floor). Default
+	// AckWait + RetryMax.
 	DrainTimeout time.Duration
 }
 
