@@ -5,7 +5,7 @@ PKGS     ?= ./...
 PG_BIN   := $(firstword $(dir $(shell command -v initdb 2>/dev/null)) $(wildcard /usr/lib/postgresql/*/bin/))
 STATICCHECK := $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build test test-pg17 pg17-root test-short test-deploy helm-rules vet lint demo bench fuzz postgres clean
+.PHONY: all build test test-group-hogs test-pg17 pg17-root test-short test-deploy helm-rules vet lint demo bench fuzz postgres clean
 
 all: build
 
@@ -27,9 +27,18 @@ lint: vet
 
 # test runs vet and the whole suite with the race detector against a private
 # PostgreSQL cluster and an embedded NATS server (see internal/testenv), and
-# the Helm chart's checks (test-deploy).
+# the Helm chart's checks (test-deploy). The consumer-group tests run after
+# the rest, with HOGS CPU-bound busy loops beside them (test-group-hogs):
+# their order must hold on a loaded machine, not only on an idle one.
+HOGS      ?= 4
+GROUP_PKG := ./internal/grouptest/
+TEST_PKGS  = $(if $(filter ./...,$(PKGS)),$(shell $(GO) list ./... | grep -v '/internal/grouptest$$'),$(PKGS))
 test: postgres vet test-deploy
-	$(GO) test -race -count=1 -timeout 25m $(PKGS)
+	$(GO) test -race -count=1 -timeout 25m $(TEST_PKGS)
+	@if [ "$(PKGS)" = "./..." ]; then $(MAKE) --no-print-directory test-group-hogs; fi
+
+test-group-hogs: postgres
+	scripts/with-hogs.sh $(HOGS) $(GO) test -race -count=1 -timeout 15m $(GROUP_PKG)
 
 # test-pg17 is CI's PostgreSQL 17 lane: every package whose tests talk to
 # PostgreSQL, then the PostgreSQL fault tests, against private clusters run

@@ -59,7 +59,10 @@ type Config struct {
 	// library's memory and how many later messages a failing aggregate can
 	// hold back (see the package doc). Default Workers times the larger of
 	// DefaultPendingPerWorker and 2*BatchSize (a batch in flight and one
-	// queued per worker).
+	// queued per worker). In a group it bounds the member whatever it
+	// owns: each partition durable's max_ack_pending is MaxAckPending /
+	// Group.Partitions (at least 1), so a member owning every partition
+	// holds MaxAckPending messages at most.
 	MaxAckPending int
 	// AckWait is the durable consumer's ack_wait. Messages waiting in a
 	// worker's queue are kept alive with progress acks every AckWait/3, so

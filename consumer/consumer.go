@@ -182,44 +182,22 @@ func (c *Consumer) consumerConfig() jetstream.ConsumerConfig {
 	}
 }
 
-// dispatch pulls messages and hands each to the worker owning its aggregate.
+// dispatch pulls the durable consumer through a feed, which keeps its
+// deliveries in stream order (feed.go), and hands each message to the
+// worker owning its aggregate.
 func (c *Consumer) dispatch(ctx context.Context, cons jetstream.Consumer) error {
-	batch := min(c.cfg.MaxAckPending, 500)
+	f := newFeed(c, cons, c.cfg.Name, c.log, jetstream.PullMaxMessages(min(c.cfg.MaxAckPending, 500)))
+	defer f.stop()
 	for {
-		iter, err := cons.Messages(jetstream.PullMaxMessages(batch))
+		msg, err := f.recv(ctx)
 		if err == nil {
-			err = c.pump(ctx, iter)
-			iter.Stop()
+			err = f.forward(ctx, msg)
 		}
 		if ctx.Err() != nil {
 			return nil
 		}
-		if errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrConsumerNotFound) ||
-			errors.Is(err, jetstream.ErrConnectionClosed) {
-			return fmt.Errorf("consume %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
-		}
-		c.log.Warn("pull subscription ended; pulling again", zap.Error(err))
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-time.After(time.Second):
-		}
-	}
-}
-
-func (c *Consumer) pump(ctx context.Context, iter jetstream.MessagesContext) error {
-	for {
-		msg, err := iter.Next(jetstream.NextContext(ctx))
 		if err != nil {
-			return err
-		}
-		it := c.newItem(msg)
-		w := c.workers[c.workerIndex(it.key)]
-		select {
-		case w.in <- it:
-		case <-ctx.Done():
-			_ = msg.Nak()
-			return ctx.Err()
+			return fmt.Errorf("consume %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
 		}
 	}
 }

@@ -12,10 +12,15 @@
 //
 // A message goes top to bottom through:
 //
-//   - consumer.go: [New] and [Consumer.Run] — the durable consumer, the
-//     pull loop and the dispatcher, which hashes aggregate type and id to
-//     one of Config.Workers workers (group*.go and partition.go do the same
-//     per partition for a consumer group, Config.Group).
+//   - consumer.go: [New] and [Consumer.Run] — the durable consumer and the
+//     dispatcher, which hashes aggregate type and id to one of
+//     Config.Workers workers (group*.go and partition.go do the same per
+//     partition for a consumer group, Config.Group).
+//   - feed.go: a JetStream consumer's deliveries on their way to the
+//     dispatcher, in stream order by construction: a feed opens with a
+//     reset of its consumer to the ack floor and resets again whenever the
+//     consumer sequence of its deliveries breaks. The plain durable and
+//     each group partition pull through one.
 //   - worker.go: a worker owns its queue, the aggregates held behind a
 //     failed message and the retry state; it takes one message or a batch,
 //     runs it on a goroutine of its own and settles each result with the
@@ -50,9 +55,17 @@
 //   - One aggregate's messages are applied by one worker in the order they
 //     are delivered; a message waiting for its retry holds back only its
 //     aggregate.
+//   - Deliveries reach the workers in stream order: a feed hands them on
+//     only while their consumer sequences run unbroken since its last reset
+//     (deliveries lost with a pull that ended, taken by another process, or
+//     a takeover break the run). Order rests on that, not on redelivery
+//     timers; with VersionCheck the database position enforces it as well.
+//   - A group partition is consumed by one member at a time; a member that
+//     takes one over resets it before it pulls, and the dedup row's unique
+//     key serializes a previous owner still applying against it.
 //   - Everything a worker holds is a delivered, unacknowledged message, so
-//     the durable consumer's MaxAckPending bounds it (per partition, for a
-//     group member).
+//     MaxAckPending bounds it: a group member's partition durables share
+//     it (MaxAckPending / partitions each), whatever the member owns.
 //
 // JetStream pull consumers: https://docs.nats.io/nats-concepts/jetstream/consumers;
 // PostgreSQL INSERT … ON CONFLICT: https://www.postgresql.org/docs/current/sql-insert.html.

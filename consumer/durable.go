@@ -64,8 +64,17 @@ func (c *Consumer) durable(ctx context.Context) (jetstream.Consumer, error) {
 	}
 	cfg := c.consumerConfig()
 	cfg.Metadata = map[string]string{metaDatabase: id.database(), metaFilter: id.filter}
+	return c.ensureDurable(ctx, cfg, id, true)
+}
+
+// ensureDurable creates the durable consumer cfg, or checks that the one
+// that exists is of identity id (checkIdentity) and, with update, brings
+// it to cfg. One created concurrently by another process is checked like
+// any existing one: two services starting at the same moment with the
+// same Name must not share it silently.
+func (c *Consumer) ensureDurable(ctx context.Context, cfg jetstream.ConsumerConfig, id identity, update bool) (jetstream.Consumer, error) {
 	for attempt := 0; ; attempt++ {
-		existing, err := c.js.Consumer(ctx, c.cfg.Stream, c.cfg.Name)
+		existing, err := c.js.Consumer(ctx, c.cfg.Stream, cfg.Durable)
 		if errors.Is(err, jetstream.ErrConsumerNotFound) {
 			cons, err := c.js.CreateConsumer(ctx, c.cfg.Stream, cfg)
 			if errors.Is(err, jetstream.ErrConsumerExists) && attempt == 0 {
@@ -78,6 +87,9 @@ func (c *Consumer) durable(ctx context.Context) (jetstream.Consumer, error) {
 		}
 		if err := c.checkIdentity(id, existing.CachedInfo().Config); err != nil {
 			return nil, err
+		}
+		if !update {
+			return existing, nil
 		}
 		return c.js.UpdateConsumer(ctx, c.cfg.Stream, cfg)
 	}

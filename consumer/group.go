@@ -20,7 +20,7 @@ const (
 	DefaultMemberTTL = 6 * time.Second
 	// groupPullExpiry is how long one pull request of a partition lives. The
 	// pinned member re-pulls at least this often while it has room, which
-	// keeps its pin; PinnedTTL must exceed it.
+	// keeps its pin; PinnedTTL must exceed it by a second.
 	groupPullExpiry = 2 * time.Second
 )
 
@@ -44,15 +44,18 @@ type GroupConfig struct {
 	// MemberTTL/3) still counts as alive. Default DefaultMemberTTL.
 	MemberTTL time.Duration
 	// PinnedTTL is how long a partition stays pinned to a member that
-	// stopped pulling from it (a crash) before JetStream gives it to
-	// another. It must cover AckWait + RetryMax + 3s, so that every message
-	// the old member still held is due for redelivery, and delivered first,
-	// when the new member is pinned (see docs/consumer.md "Order across
-	// rebalances"). Default exactly that.
+	// stopped pulling from it before JetStream lets another member pull it.
+	// Order does not depend on it: a new owner unpins the partition and
+	// resets its durable to the ack floor before it pulls (see
+	// docs/consumer.md "Order across rebalances"). It must exceed the pull
+	// expiry (2 s) + 1 s, so that a live owner keeps its pin between pulls.
+	// Default MemberTTL + 2 s.
 	PinnedTTL time.Duration
 	// DrainTimeout bounds a voluntary hand-off (a member joins or leaves):
-	// the member keeps a partition pinned until its in-flight messages of
-	// it are settled, at most this long. Default AckWait + RetryMax.
+	// how long the member lets its workers settle the messages of a
+	// partition it gives up before it unpins it. The next owner does not
+	// wait for it (it resets the partition to its ack floor). Default
+	// AckWait + RetryMax.
 	DrainTimeout time.Duration
 }
 
@@ -90,7 +93,7 @@ func (c *Config) setGroupDefaults() {
 		g.MemberTTL = DefaultMemberTTL
 	}
 	if g.PinnedTTL == 0 {
-		g.PinnedTTL = c.AckWait + c.RetryMax + groupPullExpiry + time.Second
+		g.PinnedTTL = g.MemberTTL + groupPullExpiry
 	}
 	if g.DrainTimeout == 0 {
 		g.DrainTimeout = c.AckWait + c.RetryMax
@@ -136,9 +139,9 @@ func (c *Config) validateGroup() error {
 		return bad("VersionCheck with InitialVersion 0 is unsafe in a group: after a partition moves, a later version can arrive first and would be taken as the aggregate's start; set InitialVersion to the first version your producer writes (usually 1)")
 	case g.MemberTTL < time.Second:
 		return bad("Group.MemberTTL %s is below 1s", g.MemberTTL)
-	case g.PinnedTTL < c.AckWait+c.RetryMax+groupPullExpiry+time.Second:
-		return bad("Group.PinnedTTL %s is below AckWait %s + RetryMax %s + 3s: a new owner could receive later messages of a crashed member's partition before the ones it held; raise PinnedTTL or leave it 0",
-			g.PinnedTTL, c.AckWait, c.RetryMax)
+	case g.PinnedTTL < groupPullExpiry+time.Second:
+		return bad("Group.PinnedTTL %s is below the pull expiry %s + 1s: an owner would lose its pin between two pulls; raise PinnedTTL or leave it 0",
+			g.PinnedTTL, groupPullExpiry)
 	case g.DrainTimeout <= 0:
 		return bad("Group.DrainTimeout %s must be positive", g.DrainTimeout)
 	case c.VersionCheck && c.GapWait < c.RetryMax+c.AckWait+g.PinnedTTL:

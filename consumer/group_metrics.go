@@ -16,6 +16,7 @@ type groupMetrics struct {
 	rebalances prometheus.Counter
 	pending    *prometheus.GaugeVec
 	unowned    *prometheus.GaugeVec
+	draining   *prometheus.GaugeVec
 }
 
 // groupVecs are the group collectors, registered by New for every
@@ -25,6 +26,7 @@ type groupVecs struct {
 	members, owned   *prometheus.GaugeVec
 	rebalances       *prometheus.CounterVec
 	pending, unowned *prometheus.GaugeVec
+	draining         *prometheus.GaugeVec
 }
 
 func newGroupVecs(reg prometheus.Registerer) (*groupVecs, error) {
@@ -51,13 +53,19 @@ func newGroupVecs(reg prometheus.Registerer) (*groupVecs, error) {
 			Name: "outbox_consumer_group_partition_unowned_seconds",
 			Help: "Seconds since a partition with pending messages last had an owner (a pinned member); 0 while it has one or nothing is pending.",
 		}, pl),
+		draining: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_consumer_group_generation_draining_seconds",
+			Help: "Seconds this member has seen the older generation of partition durables (the partitions label) keep the stream's current partition count from being consumed, because it still has messages pending or unacknowledged; gone once it is drained.",
+		}, []string{"consumer", "partitions"}),
 	}
 	var err error
 	if v.members, err = register(reg, v.members); err == nil {
 		if v.owned, err = register(reg, v.owned); err == nil {
 			if v.rebalances, err = register(reg, v.rebalances); err == nil {
 				if v.pending, err = register(reg, v.pending); err == nil {
-					v.unowned, err = register(reg, v.unowned)
+					if v.unowned, err = register(reg, v.unowned); err == nil {
+						v.draining, err = register(reg, v.draining)
+					}
 				}
 			}
 		}
@@ -80,6 +88,7 @@ func newGroupMetrics(reg prometheus.Registerer, name string) (*groupMetrics, err
 		rebalances: v.rebalances.WithLabelValues(name),
 		pending:    v.pending,
 		unowned:    v.unowned,
+		draining:   v.draining,
 	}, nil
 }
 

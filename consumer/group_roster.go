@@ -30,6 +30,11 @@ type roster struct {
 	seen  map[string]rosterEntry
 	ready chan struct{} // closed once the watch has read the bucket's entries
 	once  sync.Once
+	// changed receives (without blocking) when a member joins or leaves
+	// by deleting its entry, so that the coordinator reassigns at once
+	// rather than at its next tick: a voluntary hand-off in well under a
+	// heartbeat interval.
+	changed chan struct{}
 }
 
 type rosterEntry struct {
@@ -38,7 +43,7 @@ type rosterEntry struct {
 }
 
 func newRoster() *roster {
-	return &roster{seen: map[string]rosterEntry{}, ready: make(chan struct{})}
+	return &roster{seen: map[string]rosterEntry{}, ready: make(chan struct{}), changed: make(chan struct{}, 1)}
 }
 
 // live returns the members seen alive, sorted by id.
@@ -60,12 +65,24 @@ func (r *roster) live(now time.Time) []memberInfo {
 func (r *roster) update(e jetstream.KeyValueEntry, ttl time.Duration, now time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	_, known := r.seen[e.Key()]
 	if e.Operation() != jetstream.KeyValuePut {
 		delete(r.seen, e.Key()) // the member left
+		r.notify(known)
 		return
 	}
 	n, _ := strconv.Atoi(string(e.Value()))
 	r.seen[e.Key()] = rosterEntry{partitions: n, until: now.Add(ttl)}
+	r.notify(!known)
+}
+
+func (r *roster) notify(changed bool) {
+	if changed {
+		select {
+		case r.changed <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // watchRoster keeps g.roster until ctx ends, watching again after a watch
@@ -87,7 +104,7 @@ func (g *group) watchRoster(ctx context.Context) {
 }
 
 func (g *group) watchOnce(ctx context.Context) error {
-	w, err := g.kv.WatchAll(ctx)
+	w, err := g.bucket().WatchAll(ctx)
 	if err != nil {
 		return err
 	}
@@ -103,6 +120,8 @@ func (g *group) watchOnce(ctx context.Context) error {
 				continue
 			}
 			g.roster.update(e, g.ttl, time.Now())
+		case <-g.rewatch:
+			return errBucketReopened
 		case <-ctx.Done():
 			return nil
 		}
@@ -128,3 +147,5 @@ func (g *group) members(ctx context.Context) ([]memberInfo, error) {
 var errRosterNotReady = errors.New("the group bucket's members are not read yet (its watch keeps failing)")
 
 var errWatchEnded = errors.New("the group bucket's watch ended")
+
+var errBucketReopened = errors.New("the group bucket was opened again (created anew after it was lost)")

@@ -21,10 +21,19 @@ import (
 // group is the member side of a consumer group during one Run: the
 // heartbeat, the assignment of partitions and the partitions pulled.
 type group struct {
-	c       *Consumer
-	strm    jetstream.Stream
+	c        *Consumer
+	strm     jetstream.Stream
+	ttl      time.Duration // the bucket's member TTL
+	replicas int           // of the bucket, when it must be created again
+
+	// The bucket is opened again (created if missing: a memory bucket of
+	// an earlier version does not survive a NATS restart) by the heartbeat
+	// goroutine when a put fails, and read by the roster's watch; rewatch
+	// tells the watch to start over on the new one.
+	kvMu    sync.Mutex
 	kv      jetstream.KeyValue
-	ttl     time.Duration // the bucket's member TTL
+	rewatch chan struct{}
+
 	id      identity
 	source  string // the stream subject the partition transform applies to
 	current int    // the stream's partition count, as last read
@@ -40,10 +49,12 @@ type group struct {
 	// delay it past the TTL and make the others drop this member: it
 	// writes beatCount (set by the coordinator loop), lastBeat and
 	// beatErr.
-	beatCount atomic.Int64
-	lastBeat  atomic.Int64 // unix ns of the last successful heartbeat
-	beatErr   atomic.Pointer[error]
-	lastOwner map[string]time.Time // durable -> when it last had an owner or nothing pending
+	beatCount   atomic.Int64
+	lastBeat    atomic.Int64 // unix ns of the last successful heartbeat
+	beatErr     atomic.Pointer[error]
+	lastOwner   map[string]time.Time // durable -> when it last had an owner or nothing pending
+	drainLogged time.Time            // reportDraining's last report
+	drainSince  time.Time            // since an older generation blocks the current one
 
 	roster *roster // the live members, kept by watchRoster
 
@@ -87,9 +98,11 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 		lastOwner: map[string]time.Time{},
 		infos:     map[string]*jetstream.ConsumerInfo{},
 		roster:    newRoster(),
+		rewatch:   make(chan struct{}, 1),
+		replicas:  max(info.Config.Replicas, 1),
 	}
 	g.beatCount.Store(int64(partitions))
-	if err := g.openBucket(ctx, max(info.Config.Replicas, 1)); err != nil {
+	if err := g.openBucket(ctx); err != nil {
 		return err
 	}
 	// The roster is read by the join's agreement check and by every step
@@ -148,8 +161,11 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 	return err
 }
 
-// openBucket opens (creating it if needed) the group's member bucket.
-func (g *group) openBucket(ctx context.Context, replicas int) error {
+// openBucket opens (creating it if needed) the group's member bucket. It
+// is file storage, so that the members survive a restart of a single NATS
+// server; a bucket created by an earlier version (memory) is used as it is,
+// and created again as file storage when a restart lost it.
+func (g *group) openBucket(ctx context.Context) error {
 	c := g.c
 	bucket := GroupBucket(c.cfg.Name)
 	kv, err := c.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
@@ -157,8 +173,8 @@ func (g *group) openBucket(ctx context.Context, replicas int) error {
 		Description: "outbox-relay consumer group members (heartbeats)",
 		TTL:         c.cfg.Group.MemberTTL,
 		History:     1,
-		Storage:     jetstream.MemoryStorage,
-		Replicas:    replicas,
+		Storage:     jetstream.FileStorage,
+		Replicas:    g.replicas,
 	})
 	if errors.Is(err, jetstream.ErrBucketExists) {
 		kv, err = c.js.KeyValue(ctx, bucket)
@@ -170,11 +186,30 @@ func (g *group) openBucket(ctx context.Context, replicas int) error {
 	if err != nil {
 		return fmt.Errorf("group bucket %s status: %w", bucket, err)
 	}
-	g.kv, g.ttl = kv, st.TTL()
-	if g.ttl <= 0 {
+	if st.TTL() <= 0 {
 		return fmt.Errorf("%w: group bucket %s has no TTL, so dead members would never leave; delete the bucket (nats kv del %s) and restart the members", ErrGroupMismatch, bucket, bucket)
 	}
+	g.kvMu.Lock()
+	reopened := g.kv != nil
+	g.kv = kv
+	if !reopened {
+		g.ttl = st.TTL()
+	}
+	g.kvMu.Unlock()
+	if reopened {
+		select {
+		case g.rewatch <- struct{}{}:
+		default:
+		}
+	}
 	return nil
+}
+
+// bucket is the member bucket as last opened.
+func (g *group) bucket() jetstream.KeyValue {
+	g.kvMu.Lock()
+	defer g.kvMu.Unlock()
+	return g.kv
 }
 
 // join checks that the live members agree on the partition count, then
@@ -225,7 +260,15 @@ func (g *group) agree(ctx context.Context) error {
 func (g *group) heartbeat(ctx context.Context) error {
 	// The stream's count, not the configured one: after a partition-count
 	// change, members started with the new count must not be refused.
-	_, err := g.kv.Put(ctx, g.c.cfg.Group.Member, []byte(strconv.FormatInt(g.beatCount.Load(), 10)))
+	value := []byte(strconv.FormatInt(g.beatCount.Load(), 10))
+	_, err := g.bucket().Put(ctx, g.c.cfg.Group.Member, value)
+	if err != nil && ctx.Err() == nil {
+		// The bucket may be gone (a NATS restart lost a memory bucket, or
+		// an operator deleted it): open it again, creating it, and rejoin.
+		if oerr := g.openBucket(ctx); oerr == nil {
+			_, err = g.bucket().Put(ctx, g.c.cfg.Group.Member, value)
+		}
+	}
 	if err != nil {
 		err = fmt.Errorf("heartbeat in group bucket: %w", err)
 		g.beatErr.Store(&err)
@@ -261,6 +304,7 @@ func (g *group) durableConfig(partitions, p int) jetstream.ConsumerConfig {
 	cfg.PriorityPolicy = jetstream.PriorityPolicyPinned
 	cfg.PriorityGroups = []string{priorityGroup(c.cfg.Name)}
 	cfg.PinnedTTL = c.cfg.Group.PinnedTTL
+	cfg.MaxAckPending = partitionPending(c.cfg.MaxAckPending, partitions)
 	cfg.Metadata = map[string]string{
 		metaDatabase: g.id.database(), metaFilter: cfg.FilterSubject,
 		metaGroup: c.cfg.Name, metaPartitions: strconv.Itoa(partitions), metaPartition: strconv.Itoa(p),
@@ -268,28 +312,26 @@ func (g *group) durableConfig(partitions, p int) jetstream.ConsumerConfig {
 	return cfg
 }
 
+// partitionPending is a partition durable's max_ack_pending: its share of
+// the member's MaxAckPending, so that a member holds at most MaxAckPending
+// messages (delivered and unacknowledged, in its pull buffers and workers)
+// however many partitions it owns.
+func partitionPending(maxAckPending, partitions int) int {
+	return max(1, maxAckPending/partitions)
+}
+
 // ensureGeneration creates the durables of a partition count that are
-// missing; with update it also brings existing ones to this member's
-// settings after checking that they are this group's (same database).
+// missing, after checking that existing ones (and ones another member
+// creates at the same moment) are this group's (same database and
+// filter); with update it also brings existing ones to this member's
+// settings.
 func (g *group) ensureGeneration(ctx context.Context, partitions int, update bool) error {
 	c := g.c
 	for p := range partitions {
 		cfg := g.durableConfig(partitions, p)
-		existing, err := c.js.Consumer(ctx, c.cfg.Stream, cfg.Durable)
-		switch {
-		case errors.Is(err, jetstream.ErrConsumerNotFound):
-			_, err = c.js.CreateConsumer(ctx, c.cfg.Stream, cfg)
-			if errors.Is(err, jetstream.ErrConsumerExists) {
-				err = nil // another member was first
-			}
-		case err == nil && update:
-			id := g.id
-			id.filter = cfg.FilterSubject
-			if err = c.checkIdentity(id, existing.CachedInfo().Config); err == nil {
-				_, err = c.js.UpdateConsumer(ctx, c.cfg.Stream, cfg)
-			}
-		}
-		if err != nil {
+		id := g.id
+		id.filter = cfg.FilterSubject
+		if _, err := c.ensureDurable(ctx, cfg, id, update); err != nil {
 			return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, c.cfg.Stream, err)
 		}
 	}
@@ -337,6 +379,7 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 			return nil
 		case err := <-g.errs:
 			return fmt.Errorf("consume group %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
+		case <-g.roster.changed: // a member joined or left: reassign now
 		case <-tick.C:
 		}
 	}
@@ -366,27 +409,54 @@ func (g *group) step(ctx, pullCtx context.Context) error {
 	if herr != nil && time.Since(time.Unix(0, g.lastBeat.Load())) > g.ttl {
 		// The others no longer count this member: give everything up.
 		g.assign(pullCtx, nil, nil)
-		return herr
+	}
+	gens, active, err := g.activeGeneration(ctx, current)
+	if errors.Is(err, ErrGroupMismatch) {
+		g.assign(pullCtx, nil, nil)
+		g.observe(gens, 0)
+		return err
+	}
+	if err != nil {
+		return err
 	}
 	members, err := g.members(ctx)
 	if err != nil {
-		return err
+		// Without a roster nothing is reassigned, but the partitions'
+		// gauges go on: an ownerless partition must show.
+		g.observe(gens, active)
+		return errors.Join(err, herr)
 	}
+	var ids []string
+	for _, m := range members {
+		ids = append(ids, m.id)
+	}
+	g.met.members.Set(float64(len(ids)))
+	if herr == nil || time.Since(time.Unix(0, g.lastBeat.Load())) <= g.ttl {
+		g.assign(pullCtx, ids, gens[active])
+	}
+	g.observe(gens, active)
+	return herr
+}
+
+// activeGeneration lists the group's generations of partition durables,
+// creating the current one's missing durables and removing drained older
+// ones, and returns the partition count to consume: the oldest generation
+// not drained yet, else the current one.
+func (g *group) activeGeneration(ctx context.Context, current int) (map[int]*generation, int, error) {
 	gens, err := g.generations(ctx)
 	if err != nil {
-		return err
+		return nil, 0, err
 	}
 	if _, ok := gens[current]; !ok || len(gens[current].durables) < current {
 		// The partition count changed: create the new generation; it is
 		// consumed once every older one is drained.
 		if err := g.ensureGeneration(ctx, current, false); err != nil {
-			return err
+			return nil, 0, err
 		}
 		if gens, err = g.generations(ctx); err != nil {
-			return err
+			return nil, 0, err
 		}
 	}
-	active := current
 	var older []*generation
 	for n, gen := range gens {
 		if n != current {
@@ -395,23 +465,82 @@ func (g *group) step(ctx, pullCtx context.Context) error {
 	}
 	sort.Slice(older, func(i, j int) bool { return older[i].created.Before(older[j].created) })
 	for _, gen := range older {
+		if cur := gens[current]; cur != nil && cur.created.Before(gen.created) && !gen.drained && !g.missingGone(ctx, gen) {
+			// The count went back (4 → 8 → 4) before the generation in
+			// between drained: the current durables hold events from
+			// before it and after it, so neither can go first in order.
+			g.reportDraining(gen)
+			return gens, 0, fmt.Errorf("%w: the stream's partition count went back to %d while the %d-partition durables of group %s still hold events: consuming either generation now would apply some aggregates' events out of order, so nothing is consumed; set nats.partitions to %d again and run `outbox-relay setup`, and change the count only once the %d-partition durables are gone (docs/consumer.md \"Changing the number of partitions\")",
+				ErrGroupMismatch, current, gen.partitions, g.c.cfg.Name, gen.partitions, gen.partitions)
+		}
+		if !gen.drained && len(gen.durables) < gen.partitions {
+			// A removal that stopped part-way (an API timeout, a member
+			// stopped mid-way) leaves an incomplete generation: it is
+			// drained when the durables that are left are and the missing
+			// ones are confirmed gone, and its removal is taken up again.
+			gen.drained = g.missingGone(ctx, gen)
+		}
 		if gen.drained {
 			// Nothing pending or unacknowledged: no member has anything of
 			// it in flight. Members still pulling it see the durables go.
-			g.removeGeneration(ctx, gen)
+			if err := g.removeGeneration(ctx, gen); err != nil {
+				// Drained is drained: the group moves on, and the next
+				// step deletes what is left.
+				g.log.Warn("remove drained partition generation; retried at the next step", zap.Int("partitions", gen.partitions), zap.Error(err))
+			}
+			delete(gens, gen.partitions)
 			continue
 		}
-		active = gen.partitions
-		break
+		g.reportDraining(gen)
+		return gens, gen.partitions, nil
 	}
-	var ids []string
-	for _, m := range members {
-		ids = append(ids, m.id)
+	if !g.drainSince.IsZero() {
+		g.drainSince = time.Time{}
+		g.met.draining.Reset()
 	}
-	g.met.members.Set(float64(len(ids)))
-	g.assign(pullCtx, ids, gens[active])
-	g.observe(gens, active)
-	return herr
+	return gens, current, nil
+}
+
+// missingGone reports whether the durables present of gen have nothing
+// pending or unacknowledged and the missing ones do not exist.
+func (g *group) missingGone(ctx context.Context, gen *generation) bool {
+	for p := range gen.partitions {
+		ci, ok := gen.durables[p]
+		if ok {
+			if ci.NumPending > 0 || ci.NumAckPending > 0 {
+				return false
+			}
+			continue
+		}
+		_, err := g.strm.Consumer(ctx, PartitionDurable(g.c.cfg.Name, gen.partitions, p))
+		if !errors.Is(err, jetstream.ErrConsumerNotFound) {
+			return false
+		}
+	}
+	return true
+}
+
+// reportDraining names, at most once a minute, the partitions of an older
+// generation that keep the group from moving to the current one: a
+// message retried without limit there blocks every new partition.
+func (g *group) reportDraining(gen *generation) {
+	if g.drainSince.IsZero() {
+		g.drainSince = time.Now()
+	}
+	g.met.draining.WithLabelValues(g.met.name, strconv.Itoa(gen.partitions)).Set(time.Since(g.drainSince).Seconds())
+	if time.Since(g.drainLogged) < time.Minute {
+		return
+	}
+	g.drainLogged = time.Now()
+	var busy []int
+	for p, ci := range gen.durables {
+		if ci.NumPending > 0 || ci.NumAckPending > 0 {
+			busy = append(busy, p)
+		}
+	}
+	slices.Sort(busy)
+	g.log.Info("waiting for an older partition generation to drain before consuming the current one",
+		zap.Int("partitions", gen.partitions), zap.Ints("undrained", busy), zap.Duration("since_created", time.Since(gen.created)))
 }
 
 // generations lists the group's partition durables by partition count.
@@ -456,16 +585,22 @@ func (g *group) generations(ctx context.Context) (map[int]*generation, error) {
 
 // removeGeneration deletes a drained older generation. No message can
 // reach its durables any more: the stream's transform writes the new
-// count into every subject since the change.
-func (g *group) removeGeneration(ctx context.Context, gen *generation) {
+// count into every subject since the change. Each delete is tried (one
+// that fails does not stop the others), and a generation left incomplete
+// is taken up again at the next step (activeGeneration).
+func (g *group) removeGeneration(ctx context.Context, gen *generation) error {
+	var errs []error
 	for p := range gen.durables {
 		name := PartitionDurable(g.c.cfg.Name, gen.partitions, p)
 		if err := g.strm.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-			g.log.Warn("delete drained partition durable", zap.String("durable", name), zap.Error(err))
-			return
+			errs = append(errs, fmt.Errorf("delete drained partition durable %s: %w", name, err))
 		}
 	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
 	g.log.Info("older partition generation drained and removed", zap.Int("partitions", gen.partitions))
+	return nil
 }
 
 // assignment returns the partitions of a count that member owns among
@@ -546,9 +681,17 @@ func (g *group) reap() {
 	}
 }
 
-// shutdown hands off every partition (bounded by DrainTimeout) and leaves
-// the group.
+// shutdown leaves the group and hands off every partition (bounded by
+// DrainTimeout). It leaves first, so that the others take the partitions
+// over at once: their reset to the ack floor keeps the order while this
+// member's workers settle what they hold (the dedup row makes the overlap
+// duplicates, not reorderings).
 func (g *group) shutdown() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := g.bucket().Delete(ctx, g.c.cfg.Group.Member); err != nil {
+		g.log.Debug("leave group: the member entry expires by itself", zap.Error(err))
+	}
 	for _, pt := range g.parts {
 		pt.release()
 	}
@@ -557,12 +700,7 @@ func (g *group) shutdown() {
 	select {
 	case <-done:
 	case <-time.After(g.c.cfg.Group.DrainTimeout + 5*time.Second):
-		g.log.Warn("partitions still handing off at shutdown; their pins expire after PinnedTTL")
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := g.kv.Delete(ctx, g.c.cfg.Group.Member); err != nil {
-		g.log.Debug("leave group: the member entry expires by itself", zap.Error(err))
+		g.log.Warn("partitions still handing off at shutdown")
 	}
 }
 

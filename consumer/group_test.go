@@ -177,7 +177,7 @@ func TestGroupConfigErrors(t *testing.T) {
 		{"invalid name", func(c *Config) { c.Name = "rewards.v2" }, "is not a valid group name"},
 		{"initial version 0", func(c *Config) { c.InitialVersion = 0 }, "set InitialVersion to the first version your producer writes"},
 		{"filter subjects", func(c *Config) { c.FilterSubjects = []string{"x.>"} }, "FilterSubjects cannot be combined with Group"},
-		{"short pinned ttl", func(c *Config) { c.Group.PinnedTTL = c.AckWait }, "raise PinnedTTL or leave it 0"},
+		{"short pinned ttl", func(c *Config) { c.Group.PinnedTTL = 2 * time.Second }, "raise PinnedTTL or leave it 0"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -18,6 +18,13 @@ const (
 	outcomeDeadLettered = "dead_lettered"
 )
 
+// Reasons counted by outbox_consumer_resumes_total.
+const (
+	resumeStart = "start"
+	resumeGap   = "gap"
+	resumeEnded = "ended"
+)
+
 // metricVecs are the collectors, shared by every consumer registered with the
 // same Registerer.
 type metricVecs struct {
@@ -34,6 +41,7 @@ type metricVecs struct {
 	batchTx      *prometheus.HistogramVec
 	openDLQ      *prometheus.GaugeVec
 	oldestDLQ    *prometheus.GaugeVec
+	resumes      *prometheus.CounterVec
 }
 
 // metrics are one consumer's series.
@@ -50,6 +58,8 @@ type metrics struct {
 	batchTx   prometheus.Observer
 	openDLQ   prometheus.Gauge
 	oldest    prometheus.Gauge
+	// resumes counts the feed's resets to the ack floor (feed.go), by why.
+	resumes map[string]prometheus.Counter
 	// outcomes are the processed counters, looked up once: one of them
 	// counts every message.
 	outcomes map[string]prometheus.Counter
@@ -114,6 +124,10 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 			Name: "outbox_consumer_dead_letter_oldest_age_seconds",
 			Help: "Age of the oldest dead letter waiting for an operator; 0 when there is none.",
 		}, []string{"consumer", "owner"}),
+		resumes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_resumes_total",
+			Help: "Times a durable or partition was reset to its ack floor to be delivered again in stream order, by reason: start (a run or a takeover), gap (deliveries missed, e.g. lost with a pull that ended), ended (the pull subscription ended).",
+		}, []string{"consumer", "reason"}),
 	}
 	var err error
 	v.processed, err = register(reg, v.processed)
@@ -153,6 +167,9 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 	if err == nil {
 		v.oldestDLQ, err = register(reg, v.oldestDLQ)
 	}
+	if err == nil {
+		v.resumes, err = register(reg, v.resumes)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("register consumer metrics: %w", err)
 	}
@@ -169,7 +186,12 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 	for _, o := range []string{outcomeApplied, outcomeDuplicate, outcomeRejected, outcomeSkipped, outcomeRetried, outcomeDeferred, outcomeDeadLettered} {
 		outcomes[o] = v.processed.WithLabelValues(name, o)
 	}
+	resumes := map[string]prometheus.Counter{}
+	for _, r := range []string{resumeStart, resumeGap, resumeEnded} {
+		resumes[r] = v.resumes.WithLabelValues(name, r)
+	}
 	return &metrics{
+		resumes:   resumes,
 		outcomes:  outcomes,
 		vecs:      v,
 		name:      name,

@@ -190,7 +190,7 @@ func (w *worker) next() *item {
 			return it
 		}
 		if b := w.blocked[it.key]; b != nil && it.m.StreamSeq > b.head {
-			b.held = append(b.held, it)
+			b.hold(it)
 			continue
 		}
 		return it
@@ -296,6 +296,24 @@ func (w *worker) release() {
 		}
 	}
 	w.queue, w.blocked = nil, map[string]*block{}
+}
+
+// hold adds a message to those held behind the block's head. A delivery of
+// a message already held (repeated by a reset of its feed, feed.go) takes
+// the earlier delivery's place, so that resets while a message is retried
+// do not pile up copies.
+func (b *block) hold(it *item) {
+	for i, h := range b.held {
+		if h.msg != nil && it.msg != nil && h.m.StreamSeq == it.m.StreamSeq {
+			if tm, ok := h.msg.(*trackedMsg); ok {
+				tm.settled() // superseded: its feed no longer waits for it
+			}
+			h.endSpan(result{kind: resStale}, false)
+			b.held[i] = it
+			return
+		}
+	}
+	b.held = append(b.held, it)
 }
 
 func (w *worker) unblock(key string, b *block) {

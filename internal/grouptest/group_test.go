@@ -5,11 +5,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	neturl "net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -41,7 +44,8 @@ type scenario struct {
 	f          *opstest.Fixture
 	partitions int // of the members started next
 	pinnedTTL  string
-	noVersion  bool // members run without VersionCheck
+	noVersion  bool     // members run without VersionCheck
+	env        []string // more environment of the members started next
 	natsURL    string
 	pgURL      string
 
@@ -50,11 +54,12 @@ type scenario struct {
 }
 
 type member struct {
-	id  string
-	cmd *exec.Cmd
-	out *bytes.Buffer
-	mu  *sync.Mutex
-	err chan error
+	id     string
+	cmd    *exec.Cmd
+	out    *bytes.Buffer
+	mu     *sync.Mutex
+	err    chan error
+	exited bool // kill or stop saw it exit
 }
 
 func newScenario(t *testing.T, partitions int) *scenario {
@@ -108,16 +113,33 @@ func (s *scenario) applied() int64 { return s.count(`SELECT count(*) FROM applie
 // start runs a member process with id; pgURL overrides the database URL.
 func (s *scenario) start(id, pgURL string) {
 	s.t.Helper()
+	s.startVia(id, pgURL, "")
+}
+
+// startVia is start with natsURL overriding the NATS URL as well.
+func (s *scenario) startVia(id, pgURL, natsURL string) {
+	s.t.Helper()
 	if pgURL == "" {
 		pgURL = s.pgURL
 	}
+	if natsURL == "" {
+		natsURL = s.natsURL
+	}
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(),
-		envMember+"="+id, envPostgres+"="+pgURL, envNATS+"="+s.natsURL,
+	cmd.Env = append(append(os.Environ(), s.env...),
+		envMember+"="+id, envPostgres+"="+pgURL, envNATS+"="+natsURL,
 		envStream+"="+s.f.Stream, envPartitions+"="+fmt.Sprint(s.partitions), envName+"="+group, envPinnedTTL+"="+s.pinnedTTL, envNoVersion+"="+map[bool]string{true: "1"}[s.noVersion])
 	m := &member{id: id, cmd: cmd, out: &bytes.Buffer{}, mu: &sync.Mutex{}, err: make(chan error, 1)}
 	cmd.Stdout = lockedWriter{m}
 	cmd.Stderr = lockedWriter{m}
+	if dir := os.Getenv(envLogDir); dir != "" {
+		// Also to a file: a run killed by its timeout prints no output.
+		name := strings.ReplaceAll(s.t.Name(), "/", "_") + "-" + id + "-" + strconv.FormatInt(time.Now().UnixNano(), 36) + ".log"
+		if lf, err := os.Create(filepath.Join(dir, name)); err == nil {
+			s.t.Cleanup(func() { _ = lf.Close() })
+			cmd.Stdout, cmd.Stderr = io.MultiWriter(lockedWriter{m}, lf), io.MultiWriter(lockedWriter{m}, lf)
+		}
+	}
 	if err := cmd.Start(); err != nil {
 		s.t.Fatal(err)
 	}
@@ -156,12 +178,25 @@ func (s *scenario) kill(id string) {
 	m := s.members[id]
 	_ = m.cmd.Process.Signal(syscall.SIGKILL)
 	<-m.err
+	m.exited = true
+}
+
+// signal sends sig to a member (SIGSTOP, SIGCONT).
+func (s *scenario) signal(id string, sig syscall.Signal) {
+	s.t.Helper()
+	if err := s.members[id].cmd.Process.Signal(sig); err != nil {
+		s.t.Fatalf("signal %v to member %s: %v", sig, id, err)
+	}
 }
 
 // stop SIGTERMs a member; it must exit cleanly.
 func (s *scenario) stop(id string) {
 	s.t.Helper()
 	m := s.members[id]
+	if m.exited {
+		return
+	}
+	m.exited = true
 	_ = m.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case err := <-m.err:

@@ -28,7 +28,16 @@ const (
 	envName       = "GROUPTEST_NAME"
 	envPinnedTTL  = "GROUPTEST_PINNED_TTL" // optional, a time.Duration
 	envNoVersion  = "GROUPTEST_NO_VERSION_CHECK"
+	// envLogDir, when set (by whoever runs the tests), names a directory
+	// where each member's output is written as well.
+	envLogDir = "GROUPTEST_LOG_DIR"
+	// envDefaults: the member runs with the library's default AckWait,
+	// HandlerTimeout, RetryBase, RetryMax and Group.MemberTTL.
+	envDefaults = "GROUPTEST_DEFAULTS"
 )
+
+// memberTTL is the members' Group.MemberTTL.
+const memberTTL = 3 * time.Second
 
 // memberMain runs one group member until SIGTERM: its handler records each
 // application in the applied table, whose serial column is the order of
@@ -95,12 +104,15 @@ func runMember() error {
 		Group: &consumer.GroupConfig{
 			Partitions: partitions,
 			Member:     os.Getenv(envMember),
-			MemberTTL:  3 * time.Second,
+			MemberTTL:  memberTTL,
 		},
 	}
 	if os.Getenv(envNoVersion) == "1" {
 		// Order then rests on the hand-off and the pin alone.
 		cfg.VersionCheck, cfg.InitialVersion = false, 0
+	}
+	if os.Getenv(envDefaults) == "1" {
+		cfg.AckWait, cfg.HandlerTimeout, cfg.RetryBase, cfg.RetryMax, cfg.Group.MemberTTL = 0, 0, 0, 0, 0
 	}
 	if v := os.Getenv(envPinnedTTL); v != "" {
 		if cfg.Group.PinnedTTL, err = time.ParseDuration(v); err != nil {
