@@ -143,7 +143,8 @@ func startBackfillPublisher(nc *nats.Conn, js jetstream.JetStream, cfg Config, l
 }
 
 // snapshotTx opens a read-only transaction on the slot's exported
-// snapshot; closeTx rolls it back and closes its connection.
+// snapshot (a snapshot of its own when snapshot is ""); closeTx rolls it
+// back and closes its connection.
 func snapshotTx(ctx context.Context, url, snapshot string) (tx pgx.Tx, closeTx func(), err error) {
 	ccfg, err := pgx.ParseConfig(url)
 	if err != nil {
@@ -163,6 +164,9 @@ func snapshotTx(ctx context.Context, url, snapshot string) (tx pgx.Tx, closeTx f
 		return nil, nil, err
 	}
 	closeTx = func() { _ = tx.Rollback(context.Background()); closeConn() }
+	if snapshot == "" {
+		return tx, closeTx, nil
+	}
 	if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT '"+snapshot+"'"); err != nil {
 		closeTx()
 		return nil, nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)

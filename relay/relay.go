@@ -121,6 +121,11 @@ type Relay struct {
 	streaming  atomic.Bool
 	pubProblem atomic.Pointer[error]
 	readyMu    sync.Mutex
+	// guard holds what the publication checks let the stream confirm;
+	// gapLock is the slot's backfill lock while a publication gap waits to
+	// be filled (owned by the stream goroutine).
+	guard   *pubGuard
+	gapLock *replication.BackfillGuard
 	// endSession ends the running replication session with a cause; nil
 	// between sessions.
 	endSession atomic.Pointer[context.CancelCauseFunc]
@@ -211,7 +216,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	if cfg.PublicationCheck <= 0 {
 		cfg.PublicationCheck = DefaultPublicationCheck
 	}
-	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready, tracer: o.tracer}
+	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready, tracer: o.tracer, guard: &pubGuard{cfg: cfg.Replication}}
 	r.durable.Store(-1)
 	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
 	if err != nil {
@@ -351,6 +356,8 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer stopStream()
 	stopAfter := context.AfterFunc(gctx, stopStream)
 	err := r.stream(sctx)
+	r.releaseGapLock()
+	r.guard.close()
 	stopAfter()
 	stopPub()
 	gerr := g.Wait()
@@ -443,7 +450,8 @@ func (r *Relay) stream(ctx context.Context) error {
 			r.log.Warn("event stream no longer allows batched publishing: publishing per aggregate from now on", zap.Error(err))
 			continue
 		}
-		if replication.IsPermanent(err) || errors.Is(err, publisher.ErrClosed) {
+		// A publication gone wrong while the relay ran is waited out.
+		if replication.IsPermanent(err) && !errors.Is(err, ErrPublicationGap) || errors.Is(err, publisher.ErrClosed) {
 			return err
 		}
 		if errors.Is(err, replication.ErrSlotInUse) && orphan != 0 {
@@ -472,6 +480,10 @@ func (r *Relay) stream(ctx context.Context) error {
 			// after a promotion.
 			wait = min(wait, max(r.cfg.ReconnectMin, connectRetryMax))
 		}
+		if errors.Is(err, ErrPublicationGap) {
+			// Waiting for a fix: notice it within a check interval.
+			wait = min(wait, r.checkInterval())
+		}
 		if errors.Is(err, replication.ErrSlotInUse) || errors.Is(err, replication.ErrBackfillInProgress) {
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
@@ -497,19 +509,13 @@ const connectRetryMax = time.Second
 // of a new slot while its snapshot is still being published), and nobody
 // may stream past an interrupted one.
 func (r *Relay) open(ctx context.Context, tracker *watermark.Tracker) (*replication.Stream, error) {
-	// Whatever postgres.auto_setup says: a table missing from the
-	// publication would be relayed as nothing, the slot confirming past it.
-	// A missing publication is left to Open, which names a missing slot
-	// first: setup creates both.
-	if err := r.checkPublication(ctx); err != nil && !errors.Is(err, replication.ErrPublicationMissing) {
-		return nil, err
-	}
 	_, err := replication.CheckBackfill(ctx, r.cfg.Replication)
 	r.backfillIncomplete.Store(errors.Is(err, replication.ErrBackfillIncomplete))
 	if err != nil {
 		return nil, err
 	}
-	return replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
+	return replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")),
+		replication.WithConfirmLimit(r.guard.limit), replication.WithRelationHook(r.relationChanged))
 }
 
 // BackfillIncomplete reports whether the relay found the slot's backfill
@@ -524,6 +530,13 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	// the publisher's per-key queue keeps those re-sends behind them.
 	tracker := watermark.NewTracker(0)
 	r.tracker.Store(tracker)
+	// Whatever postgres.auto_setup says: a table missing from the
+	// publication would be relayed as nothing, the slot confirming past it.
+	// After a gap this also publishes what the publication withheld, which
+	// may take longer than opening a session.
+	if err := r.preparePublication(ctx); err != nil {
+		return false, err
+	}
 	// Connecting and starting replication get a deadline of their own: a
 	// blackholed network would otherwise hang a reconnect forever.
 	openTimeout := r.cfg.Replication.ReceiveTimeout
@@ -570,6 +583,13 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 		}
 		cancel()
 		return true, nil
+	}
+	if errors.Is(err, ErrPublicationGap) {
+		// Before the slot is let go: a standby must not take it and stream
+		// past the withheld rows.
+		if lerr := r.holdGapLock(ctx); lerr != nil {
+			r.log.Warn("could not hold standbys back until the publication gap is filled", zap.Error(lerr))
+		}
 	}
 	if errors.Is(err, replication.ErrServerSilent) {
 		// The server may not have noticed that this connection is dead.
