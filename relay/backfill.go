@@ -2,8 +2,10 @@ package relay
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"strings"
 	"time"
 
@@ -253,6 +255,7 @@ func backfillTable(ctx context.Context, tx pgx.Tx, table string, tc router.Table
 	idIdx := rel.ColumnIndex(or(tc.Columns.EventID, router.DefaultEventIDColumn))
 	lastReport := time.Now()
 	read, reported := 0, -1
+	ids := rowIDs{}
 	for rows.Next() {
 		raw := rows.RawValues()
 		read++
@@ -267,11 +270,8 @@ func backfillTable(ctx context.Context, tx pgx.Tx, table string, tc router.Table
 				vals[i] = replication.Value{Kind: replication.ValueText, Data: raw[i]}
 			}
 		}
-		// A backfilled row has no WAL position of its own; its number in the
-		// deterministic read order stands in, so a re-run's dead-letter
-		// records get the same ids.
-		ins := &replication.Insert{Relation: rel, Values: vals, LSN: replication.LSN(read)}
-		m, unroutable := backfillMessage(rt, ins, commit)
+		ins := &replication.Insert{Relation: rel, Values: vals}
+		m, unroutable := backfillMessage(rt, ins, commit, func() { ins.LSN, ins.Ordinal = ids.of(raw) })
 		if unroutable {
 			dead++
 		}
@@ -332,10 +332,12 @@ func backfillSelect(rel *replication.Relation, tc router.TableConfig, ident, whe
 }
 
 // backfillMessage routes a backfilled row, or builds its dead-letter
-// record (unroutable reports that).
-func backfillMessage(rt *router.Router, ins *replication.Insert, commit router.CommitInfo) (m *publisher.Message, unroutable bool) {
+// record (unroutable reports that); position sets the row's stand-in
+// position first (rowIDs).
+func backfillMessage(rt *router.Router, ins *replication.Insert, commit router.CommitInfo, position func()) (m *publisher.Message, unroutable bool) {
 	rm, err := rt.Route(ins, commit)
 	if err != nil {
+		position()
 		dl := rt.DeadLetter(ins, commit, err)
 		return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}, true
 	}
@@ -351,4 +353,34 @@ func or(v, def string) string {
 		return v
 	}
 	return def
+}
+
+// rowIDs gives backfilled rows the position their dead-letter record's id
+// is made of when the row has no usable event id (router.DeadLetter). A
+// backfilled row has no WAL position of its own, and its number in the
+// read order is no id: a re-run reads a new snapshot, where a row inserted
+// in between shifts every later position, so one row's record was taken
+// for a duplicate of another's and lost. A hash of the row's values stands
+// in for the LSN, and the number of identical rows met before it for the
+// ordinal: identical rows are interchangeable, so the k-th keeps its id.
+// Memory: one entry per distinct unroutable row.
+type rowIDs map[uint64]uint32
+
+func (ids rowIDs) of(raw [][]byte) (replication.LSN, uint32) {
+	h := fnv.New64a()
+	var n [binary.MaxVarintLen64 + 1]byte
+	for _, v := range raw {
+		if v == nil {
+			h.Write([]byte{0})
+			continue
+		}
+		n[0] = 1
+		k := binary.PutUvarint(n[1:], uint64(len(v)))
+		h.Write(n[:1+k])
+		h.Write(v)
+	}
+	sum := h.Sum64()
+	ord := ids[sum]
+	ids[sum] = ord + 1
+	return replication.LSN(sum), ord
 }
