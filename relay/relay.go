@@ -126,6 +126,9 @@ type Relay struct {
 	// be filled (owned by the stream goroutine).
 	guard   *pubGuard
 	gapLock *replication.BackfillGuard
+	// afterBackfillCheck, when set (by tests, before Run), runs between
+	// the backfill check and the start of a session.
+	afterBackfillCheck func()
 	// endSession ends the running replication session with a cause; nil
 	// between sessions.
 	endSession atomic.Pointer[context.CancelCauseFunc]
@@ -509,10 +512,16 @@ const connectRetryMax = time.Second
 // of a new slot while its snapshot is still being published), and nobody
 // may stream past an interrupted one.
 func (r *Relay) open(ctx context.Context, tracker *watermark.Tracker) (*replication.Stream, error) {
-	_, err := replication.CheckBackfill(ctx, r.cfg.Replication)
+	// Held until the session started: a backfill must not create the slot
+	// and publish its snapshot in between (replication.HoldBackfill).
+	hold, _, err := replication.HoldBackfill(ctx, r.cfg.Replication)
 	r.backfillIncomplete.Store(errors.Is(err, replication.ErrBackfillIncomplete))
 	if err != nil {
 		return nil, err
+	}
+	defer hold.Close(context.Background())
+	if r.afterBackfillCheck != nil {
+		r.afterBackfillCheck()
 	}
 	return replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")),
 		replication.WithConfirmLimit(r.guard.limit), replication.WithRelationHook(r.relationChanged))
