@@ -253,9 +253,9 @@ func (r *Relay) watchPublication(ctx context.Context) {
 }
 
 // setReady tells the readiness callback whether the relay streams with a
-// right publication.
+// right publication and streams.
 func (r *Relay) setReady() {
 	r.readyMu.Lock()
 	defer r.readyMu.Unlock()
-	r.ready(r.streaming.Load() && r.pubProblem.Load() == nil)
+	r.ready(r.streaming.Load() && r.pubProblem.Load() == nil && r.streamProblem.Load() == nil)
 }

@@ -120,6 +120,9 @@ type Relay struct {
 	// relay is ready when it streams with a right publication.
 	streaming  atomic.Bool
 	pubProblem atomic.Pointer[error]
+	// streamProblem is what the last check of the streams while running
+	// found wrong (streams.go); nil when none.
+	streamProblem atomic.Pointer[error]
 	readyMu    sync.Mutex
 	// guard holds what the publication checks let the stream confirm;
 	// gapLock is the slot's backfill lock while a publication gap waits to
@@ -353,6 +356,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	g.Go(func() error { r.watchStall(gctx); return nil })
 	g.Go(func() error { r.watchPublication(gctx); return nil })
+	g.Go(func() error { r.watchStreams(gctx); return nil })
 	// A publisher that stops for good (its NATS connection closed) ends
 	// streaming too, and Run returns why.
 	sctx, stopStream := context.WithCancel(ctx)
