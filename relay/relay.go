@@ -123,7 +123,7 @@ type Relay struct {
 	// streamProblem is what the last check of the streams while running
 	// found wrong (streams.go); nil when none.
 	streamProblem atomic.Pointer[error]
-	readyMu    sync.Mutex
+	readyMu       sync.Mutex
 	// guard holds what the publication checks let the stream confirm;
 	// gapLock is the slot's backfill lock while a publication gap waits to
 	// be filled (owned by the stream goroutine).
