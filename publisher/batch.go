@@ -28,9 +28,10 @@ var ErrBatchDisabled = errors.New("stream does not allow batched publishing")
 // capacity is shared, under its own lock.
 //
 // A batch is one ordered, flow-controlled publishing session in "gap: fail"
-// mode: the server acknowledges every few hundred messages, and an
-// acknowledgement of batch sequence N means every message up to N is
-// stored, in order. A message that fails ends the batch where it failed:
+// mode: the server acknowledges every few hundred messages, and its final
+// answer counts the messages stored, in order. Only that answer settles
+// messages: it names the stream, which is checked like every other ack,
+// while a flow ack names none and so only tells that the server is alive. A message that fails ends the batch where it failed:
 // the server stores nothing after it. So order holds for every message,
 // not only per key, and a hot aggregate is not limited to one round trip
 // per event, while the server answers once per few hundred messages
@@ -98,7 +99,7 @@ type batchState struct {
 	subject string
 	ids     uint64
 	seq     uint64 // last batch sequence sent in the current batch
-	acked   uint64 // every message of the current batch up to it is stored
+	acked   uint64 // every message of the current batch up to it is stored and settled
 	eob     uint64 // batch sequence of the commit, 0 before it is sent
 	// commitAt is the batch sequence whose message commits the batch, 0
 	// for a batch committed after a lull.
@@ -515,7 +516,13 @@ func (b *Batch) answer(a batchAnswer) {
 		// this batch's messages.
 		b.failBatch(fmt.Errorf("%w: batch ack for %d of %d sent", ErrTransient, r.Seq, b.seq))
 	case r.Type == "ack":
-		b.ack(r.Seq)
+		// A flow ack names no stream, and anything subscribed to the
+		// subjects can answer in its shape: it says the server is alive,
+		// it settles nothing. The batch's final PubAck, which must name
+		// the stream (pubAckAnswer), settles what it counts; a batch
+		// left open is committed once the window is full and sends stop
+		// (idleFired), so that costs one commit per window.
+		b.lastAck = time.Now()
 	case r.Type == "gap":
 		b.failBatch(fmt.Errorf("%w: batch gap at %d", ErrTransient, r.Seq))
 	case r.Type == "err":

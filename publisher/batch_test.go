@@ -600,3 +600,47 @@ func TestBatchAnsweredFailureGoesAlone(t *testing.T) {
 		t.Fatalf("lone publishes %v, want every message the failed batch sent after its confirmed one, in order: %v", alone, pending)
 	}
 }
+
+// Regression (issue 25): flow acks {"type":"ack","seq":N} name no stream,
+// and settled a batch's messages unchecked. A core NATS subscriber stands
+// in for the stream (which does not take the subjects): it answers every
+// batch message with a flow ack and never with a final answer, and lone
+// publishes with an ack naming the stream. Only the checked answers may
+// settle a message: each must have gone alone first.
+func TestBatchFlowAcksSettleNothing(t *testing.T) {
+	scfg := batchStream("B")
+	scfg.Subjects = []string{"unused.>"}
+	f := newBatchFixtureWith(t, scfg, publisher.Config{AckTimeout: 300 * time.Millisecond, RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond},
+		publisher.BatchConfig{AckEvery: 1})
+	var mu sync.Mutex
+	alone := map[string]bool{}
+	var seq uint64
+	if _, err := f.nc.Subscribe("bt.>", func(m *nats.Msg) {
+		mu.Lock()
+		defer mu.Unlock()
+		tok := strings.Split(m.Reply, ".")
+		if strings.HasSuffix(m.Reply, ".$FI") {
+			_ = m.Respond([]byte(`{"type":"ack","seq":` + tok[len(tok)-3] + `,"msgs":1}`))
+			return
+		}
+		seq++
+		alone[m.Header.Get("Seq")] = true
+		_ = m.Respond([]byte(`{"stream":"B","seq":` + strconv.FormatUint(seq, 10) + `}`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const n = 10
+	for i := range n {
+		f.publish(ctx, i, "k", []byte("x"))
+	}
+	f.drain(ctx)
+	mu.Lock()
+	defer mu.Unlock()
+	for i := range n {
+		if !alone[strconv.Itoa(i)] {
+			t.Fatalf("message %d settled without a checked ack: a flow ack from something that is not the stream settled it", i)
+		}
+	}
+}
