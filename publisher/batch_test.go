@@ -328,13 +328,8 @@ func TestBatchUnansweredGoesAlone(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
 	const n = 50
-	for i := range n {
-		f.publish(ctx, i, "k", []byte("x"))
-	}
-	f.drain(ctx)
+	f.publishAndDrain(n, func(int) string { return "k" })
 	mu.Lock()
 	defer mu.Unlock()
 	// Each message at most once in a batch: the first batch, then the one
@@ -584,13 +579,7 @@ func TestBatchAnsweredFailureGoesAlone(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	const n = 50
-	for i := range n {
-		f.publish(ctx, i, "k"+strconv.Itoa(i%5), []byte("x"))
-	}
-	f.drain(ctx)
+	f.publishAndDrain(50, func(i int) string { return "k" + strconv.Itoa(i%5) })
 	mu.Lock()
 	defer mu.Unlock()
 	if len(pending) < 2 {
@@ -629,13 +618,8 @@ func TestBatchFlowAcksSettleNothing(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
 	const n = 10
-	for i := range n {
-		f.publish(ctx, i, "k", []byte("x"))
-	}
-	f.drain(ctx)
+	f.publishAndDrain(n, func(int) string { return "k" })
 	mu.Lock()
 	defer mu.Unlock()
 	for i := range n {
@@ -643,4 +627,16 @@ func TestBatchFlowAcksSettleNothing(t *testing.T) {
 			t.Fatalf("message %d settled without a checked ack: a flow ack from something that is not the stream settled it", i)
 		}
 	}
+}
+
+// publishAndDrain publishes messages 0..n-1 with data "x" under key(i) and
+// waits, up to 30 s, until all are settled.
+func (f *batchFixture) publishAndDrain(n int, key func(i int) string) {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for i := range n {
+		f.publish(ctx, i, key(i), []byte("x"))
+	}
+	f.drain(ctx)
 }

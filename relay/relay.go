@@ -364,10 +364,10 @@ func (r *Relay) Run(ctx context.Context) error {
 	stopAfter := context.AfterFunc(gctx, stopStream)
 	err := r.stream(sctx)
 	r.releaseGapLock()
-	r.guard.close()
 	stopAfter()
 	stopPub()
 	gerr := g.Wait()
+	r.guard.close() // after the watcher, its other user, returned
 	if r.batch != nil {
 		_ = r.batch.Close()
 	}
@@ -487,16 +487,19 @@ func (r *Relay) stream(ctx context.Context) error {
 			// after a promotion.
 			wait = min(wait, max(r.cfg.ReconnectMin, connectRetryMax))
 		}
-		if errors.Is(err, ErrPublicationGap) {
-			// Waiting for a fix: notice it within a check interval.
+		switch {
+		case errors.Is(err, ErrPublicationGap):
+			// Waiting for an operator's fix, noticed within a check
+			// interval: no restart, and logged when the verdict changes
+			// (recordPublication).
 			wait = min(wait, r.checkInterval())
-		}
-		if errors.Is(err, replication.ErrSlotInUse) || errors.Is(err, replication.ErrBackfillInProgress) {
+			r.log.Debug("waiting for the publication to be fixed", zap.Duration("retry_in", wait), zap.Error(err))
+		case errors.Is(err, replication.ErrSlotInUse) || errors.Is(err, replication.ErrBackfillInProgress):
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
 			r.log.Info("slot in use by another instance; standing by", zap.Duration("retry_in", wait), zap.Error(err))
 			r.obs.StandingBy()
-		} else {
+		default:
 			r.log.Warn("replication interrupted; reconnecting", zap.Duration("retry_in", wait), zap.Int("attempt", attempt), zap.Error(err))
 			r.obs.Reconnected()
 		}

@@ -364,24 +364,7 @@ func (s *Stream) decodeXLogData(ctx context.Context, b []byte) (any, error) {
 		s.inTx = false
 		return &s.commit, nil
 	case pgoutput.TypeRelation:
-		var r pgoutput.Relation
-		if err := pgoutput.DecodeRelation(body, &r); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
-		}
-		rel := &Relation{ID: r.ID, Namespace: r.Namespace, Name: r.Name, Columns: make([]Column, len(r.Columns))}
-		for i, c := range r.Columns {
-			rel.Columns[i] = Column{Name: c.Name, TypeOID: c.TypeOID}
-		}
-		// A new pointer on every Relation message: plans cached by the
-		// router for the old shape are not reused after ALTER TABLE.
-		s.relations[r.ID] = rel
-		s.log.Debug("relation", zap.String("table", rel.QualifiedName()), zap.Int("columns", len(rel.Columns)))
-		if s.relation != nil {
-			if err := s.relation(ctx, rel); err != nil {
-				return nil, err
-			}
-		}
-		return nil, nil
+		return nil, s.decodeRelation(ctx, body)
 	case pgoutput.TypeInsert:
 		if err := pgoutput.DecodeInsert(body, &s.rawInsert); err != nil {
 			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
@@ -424,6 +407,26 @@ func (s *Stream) decodeXLogData(ctx context.Context, b []byte) (any, error) {
 	default:
 		return nil, fmt.Errorf("%w: unknown pgoutput message type %q", ErrProtocol, typ)
 	}
+}
+
+// decodeRelation records a Relation message and tells the relation hook.
+func (s *Stream) decodeRelation(ctx context.Context, body []byte) error {
+	var r pgoutput.Relation
+	if err := pgoutput.DecodeRelation(body, &r); err != nil {
+		return fmt.Errorf("%w: %v", ErrProtocol, err)
+	}
+	rel := &Relation{ID: r.ID, Namespace: r.Namespace, Name: r.Name, Columns: make([]Column, len(r.Columns))}
+	for i, c := range r.Columns {
+		rel.Columns[i] = Column{Name: c.Name, TypeOID: c.TypeOID}
+	}
+	// A new pointer on every Relation message: plans cached by the
+	// router for the old shape are not reused after ALTER TABLE.
+	s.relations[r.ID] = rel
+	s.log.Debug("relation", zap.String("table", rel.QualifiedName()), zap.Int("columns", len(rel.Columns)))
+	if s.relation != nil {
+		return s.relation(ctx, rel)
+	}
+	return nil
 }
 
 // ordinal returns the position of a change at lsn among the transaction's
