@@ -3,10 +3,13 @@ package relay
 import (
 	"context"
 	"errors"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/replication"
@@ -58,10 +61,23 @@ type pubGuard struct {
 	// safe is the WAL position read before the last right check with
 	// nothing withheld before it: the stream never confirms past it.
 	safe atomic.Uint64
+	// shutdown is set while the server refuses connections because it is
+	// shutting down (SQLSTATE 57P03): no check can run, and its walsender
+	// waits, before the server may stop, for the relay to confirm the
+	// shutdown checkpoint. Capped, the relay would hold a fast shutdown
+	// until pg_ctl gives up. The cap is lifted until a check succeeds
+	// again; a publication changed in between is still found by that
+	// check (its identity), and the gap filled from the table.
+	shutdown atomic.Bool
 }
 
 // limit is the stream's confirm limit.
-func (g *pubGuard) limit() replication.LSN { return replication.LSN(g.safe.Load()) }
+func (g *pubGuard) limit() replication.LSN {
+	if g.shutdown.Load() {
+		return replication.LSN(math.MaxUint64)
+	}
+	return replication.LSN(g.safe.Load())
+}
 
 // check probes the publication and returns the probe and whether rows may
 // have been withheld since the last right check. An error is no verdict.
@@ -76,6 +92,8 @@ func (g *pubGuard) check(ctx context.Context) (replication.PublicationProbe, boo
 		g.watch = w
 	}
 	p, err := g.watch.Probe(ctx)
+	var pgErr *pgconn.PgError
+	g.shutdown.Store(errors.As(err, &pgErr) && pgErr.Code == pgerrcode.CannotConnectNow)
 	if err != nil {
 		return p, g.gap, err
 	}
@@ -168,10 +186,13 @@ func (r *Relay) verifyStreaming(ctx context.Context, failOnError bool) error {
 		if failOnError {
 			return err
 		}
-		if ctx.Err() == nil {
+		if ctx.Err() == nil && !r.probeFailing.Swap(true) {
 			r.log.Warn("could not check the publication; confirming nothing newer until a check succeeds", zap.Error(err))
 		}
 		return nil
+	}
+	if r.probeFailing.Swap(false) {
+		r.log.Info("publication checks work again")
 	}
 	r.recordPublication(p.Problem, gap)
 	if gap {
@@ -190,9 +211,11 @@ func (r *Relay) relationChanged(ctx context.Context, _ *replication.Relation) er
 	return r.verifyStreaming(ctx, true)
 }
 
-// probeTimeout bounds one publication check.
+// probeTimeout bounds one publication check: a check hung on a dead
+// connection holds the confirm limit, and the session's Relation hook,
+// until it fails and the next one reconnects.
 func (r *Relay) probeTimeout() time.Duration {
-	return max(r.cfg.PublicationCheck, 10*time.Second)
+	return max(2*r.checkInterval(), 5*time.Second)
 }
 
 // checkInterval is how often the publication is checked while streaming:

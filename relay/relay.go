@@ -129,6 +129,9 @@ type Relay struct {
 	// be filled (owned by the stream goroutine).
 	guard   *pubGuard
 	gapLock *replication.BackfillGuard
+	// probeFailing is set while publication checks fail to run, so that
+	// an outage logs once.
+	probeFailing atomic.Bool
 	// afterBackfillCheck, when set (by tests, before Run), runs between
 	// the backfill check and the start of a session.
 	afterBackfillCheck func()
