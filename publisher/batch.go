@@ -28,9 +28,10 @@ var ErrBatchDisabled = errors.New("stream does not allow batched publishing")
 // capacity is shared, under its own lock.
 //
 // A batch is one ordered, flow-controlled publishing session in "gap: fail"
-// mode: the server acknowledges every few hundred messages, and an
-// acknowledgement of batch sequence N means every message up to N is
-// stored, in order. A message that fails ends the batch where it failed:
+// mode: the server acknowledges every few hundred messages, and its final
+// answer counts the messages stored, in order. Only that answer settles
+// messages: it names the stream, which is checked like every other ack,
+// while a flow ack names none and so only tells that the server is alive. A message that fails ends the batch where it failed:
 // the server stores nothing after it. So order holds for every message,
 // not only per key, and a hot aggregate is not limited to one round trip
 // per event, while the server answers once per few hundred messages
@@ -98,7 +99,7 @@ type batchState struct {
 	subject string
 	ids     uint64
 	seq     uint64 // last batch sequence sent in the current batch
-	acked   uint64 // every message of the current batch up to it is stored
+	acked   uint64 // every message of the current batch up to it is stored and settled
 	eob     uint64 // batch sequence of the commit, 0 before it is sent
 	// commitAt is the batch sequence whose message commits the batch, 0
 	// for a batch committed after a lull.
@@ -109,9 +110,8 @@ type batchState struct {
 	endBy   time.Time // deadline for the final answer once ending
 	iso     Message   // the message isolated after a failure, with Done = isoSettled
 	isoSent bool      // iso is with the per-key publisher
-	// isoRest counts the messages still to go alone after iso, the rest of
-	// a batch that ended without its final answer (finishUnanswered sets
-	// it to -1 for finish to fill in).
+	// isoRest counts the messages of a failed batch still to go alone
+	// after iso.
 	isoRest  int
 	failures int // consecutive failed batches, for logging
 	// sends counts messages sent; idleAt is its value when the idle timer
@@ -516,7 +516,13 @@ func (b *Batch) answer(a batchAnswer) {
 		// this batch's messages.
 		b.failBatch(fmt.Errorf("%w: batch ack for %d of %d sent", ErrTransient, r.Seq, b.seq))
 	case r.Type == "ack":
-		b.ack(r.Seq)
+		// A flow ack names no stream, and anything subscribed to the
+		// subjects can answer in its shape: it says the server is alive,
+		// it settles nothing. The batch's final PubAck, which must name
+		// the stream (pubAckAnswer), settles what it counts; a batch
+		// left open is committed once the window is full and sends stop
+		// (idleFired), so that costs one commit per window.
+		b.lastAck = time.Now()
 	case r.Type == "gap":
 		b.failBatch(fmt.Errorf("%w: batch gap at %d", ErrTransient, r.Seq))
 	case r.Type == "err":
@@ -626,42 +632,37 @@ func (b *Batch) settle(pd *bpending, res Result) {
 }
 
 // finishUnanswered ends the current batch without its final answer (no
-// answer in time, or none to trust), with what flow acks confirmed. Every
-// message it sent beyond that then goes alone through the per-key
-// publisher before batching resumes: the server may still hold them as
-// proposals not yet committed, and a new batch reaching the same leader
-// would skip each as a duplicate "in process" (10158) and count it as
-// stored, though the leader may yet lose it. A lone publish of such a
-// message is answered with that error instead, and retried until the
-// proposal is stored (a duplicate ack) or lost (stored anew).
-func (b *Batch) finishUnanswered() {
-	b.isoRest = -1
-	b.finish(b.acked)
-}
+// answer in time, or none to trust), with what flow acks confirmed.
+func (b *Batch) finishUnanswered() { b.finish(b.acked) }
 
 // finish ends the current batch with its first n messages stored: the rest
 // are sent again.
+//
+// After a failure, answered or not, every message it sent beyond n goes
+// alone through the per-key publisher, in order, before batching resumes:
+// the stream's leader may still hold some as proposals not yet committed
+// (it answered the failure of one while later ones were on their way, or
+// its answers were lost), and a new batch reaching it would skip each as
+// a duplicate "in process" (10158) and count it as stored, though the
+// leader may yet lose it. A lone publish of such a message is answered
+// with that error instead, and retried until the proposal is stored (a
+// duplicate ack) or lost (stored anew).
 func (b *Batch) finish(n uint64) {
 	b.ack(n)
-	unanswered := b.isoRest < 0
-	b.isoRest = 0
-	if unanswered && b.sent > 1 {
-		// The first goes as iso; these follow it alone.
-		b.isoRest = b.sent - 1
-	}
+	b.isoRest = max(0, b.sent-1) // the first goes as iso
 	for i := b.head; i < b.head+b.sent; i++ {
 		b.queue[i].bseq = 0
 	}
 	b.sent = 0
 	b.id = ""
 	if b.failed == nil {
-		b.failures = 0
+		b.failures, b.isoRest = 0, 0
 		b.state = batchIdle
 		return
 	}
 	b.failures++
 	if b.failures == 1 || b.failures%100 == 0 {
-		b.log.Warn("fast-ingest batch failed; its first unconfirmed message goes alone, then batching resumes",
+		b.log.Warn("fast-ingest batch failed; the messages it sent and the server did not confirm go alone, then batching resumes",
 			zap.Int("failures_in_a_row", b.failures), zap.Error(b.failed))
 	}
 	b.obs.Retried(failureClass(b.failed))
@@ -707,8 +708,8 @@ func (b *Batch) sendIsolated() {
 }
 
 // isolatedSettled settles the isolated message with the per-key
-// publisher's result and goes on: the rest of an unanswered batch alone,
-// or the next batch.
+// publisher's result and goes on: the rest of a failed batch alone
+// (finish), or the next batch.
 func (b *Batch) isolatedSettled(res Result) {
 	pd := b.queue[b.head]
 	b.queue[b.head] = nil
@@ -719,7 +720,7 @@ func (b *Batch) isolatedSettled(res Result) {
 	b.iso = Message{}
 	b.settle(pd, res)
 	if b.isoRest > 0 && b.head < len(b.queue) && b.closedErr() == nil {
-		// The rest of a batch that ended unanswered goes alone too.
+		// The rest of the failed batch goes alone too.
 		b.isoRest--
 		b.isolate()
 		return

@@ -328,13 +328,8 @@ func TestBatchUnansweredGoesAlone(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
 	const n = 50
-	for i := range n {
-		f.publish(ctx, i, "k", []byte("x"))
-	}
-	f.drain(ctx)
+	f.publishAndDrain(n, func(int) string { return "k" })
 	mu.Lock()
 	defer mu.Unlock()
 	// Each message at most once in a batch: the first batch, then the one
@@ -525,4 +520,123 @@ func runBatch(t *testing.T, keyed *publisher.Publisher, b *publisher.Batch) {
 		_ = b.Close()
 		_ = keyed.Close()
 	})
+}
+
+// Regression (issue 25): the 10158 "in process" guard covered only batches
+// that ended unanswered. A batch the server answered with a failure (a
+// gap, an error, a refusal) resumed batching after one lone message while
+// the messages sent after the failed one could still be proposals on the
+// same leader: a new batch would have them skipped as duplicates in
+// process and counted as stored. Every message such a batch sent beyond
+// the confirmed count goes alone first. A core NATS subscriber stands in
+// for the stream: it answers the first batch of two or more messages with
+// a gap at its second message and a count of one, every other batch in
+// full, and acknowledges lone publishes.
+func TestBatchAnsweredFailureGoesAlone(t *testing.T) {
+	scfg := batchStream("B")
+	scfg.Subjects = []string{"unused.>"}
+	f := newBatchFixtureWith(t, scfg, publisher.Config{AckTimeout: 2 * time.Second, RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond}, publisher.BatchConfig{})
+	var mu sync.Mutex
+	var target string           // the failed batch's id
+	var pending, alone []string // its messages after the first; lone publishes
+	var seq uint64
+	first := true
+	if _, err := f.nc.Subscribe("bt.>", func(m *nats.Msg) {
+		mu.Lock()
+		defer mu.Unlock()
+		tok := strings.Split(m.Reply, ".")
+		if !strings.HasSuffix(m.Reply, ".$FI") {
+			seq++
+			alone = append(alone, m.Header.Get("Seq"))
+			_ = m.Respond([]byte(`{"stream":"B","seq":` + strconv.FormatUint(seq, 10) + `}`))
+			return
+		}
+		id, op := tok[len(tok)-6], tok[len(tok)-2]
+		n, _ := strconv.ParseUint(tok[len(tok)-3], 10, 64)
+		if target == "" && n == 2 {
+			target = id
+			_ = m.Respond([]byte(`{"type":"gap","seq":2}`))
+		}
+		if id == target && len(m.Data) > 0 && n >= 2 {
+			pending = append(pending, m.Header.Get("Seq"))
+		}
+		count := n
+		switch {
+		case op == "3":
+			count = n - 1
+		case op != "2":
+			return // flow acks are not needed: every batch is committed
+		}
+		if id == target {
+			count = 1
+		}
+		if first {
+			// Let the rest queue up behind the first batch.
+			first = false
+			time.Sleep(50 * time.Millisecond)
+		}
+		_ = m.Respond([]byte(`{"stream":"B","batch":"` + id + `","count":` + strconv.FormatUint(count, 10) + `}`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	f.publishAndDrain(50, func(i int) string { return "k" + strconv.Itoa(i%5) })
+	mu.Lock()
+	defer mu.Unlock()
+	if len(pending) < 2 {
+		t.Fatalf("the failed batch sent %d messages after its first: the test proves nothing", len(pending))
+	}
+	if strings.Join(alone, ",") != strings.Join(pending, ",") {
+		t.Fatalf("lone publishes %v, want every message the failed batch sent after its confirmed one, in order: %v", alone, pending)
+	}
+}
+
+// Regression (issue 25): flow acks {"type":"ack","seq":N} name no stream,
+// and settled a batch's messages unchecked. A core NATS subscriber stands
+// in for the stream (which does not take the subjects): it answers every
+// batch message with a flow ack and never with a final answer, and lone
+// publishes with an ack naming the stream. Only the checked answers may
+// settle a message: each must have gone alone first.
+func TestBatchFlowAcksSettleNothing(t *testing.T) {
+	scfg := batchStream("B")
+	scfg.Subjects = []string{"unused.>"}
+	f := newBatchFixtureWith(t, scfg, publisher.Config{AckTimeout: 300 * time.Millisecond, RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond},
+		publisher.BatchConfig{AckEvery: 1})
+	var mu sync.Mutex
+	alone := map[string]bool{}
+	var seq uint64
+	if _, err := f.nc.Subscribe("bt.>", func(m *nats.Msg) {
+		mu.Lock()
+		defer mu.Unlock()
+		tok := strings.Split(m.Reply, ".")
+		if strings.HasSuffix(m.Reply, ".$FI") {
+			_ = m.Respond([]byte(`{"type":"ack","seq":` + tok[len(tok)-3] + `,"msgs":1}`))
+			return
+		}
+		seq++
+		alone[m.Header.Get("Seq")] = true
+		_ = m.Respond([]byte(`{"stream":"B","seq":` + strconv.FormatUint(seq, 10) + `}`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	const n = 10
+	f.publishAndDrain(n, func(int) string { return "k" })
+	mu.Lock()
+	defer mu.Unlock()
+	for i := range n {
+		if !alone[strconv.Itoa(i)] {
+			t.Fatalf("message %d settled without a checked ack: a flow ack from something that is not the stream settled it", i)
+		}
+	}
+}
+
+// publishAndDrain publishes messages 0..n-1 with data "x" under key(i) and
+// waits, up to 30 s, until all are settled.
+func (f *batchFixture) publishAndDrain(n int, key func(i int) string) {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for i := range n {
+		f.publish(ctx, i, key(i), []byte("x"))
+	}
+	f.drain(ctx)
 }

@@ -2,8 +2,10 @@ package relay
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"strings"
 	"time"
 
@@ -143,7 +145,8 @@ func startBackfillPublisher(nc *nats.Conn, js jetstream.JetStream, cfg Config, l
 }
 
 // snapshotTx opens a read-only transaction on the slot's exported
-// snapshot; closeTx rolls it back and closes its connection.
+// snapshot (a snapshot of its own when snapshot is ""); closeTx rolls it
+// back and closes its connection.
 func snapshotTx(ctx context.Context, url, snapshot string) (tx pgx.Tx, closeTx func(), err error) {
 	ccfg, err := pgx.ParseConfig(url)
 	if err != nil {
@@ -163,6 +166,9 @@ func snapshotTx(ctx context.Context, url, snapshot string) (tx pgx.Tx, closeTx f
 		return nil, nil, err
 	}
 	closeTx = func() { _ = tx.Rollback(context.Background()); closeConn() }
+	if snapshot == "" {
+		return tx, closeTx, nil
+	}
 	if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT '"+snapshot+"'"); err != nil {
 		closeTx()
 		return nil, nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
@@ -250,6 +256,7 @@ func backfillTable(ctx context.Context, tx pgx.Tx, table string, tc router.Table
 	idIdx := rel.ColumnIndex(or(tc.Columns.EventID, router.DefaultEventIDColumn))
 	lastReport := time.Now()
 	read, reported := 0, -1
+	ids := rowIDs{}
 	for rows.Next() {
 		raw := rows.RawValues()
 		read++
@@ -264,11 +271,8 @@ func backfillTable(ctx context.Context, tx pgx.Tx, table string, tc router.Table
 				vals[i] = replication.Value{Kind: replication.ValueText, Data: raw[i]}
 			}
 		}
-		// A backfilled row has no WAL position of its own; its number in the
-		// deterministic read order stands in, so a re-run's dead-letter
-		// records get the same ids.
-		ins := &replication.Insert{Relation: rel, Values: vals, LSN: replication.LSN(read)}
-		m, unroutable := backfillMessage(rt, ins, commit)
+		ins := &replication.Insert{Relation: rel, Values: vals}
+		m, unroutable := backfillMessage(rt, ins, commit, func() { ins.LSN, ins.Ordinal = ids.of(raw) })
 		if unroutable {
 			dead++
 		}
@@ -329,10 +333,12 @@ func backfillSelect(rel *replication.Relation, tc router.TableConfig, ident, whe
 }
 
 // backfillMessage routes a backfilled row, or builds its dead-letter
-// record (unroutable reports that).
-func backfillMessage(rt *router.Router, ins *replication.Insert, commit router.CommitInfo) (m *publisher.Message, unroutable bool) {
+// record (unroutable reports that); position sets the row's stand-in
+// position first (rowIDs).
+func backfillMessage(rt *router.Router, ins *replication.Insert, commit router.CommitInfo, position func()) (m *publisher.Message, unroutable bool) {
 	rm, err := rt.Route(ins, commit)
 	if err != nil {
+		position()
 		dl := rt.DeadLetter(ins, commit, err)
 		return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}, true
 	}
@@ -348,4 +354,34 @@ func or(v, def string) string {
 		return v
 	}
 	return def
+}
+
+// rowIDs gives backfilled rows the position their dead-letter record's id
+// is made of when the row has no usable event id (router.DeadLetter). A
+// backfilled row has no WAL position of its own, and its number in the
+// read order is no id: a re-run reads a new snapshot, where a row inserted
+// in between shifts every later position, so one row's record was taken
+// for a duplicate of another's and lost. A hash of the row's values stands
+// in for the LSN, and the number of identical rows met before it for the
+// ordinal: identical rows are interchangeable, so the k-th keeps its id.
+// Memory: one entry per distinct unroutable row.
+type rowIDs map[uint64]uint32
+
+func (ids rowIDs) of(raw [][]byte) (replication.LSN, uint32) {
+	h := fnv.New64a()
+	var n [binary.MaxVarintLen64 + 1]byte
+	for _, v := range raw {
+		if v == nil {
+			h.Write([]byte{0})
+			continue
+		}
+		n[0] = 1
+		k := binary.PutUvarint(n[1:], uint64(len(v)))
+		h.Write(n[:1+k])
+		h.Write(v)
+	}
+	sum := h.Sum64()
+	ord := ids[sum]
+	ids[sum] = ord + 1
+	return replication.LSN(sum), ord
 }

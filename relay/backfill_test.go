@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -130,4 +131,45 @@ func TestBackfillHoldsStandbyBack(t *testing.T) {
 	}
 	f.WaitCount(ctx, f.Stream, before+10, 60*time.Second)
 	f.versionsInOrder(ctx, "hot", before+10)
+}
+
+// Regression (issue 25): a backfilled row without a usable event id got
+// the dead-letter id of its position in the read order. A re-run reads a
+// new snapshot: a row inserted in between shifted every position, and its
+// record was dropped as a duplicate of another row's. Ids now come from
+// the row's values, whatever the read order.
+func TestBackfillDeadLetterIDsSurviveRerun(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	f.relayTable(ctx, "loose_outbox", "id bigserial, event_id text, aggregate_id text, aggregate_version bigint, event_type text, payload jsonb")
+	insert := func(agg string, n int) {
+		t.Helper()
+		if _, err := f.DB.Pool.Exec(ctx, `INSERT INTO loose_outbox (aggregate_id, aggregate_version, event_type, payload)
+			SELECT $1 || '-' || lpad(g::text, 3, '0'), 1, 'T', '{}' FROM generate_series(1, $2::int) g`, agg, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	backfill := func() {
+		t.Helper()
+		if _, err := relay.Backfill(ctx, f.Cfg, f.NC, zaptest.NewLogger(t).Named("backfill"), nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insert("b", 200)
+	backfill()
+	f.WaitCount(ctx, f.DLQ, 200, 30*time.Second)
+	if _, err := replication.DropSlot(ctx, f.Cfg.Replication); err != nil {
+		t.Fatal(err)
+	}
+	insert("a", 1) // first in (aggregate id, version) order: every position shifts
+	backfill()
+	var found bool
+	dl := relaytest.ReadStream(ctx, t, f.JS, f.DLQ)
+	for _, m := range dl {
+		found = found || strings.Contains(string(m.Data), `"a-001"`)
+	}
+	if len(dl) != 201 || !found {
+		t.Fatalf("%d dead-letter records (the new row's among them: %v), want 201 with it", len(dl), found)
+	}
 }

@@ -152,7 +152,11 @@ func (p *pipeline) message(ctx context.Context, msg *replication.Message) error 
 	}
 	if p.tx == nil {
 		// A non-transactional message comes outside any transaction: give
-		// it one of its own, confirmable at its LSN once dead-lettered.
+		// it one of its own, confirmable at its LSN once dead-lettered,
+		// admitted like any other.
+		if err := p.admitTx(ctx); err != nil {
+			return err
+		}
 		tx := p.tracker.Begin(time.Now())
 		defer tx.Commit(msg.LSN)
 		saved := p.commit

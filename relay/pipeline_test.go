@@ -105,6 +105,11 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 		}
 		return append(out, &replication.Commit{CommitLSN: end - 8, EndLSN: end})
 	}
+	// A non-transactional logical message, unroutable (no envelope): it is
+	// a transaction of its own, settled when its record is.
+	lone := func(lsn watermark.LSN) []any {
+		return []any{&replication.Message{Prefix: "evt", Content: []byte("not an envelope"), LSN: lsn}}
+	}
 	// A step settles an event ("e<i>"), a dead-letter record ("d<i>"), or
 	// has the broker reject event i ("r<i>": its DeadLetter builds the
 	// record, which is then acked), and checks the watermark after it.
@@ -142,13 +147,18 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 		{name: "at the unsettled-transaction bound intake waits for the watermark",
 			changes: [][]any{tx(200, row("01")), tx(300, row("02")), tx(400, row("03"))}, maxTxs: 2, events: 3, afterRun: 300,
 			steps: []step{{"e2", 400}}},
+		// Regression (issue 25): a message outside any transaction skipped
+		// the bound.
+		{name: "non-transactional messages wait at the bound too",
+			changes: [][]any{lone(200), lone(300), lone(400)}, maxTxs: 1, dead: 3, afterRun: 300,
+			steps: []step{{"d2", 400}}},
 		{name: "a bound of one transaction resumes once it settles",
 			changes: [][]any{tx(200, row("01")), tx(300, row("02"))}, maxTxs: 1, events: 2, afterRun: 200,
 			steps: []step{{"e1", 300}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			rt, err := router.New(router.Config{Tables: []router.TableConfig{{Table: "public.outbox"}}})
+			rt, err := router.New(router.Config{Tables: []router.TableConfig{{Table: "public.outbox"}, {Table: MessageSchema + ".evt"}}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -167,13 +177,16 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 			// meanwhile.
 			st.onHeartbeat = func() {
 				paused = paused || r.IntakePaused()
-				if events.settled < len(events.msgs) {
+				switch {
+				case events.settled < len(events.msgs):
 					events.settleNext()
+				case dead.settled < len(dead.msgs):
+					dead.settleNext()
 				}
 			}
 			tracker := watermark.NewTracker(start)
 			p := pipeline{r: r, st: st, events: func() publishTarget { return events }, deadLetters: dead,
-				tracker: tracker, msgs: newMessagePrefixes(nil)}
+				tracker: tracker, msgs: newMessagePrefixes([]string{"evt"})}
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			if err := p.run(ctx); !errors.Is(err, errEndOfScript) {

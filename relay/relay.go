@@ -120,7 +120,21 @@ type Relay struct {
 	// relay is ready when it streams with a right publication.
 	streaming  atomic.Bool
 	pubProblem atomic.Pointer[error]
-	readyMu    sync.Mutex
+	// streamProblem is what the last check of the streams while running
+	// found wrong (streams.go); nil when none.
+	streamProblem atomic.Pointer[error]
+	readyMu       sync.Mutex
+	// guard holds what the publication checks let the stream confirm;
+	// gapLock is the slot's backfill lock while a publication gap waits to
+	// be filled (owned by the stream goroutine).
+	guard   *pubGuard
+	gapLock *replication.BackfillGuard
+	// probeFailing is set while publication checks fail to run, so that
+	// an outage logs once.
+	probeFailing atomic.Bool
+	// afterBackfillCheck, when set (by tests, before Run), runs between
+	// the backfill check and the start of a session.
+	afterBackfillCheck func()
 	// endSession ends the running replication session with a cause; nil
 	// between sessions.
 	endSession atomic.Pointer[context.CancelCauseFunc]
@@ -211,7 +225,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	if cfg.PublicationCheck <= 0 {
 		cfg.PublicationCheck = DefaultPublicationCheck
 	}
-	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready, tracer: o.tracer}
+	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready, tracer: o.tracer, guard: &pubGuard{cfg: cfg.Replication}}
 	r.durable.Store(-1)
 	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
 	if err != nil {
@@ -345,15 +359,18 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	g.Go(func() error { r.watchStall(gctx); return nil })
 	g.Go(func() error { r.watchPublication(gctx); return nil })
+	g.Go(func() error { r.watchStreams(gctx); return nil })
 	// A publisher that stops for good (its NATS connection closed) ends
 	// streaming too, and Run returns why.
 	sctx, stopStream := context.WithCancel(ctx)
 	defer stopStream()
 	stopAfter := context.AfterFunc(gctx, stopStream)
 	err := r.stream(sctx)
+	r.releaseGapLock()
 	stopAfter()
 	stopPub()
 	gerr := g.Wait()
+	r.guard.close() // after the watcher, its other user, returned
 	if r.batch != nil {
 		_ = r.batch.Close()
 	}
@@ -444,7 +461,8 @@ func (r *Relay) stream(ctx context.Context) error {
 			r.log.Warn("event stream no longer allows batched publishing: publishing per aggregate from now on", zap.Error(err))
 			continue
 		}
-		if replication.IsPermanent(err) || errors.Is(err, publisher.ErrClosed) {
+		// A publication gone wrong while the relay ran is waited out.
+		if replication.IsPermanent(err) && !errors.Is(err, ErrPublicationGap) || errors.Is(err, publisher.ErrClosed) {
 			return err
 		}
 		if errors.Is(err, replication.ErrSlotInUse) && orphan != 0 {
@@ -474,12 +492,19 @@ func (r *Relay) stream(ctx context.Context) error {
 			// after a promotion.
 			wait = min(wait, max(r.cfg.ReconnectMin, connectRetryMax))
 		}
-		if errors.Is(err, replication.ErrSlotInUse) || errors.Is(err, replication.ErrBackfillInProgress) {
+		switch {
+		case errors.Is(err, ErrPublicationGap):
+			// Waiting for an operator's fix, noticed within a check
+			// interval: no restart, and logged when the verdict changes
+			// (recordPublication).
+			wait = min(wait, r.checkInterval())
+			r.log.Debug("waiting for the publication to be fixed", zap.Duration("retry_in", wait), zap.Error(err))
+		case errors.Is(err, replication.ErrSlotInUse) || errors.Is(err, replication.ErrBackfillInProgress):
 			// A standby: poll often, so takeover is quick.
 			wait = min(wait, 2*time.Second)
 			standby.retry(r.log, time.Now(), wait, err)
 			r.obs.StandingBy()
-		} else {
+		default:
 			standby.reset()
 			r.log.Warn("replication interrupted; reconnecting", zap.Duration("retry_in", wait), zap.Int("attempt", attempt), zap.Error(err))
 			r.obs.Reconnected()
@@ -500,19 +525,19 @@ const connectRetryMax = time.Second
 // of a new slot while its snapshot is still being published), and nobody
 // may stream past an interrupted one.
 func (r *Relay) open(ctx context.Context, tracker *watermark.Tracker) (*replication.Stream, error) {
-	// Whatever postgres.auto_setup says: a table missing from the
-	// publication would be relayed as nothing, the slot confirming past it.
-	// A missing publication is left to Open, which names a missing slot
-	// first: setup creates both.
-	if err := r.checkPublication(ctx); err != nil && !errors.Is(err, replication.ErrPublicationMissing) {
-		return nil, err
-	}
-	_, err := replication.CheckBackfill(ctx, r.cfg.Replication)
+	// Held until the session started: a backfill must not create the slot
+	// and publish its snapshot in between (replication.HoldBackfill).
+	hold, _, err := replication.HoldBackfill(ctx, r.cfg.Replication)
 	r.backfillIncomplete.Store(errors.Is(err, replication.ErrBackfillIncomplete))
 	if err != nil {
 		return nil, err
 	}
-	return replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")))
+	defer hold.Close(context.Background())
+	if r.afterBackfillCheck != nil {
+		r.afterBackfillCheck()
+	}
+	return replication.Open(ctx, r.cfg.Replication, tracker, replication.WithLogger(r.log.Named("replication")),
+		replication.WithConfirmLimit(r.guard.limit), replication.WithRelationHook(r.relationChanged))
 }
 
 // BackfillIncomplete reports whether the relay found the slot's backfill
@@ -527,6 +552,13 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	// the publisher's per-key queue keeps those re-sends behind them.
 	tracker := watermark.NewTracker(0)
 	r.tracker.Store(tracker)
+	// Whatever postgres.auto_setup says: a table missing from the
+	// publication would be relayed as nothing, the slot confirming past it.
+	// After a gap this also publishes what the publication withheld, which
+	// may take longer than opening a session.
+	if err := r.preparePublication(ctx); err != nil {
+		return false, err
+	}
 	// Connecting and starting replication get a deadline of their own: a
 	// blackholed network would otherwise hang a reconnect forever.
 	openTimeout := r.cfg.Replication.ReceiveTimeout
@@ -573,6 +605,13 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 		}
 		cancel()
 		return true, nil
+	}
+	if errors.Is(err, ErrPublicationGap) {
+		// Before the slot is let go: a standby must not take it and stream
+		// past the withheld rows.
+		if lerr := r.holdGapLock(ctx); lerr != nil {
+			r.log.Warn("could not hold standbys back until the publication gap is filled", zap.Error(lerr))
+		}
 	}
 	if errors.Is(err, replication.ErrServerSilent) {
 		// The server may not have noticed that this connection is dead.

@@ -293,3 +293,7 @@ func (o *outbound) endSpan(res publisher.Result) {
 	}
 	o.span.release()
 }
+
+// TraceHeadersDropped returns how many trace context values the router
+// left off their events because no header could carry them.
+func (r *Relay) TraceHeadersDropped() uint64 { return r.router.TraceHeadersDropped() }

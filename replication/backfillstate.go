@@ -197,26 +197,48 @@ func (g *BackfillGuard) Close(ctx context.Context) error { return g.conn.Close(c
 // backfill lock, and with ErrBackfillIncomplete when a backfill was
 // interrupted. It returns the slot's record otherwise.
 func CheckBackfill(ctx context.Context, cfg Config) (BackfillState, error) {
+	g, st, err := HoldBackfill(ctx, cfg)
+	if err != nil {
+		return st, err
+	}
+	return st, g.Close(ctx)
+}
+
+// HoldBackfill is CheckBackfill keeping the slot's backfill lock when it
+// passes; Close releases it. A relay holds it until its session has
+// started: checked and released, a backfill could take the lock, create
+// the slot and publish its snapshot between the check and the start,
+// which then streams alongside it (a first deploy without auto_setup,
+// where no slot exists at the check). Held, the backfill waits, and
+// finds the slot there or creates it after the session failed to start.
+func HoldBackfill(ctx context.Context, cfg Config) (*BackfillGuard, BackfillState, error) {
 	conn, err := connectChecked(ctx, &cfg)
 	if err != nil {
-		return BackfillState{}, err
+		return nil, BackfillState{}, err
 	}
-	defer conn.Close(ctx)
+	g := &BackfillGuard{conn: conn, cfg: cfg, table: backfillTable(cfg)}
+	st, err := g.tryHold(ctx)
+	if err != nil {
+		conn.Close(context.Background())
+		return nil, st, err
+	}
+	return g, st, nil
+}
+
+func (g *BackfillGuard) tryHold(ctx context.Context) (BackfillState, error) {
 	var locked bool
-	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1, hashtext($2))", backfillLockClass, cfg.Slot).Scan(&locked); err != nil {
-		return BackfillState{}, fmt.Errorf("try the backfill lock of slot %q: %w", cfg.Slot, err)
+	if err := g.conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1, hashtext($2))", backfillLockClass, g.cfg.Slot).Scan(&locked); err != nil {
+		return BackfillState{}, fmt.Errorf("try the backfill lock of slot %q: %w", g.cfg.Slot, err)
 	}
 	if !locked {
-		return BackfillState{}, actionable(ErrBackfillInProgress, "this instance waits until the backfill is done", "slot %q", cfg.Slot)
+		return BackfillState{}, actionable(ErrBackfillInProgress, "this instance waits until the backfill is done", "slot %q", g.cfg.Slot)
 	}
-	// The lock goes with the connection; no backfill can start between
-	// here and the read, and one starting afterwards finds the slot there.
-	st, err := readBackfillState(ctx, conn, backfillTable(cfg), cfg.Slot)
+	st, err := g.State(ctx)
 	if err != nil {
 		return st, err
 	}
 	if st.Incomplete() {
-		return st, backfillIncompleteError(cfg.Slot, st)
+		return st, backfillIncompleteError(g.cfg.Slot, st)
 	}
 	return st, nil
 }

@@ -34,7 +34,40 @@ type Watermark interface {
 type Option func(*options) error
 
 type options struct {
-	log *zap.Logger
+	log      *zap.Logger
+	limit    func() LSN
+	relation func(ctx context.Context, rel *Relation) error
+}
+
+// WithConfirmLimit caps what the stream confirms at limit(), read at every
+// status update (default: no cap). The relay passes the position up to
+// which the publication was last verified, so that a table dropped from
+// it is never confirmed past: the watermark alone sees nothing of the
+// rows the publication withheld, and an idle session would confirm the
+// server's WAL end over them.
+func WithConfirmLimit(limit func() LSN) Option {
+	return func(o *options) error {
+		if limit == nil {
+			return fmt.Errorf("%w: nil confirm limit", ErrInvalidOption)
+		}
+		o.limit = limit
+		return nil
+	}
+}
+
+// WithRelationHook has Next call f, before it returns any change of the
+// relation, whenever the server (re)describes a relation: at its first
+// change in the session and after anything invalidated its description
+// (ALTER TABLE, and ALTER PUBLICATION … ADD TABLE). An error from f ends
+// the session: Next returns it. Default: none.
+func WithRelationHook(f func(ctx context.Context, rel *Relation) error) Option {
+	return func(o *options) error {
+		if f == nil {
+			return fmt.Errorf("%w: nil relation hook", ErrInvalidOption)
+		}
+		o.relation = f
+		return nil
+	}
 }
 
 // WithLogger sets the logger (default: no logging); it must not be nil.
@@ -51,10 +84,12 @@ func WithLogger(l *zap.Logger) Option {
 // Stream reads decoded changes from a replication slot. One goroutine owns
 // it: Next, SendStatus and Close must not be called concurrently.
 type Stream struct {
-	cfg  Config
-	wm   Watermark
-	log  *zap.Logger
-	conn *pgconn.PgConn
+	cfg      Config
+	wm       Watermark
+	log      *zap.Logger
+	conn     *pgconn.PgConn
+	limit    func() LSN                                     // nil: no cap
+	relation func(ctx context.Context, rel *Relation) error // nil: none
 
 	received   LSN // newest WAL position received
 	serverEnd  LSN // server's sent position from the last keepalive
@@ -94,7 +129,8 @@ type Stream struct {
 }
 
 // Open connects with replication=database, checks the slot and starts
-// streaming from the slot's confirmed position. Options: WithLogger. It fails with ErrSlotInUse
+// streaming from the slot's confirmed position. Options: WithLogger,
+// WithConfirmLimit, WithRelationHook. It fails with ErrSlotInUse
 // while another process streams from the slot, and with ErrSlotLost when the
 // slot's WAL was removed.
 func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Stream, error) {
@@ -107,7 +143,7 @@ func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Strea
 			return nil, err
 		}
 	}
-	s := &Stream{cfg: cfg, wm: wm, log: o.log, relations: map[uint32]*Relation{}}
+	s := &Stream{cfg: cfg, wm: wm, log: o.log, limit: o.limit, relation: o.relation, relations: map[uint32]*Relation{}}
 	// Check over a plain connection first: it gives precise errors (lost,
 	// in use, missing) that START_REPLICATION reports only vaguely.
 	sql, err := connectSQL(ctx, cfg.URL)
@@ -238,7 +274,7 @@ func (s *Stream) Next(ctx context.Context) (any, error) {
 					}
 				}
 			case pglogrepl.XLogDataByteID:
-				ev, err := s.decodeXLogData(msg.Data[1:])
+				ev, err := s.decodeXLogData(ctx, msg.Data[1:])
 				if err != nil {
 					return nil, err
 				}
@@ -301,7 +337,7 @@ func (s *Stream) WakeAt(t time.Time) { s.wake = t }
 // xlogHeader is WALStart, ServerWALEnd and ServerTime, 8 bytes each.
 const xlogHeader = 24
 
-func (s *Stream) decodeXLogData(b []byte) (any, error) {
+func (s *Stream) decodeXLogData(ctx context.Context, b []byte) (any, error) {
 	if len(b) < xlogHeader+1 {
 		return nil, fmt.Errorf("%w: XLogData of %d bytes", ErrProtocol, len(b))
 	}
@@ -328,19 +364,7 @@ func (s *Stream) decodeXLogData(b []byte) (any, error) {
 		s.inTx = false
 		return &s.commit, nil
 	case pgoutput.TypeRelation:
-		var r pgoutput.Relation
-		if err := pgoutput.DecodeRelation(body, &r); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
-		}
-		rel := &Relation{ID: r.ID, Namespace: r.Namespace, Name: r.Name, Columns: make([]Column, len(r.Columns))}
-		for i, c := range r.Columns {
-			rel.Columns[i] = Column{Name: c.Name, TypeOID: c.TypeOID}
-		}
-		// A new pointer on every Relation message: plans cached by the
-		// router for the old shape are not reused after ALTER TABLE.
-		s.relations[r.ID] = rel
-		s.log.Debug("relation", zap.String("table", rel.QualifiedName()), zap.Int("columns", len(rel.Columns)))
-		return nil, nil
+		return nil, s.decodeRelation(ctx, body)
 	case pgoutput.TypeInsert:
 		if err := pgoutput.DecodeInsert(body, &s.rawInsert); err != nil {
 			return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
@@ -383,6 +407,26 @@ func (s *Stream) decodeXLogData(b []byte) (any, error) {
 	default:
 		return nil, fmt.Errorf("%w: unknown pgoutput message type %q", ErrProtocol, typ)
 	}
+}
+
+// decodeRelation records a Relation message and tells the relation hook.
+func (s *Stream) decodeRelation(ctx context.Context, body []byte) error {
+	var r pgoutput.Relation
+	if err := pgoutput.DecodeRelation(body, &r); err != nil {
+		return fmt.Errorf("%w: %v", ErrProtocol, err)
+	}
+	rel := &Relation{ID: r.ID, Namespace: r.Namespace, Name: r.Name, Columns: make([]Column, len(r.Columns))}
+	for i, c := range r.Columns {
+		rel.Columns[i] = Column{Name: c.Name, TypeOID: c.TypeOID}
+	}
+	// A new pointer on every Relation message: plans cached by the
+	// router for the old shape are not reused after ALTER TABLE.
+	s.relations[r.ID] = rel
+	s.log.Debug("relation", zap.String("table", rel.QualifiedName()), zap.Int("columns", len(rel.Columns)))
+	if s.relation != nil {
+		return s.relation(ctx, rel)
+	}
+	return nil
 }
 
 // ordinal returns the position of a change at lsn among the transaction's
@@ -431,11 +475,14 @@ func (s *Stream) maybeSendStatus(ctx context.Context) error {
 
 // flushPosition is what may be confirmed now: the watermark, or the server's
 // WAL end when nothing is in flight, so an idle outbox does not pin WAL that
-// other tables' writes produce.
+// other tables' writes produce; never past the confirm limit.
 func (s *Stream) flushPosition() LSN {
 	flush := s.wm.Confirmed()
 	if !s.inTx && s.wm.Idle() && s.serverEnd > flush {
 		flush = s.serverEnd
+	}
+	if s.limit != nil {
+		flush = min(flush, s.limit())
 	}
 	if flush < s.sentFlush {
 		flush = s.sentFlush

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -72,6 +73,10 @@ type Router struct {
 	// The commit strings are the same for every row of a transaction.
 	commit                  CommitInfo
 	commitLSNs, commitTimes string
+
+	// traceDropped counts trace context values left off their events
+	// (tracecontext.go); read by metrics from other goroutines.
+	traceDropped atomic.Uint64
 }
 
 type relKey struct{ schema, name string }
@@ -127,6 +132,7 @@ type planExtra struct {
 	idx    int
 	column string
 	header string
+	trace  bool // a trace context column: advisory (tracecontext.go)
 }
 
 func (r *Router) planFor(rel *replication.Relation) *plan {
@@ -233,8 +239,12 @@ func (r *Router) Route(ins *replication.Insert, commit CommitInfo) (*Message, er
 	}
 	ev := event{lsn: ins.LSN, ordinal: ins.Ordinal, extras: r.extras[:0]}
 	defer r.keepExtras(&ev)
-	if err := p.read(ins.Values, &ev); err != nil {
-		return nil, err
+	rerr := p.read(ins.Values, &ev)
+	if ev.traceDropped > 0 {
+		r.traceDropped.Add(uint64(ev.traceDropped))
+	}
+	if rerr != nil {
+		return nil, rerr
 	}
 	return r.route(p.rule, &ev, commit)
 }
@@ -251,6 +261,9 @@ type event struct {
 	extras  []hdrValue
 	lsn     replication.LSN
 	ordinal uint32
+	// traceDropped is how many trace context values the row had that no
+	// header can carry.
+	traceDropped int
 }
 
 type hdrValue struct {
@@ -336,10 +349,19 @@ func (p *plan) read(vals []replication.Value, ev *event) *RouteError {
 		}
 	}
 	for _, e := range p.extras {
-		if b, ok := rd.text(e.idx, false); ok && b != nil {
-			rd.headerSafe(e.idx, b)
-			ev.extras = append(ev.extras, hdrValue{name: e.header, value: b})
+		b, ok := rd.text(e.idx, false)
+		if !ok || b == nil {
+			continue
 		}
+		if e.trace {
+			if b = traceValue(b); b == nil {
+				ev.traceDropped++
+				continue
+			}
+		} else {
+			rd.headerSafe(e.idx, b)
+		}
+		ev.extras = append(ev.extras, hdrValue{name: e.header, value: b})
 	}
 	return rd.err
 }

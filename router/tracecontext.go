@@ -65,8 +65,9 @@ func compileTrace(col *ColumnsConfig, byName map[string]string, bad func(key, fo
 }
 
 // compileTrace adds the plan's trace context headers to its extra headers:
-// Route then copies them like any mapped column, and omits them when NULL
-// or (unless named in the configuration) absent from the table.
+// Route then copies them like any mapped column, and omits them when NULL,
+// (unless named in the configuration) absent from the table, or unfit for
+// a header (traceValue).
 func (p *plan) compileTrace(missing func(column, key string) int) {
 	for _, th := range p.rule.trace {
 		idx := p.rel.ColumnIndex(th.column)
@@ -74,7 +75,41 @@ func (p *plan) compileTrace(missing func(column, key string) int) {
 			idx = missing(th.column, "columns."+th.key)
 		}
 		if idx >= 0 {
-			p.extras = append(p.extras, planExtra{idx: idx, column: th.column, header: th.header})
+			p.extras = append(p.extras, planExtra{idx: idx, column: th.column, header: th.header, trace: true})
 		}
 	}
 }
+
+// MaxTraceValueBytes bounds a trace context header the router copies: the
+// specification asks propagators to carry at least 512 characters of
+// tracestate and lets them drop longer ones; a traceparent is 55.
+const MaxTraceValueBytes = 512
+
+// traceValue returns the header value of a trace context column, or nil
+// when no header can carry it (a line break or another control character,
+// over MaxTraceValueBytes, blank). Tracing is advisory: such a value costs
+// the event its trace header, counted in TraceHeadersDropped, never the
+// event itself, which a field check would dead-letter. Surrounding spaces
+// and tabs, which the specification allows around list members and NATS
+// would not keep, are trimmed.
+func traceValue(b []byte) []byte {
+	for len(b) > 0 && isSpaceTab(b[0]) {
+		b = b[1:]
+	}
+	for len(b) > 0 && isSpaceTab(b[len(b)-1]) {
+		b = b[:len(b)-1]
+	}
+	if len(b) == 0 || len(b) > MaxTraceValueBytes {
+		return nil
+	}
+	for _, c := range b {
+		if c < 0x20 || c == 0x7f {
+			return nil
+		}
+	}
+	return b
+}
+
+// TraceHeadersDropped returns how many trace context values the router
+// has left off their events because no header could carry them.
+func (r *Router) TraceHeadersDropped() uint64 { return r.traceDropped.Load() }

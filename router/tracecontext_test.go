@@ -123,3 +123,53 @@ func routeTwice(t *testing.T, r *Router, ins *replication.Insert, want nats.Head
 		}
 	}
 }
+
+// Regression (issue 25): a trace context value no header can carry (a line
+// break, 70 KB, surrounding whitespace) dead-lettered the whole event as
+// invalid_field or header_too_large. Tracing is advisory: the bad header
+// is dropped and counted, surrounding spaces trimmed, the event relayed.
+func TestRouteBadTraceContextKeepsTheEvent(t *testing.T) {
+	traced := append(append([]string{}, seedColumns...), "traceparent", "tracestate")
+	long := make([]byte, 70<<10)
+	for i := range long {
+		long[i] = 'a'
+	}
+	for _, tc := range []struct {
+		name        string
+		parent      string
+		state       string
+		wantParent  string // "" : no header
+		wantState   string
+		wantDropped uint64
+	}{
+		{name: "CR LF in traceparent", parent: testTraceparent + "\r\nX-Evil: 1", state: testTracestate, wantState: testTracestate, wantDropped: 1},
+		{name: "LF in tracestate", parent: testTraceparent, state: "a=b\nc=d", wantParent: testTraceparent, wantDropped: 1},
+		{name: "70 KB tracestate", parent: testTraceparent, state: string(long), wantParent: testTraceparent, wantDropped: 1},
+		{name: "surrounding whitespace trimmed", parent: " " + testTraceparent + "\t", state: "  " + testTracestate + " ",
+			wantParent: testTraceparent, wantState: testTracestate},
+		{name: "blank", parent: "   ", state: testTracestate, wantState: testTracestate, wantDropped: 1},
+		{name: "both bad", parent: "\r\n", state: string(long), wantDropped: 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := mustNew(t, Config{Tables: []TableConfig{{Table: "outbox"}}})
+			row := seedRow()
+			row["traceparent"], row["tracestate"] = txt(tc.parent), txt(tc.state)
+			m, err := r.Route(newInsert(newRelation(1, "public", "outbox", traced...), row), testCommit)
+			if err != nil {
+				t.Fatalf("Route: %v, want the event relayed without the bad trace header", err)
+			}
+			for _, h := range []struct{ name, want string }{{TraceparentHeader, tc.wantParent}, {TracestateHeader, tc.wantState}} {
+				if got := m.Header.Get(h.name); got != h.want {
+					t.Errorf("%s header %q, want %q", h.name, got, h.want)
+				}
+			}
+			if got := r.TraceHeadersDropped(); got != tc.wantDropped {
+				t.Errorf("TraceHeadersDropped %d, want %d", got, tc.wantDropped)
+			}
+			nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+			if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
+				t.Fatalf("HeaderLen %d, nats.go encodes %d bytes of headers", m.HeaderLen, hdr)
+			}
+		})
+	}
+}

@@ -168,7 +168,14 @@ func relayGauges(rlp *atomic.Pointer[relay.Relay], streaming func() bool) metric
 		},
 		IntakePaused:       relayFlag(rlp, (*relay.Relay).IntakePaused),
 		PublicationWrong:   relayFlag(rlp, func(rl *relay.Relay) bool { return rl.PublicationProblem() != nil }),
+		StreamWrong:        relayFlag(rlp, func(rl *relay.Relay) bool { return rl.StreamProblem() != nil }),
 		BackfillIncomplete: relayFlag(rlp, (*relay.Relay).BackfillIncomplete),
+		TraceHeadersDropped: func() float64 {
+			if rl := rlp.Load(); rl != nil {
+				return float64(rl.TraceHeadersDropped())
+			}
+			return 0
+		},
 		Stall: func() metrics.Stall {
 			rl := rlp.Load()
 			if rl == nil {
