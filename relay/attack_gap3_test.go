@@ -56,4 +56,3 @@ func TestRelayPublicationQuickToggle(t *testing.T) {
 		})
 	}
 }
-
