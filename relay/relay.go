@@ -36,10 +36,6 @@ type Config struct {
 	// event stream allows them), "on" (require them) or "off" (publish per
 	// aggregate).
 	BatchPublish string
-	// MessagePrefixes are the pg_logical_emit_message prefixes relayed as
-	// table-less events. Router.Tables must map each one as the table
-	// MessageSchema.<prefix>.
-	MessagePrefixes []string
 	// ShutdownTimeout bounds the wait for in-flight acks on shutdown.
 	// Default 5s.
 	ShutdownTimeout time.Duration
@@ -196,7 +192,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	if cfg.ReconnectMax < cfg.ReconnectMin {
 		cfg.ReconnectMax = max(DefaultReconnectMax, cfg.ReconnectMin)
 	}
-	if len(cfg.MessagePrefixes) > 0 {
+	if len(cfg.Router.Messages) > 0 {
 		cfg.Replication.Messages = true
 	}
 	if cfg.MaxUnsettledTxs <= 0 {
@@ -545,7 +541,7 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	r.streaming.Store(true)
 	r.setReady()
 	p := pipeline{r: r, st: st, events: func() publishTarget { return r.eventPublisher() }, deadLetters: r.pub,
-		tracker: tracker, msgs: newMessagePrefixes(r.cfg.MessagePrefixes), spans: newBatchSpans(r.tracer, r.cfg.Stream.Name, st.WakeAt)}
+		tracker: tracker, msgs: newMessagePrefixes(r.cfg.Router.MessagePrefixes()), spans: newBatchSpans(r.tracer, r.cfg.Stream.Name, st.WakeAt)}
 	sctx, end := context.WithCancelCause(ctx)
 	defer end(nil)
 	r.endSession.Store(&end)

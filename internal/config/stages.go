@@ -1,24 +1,17 @@
 package config
 
 import (
-	"strings"
-
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
-// Tables returns the schema-qualified outbox tables (the publication's),
-// without the synthetic tables of logical-message prefixes.
+// Tables returns the schema-qualified outbox tables (the publication's).
 func (c *Config) Tables() []string {
 	var out []string
 	for _, t := range c.Router.Tables {
-		name := router.QualifiedTable(t.Table)
-		if strings.HasPrefix(name, relay.MessageSchema+".") {
-			continue
-		}
-		out = append(out, name)
+		out = append(out, router.QualifiedTable(t.Table))
 	}
 	return out
 }
@@ -77,18 +70,9 @@ func (c *Config) Relay() relay.Config {
 		CreateStreams:     c.NATS.CreateStreams,
 		BatchPublish:      c.NATS.BatchPublish,
 		ShutdownTimeout:   c.ShutdownTimeout,
-		MessagePrefixes:   c.messagePrefixes(),
 		MaxUnsettledTxs:   c.NATS.MaxUnsettledTransactions,
 		MaxUnsettledBytes: int64(c.NATS.MaxUnsettledWALBytes),
 		StallWarning:      c.NATS.StallWarning,
 		PublicationCheck:  c.Postgres.PublicationCheck,
 	}
-}
-
-func (c *Config) messagePrefixes() []string {
-	var out []string
-	for _, m := range c.Messages {
-		out = append(out, m.Prefix)
-	}
-	return out
 }
