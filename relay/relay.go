@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/internal/backoff"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -29,8 +30,8 @@ type Config struct {
 	Publisher   publisher.Config
 	// Stream and DeadLetterStream are checked (and created when
 	// CreateStreams is set) before streaming starts.
-	Stream           publisher.StreamSpec
-	DeadLetterStream publisher.StreamSpec
+	Stream           provision.StreamSpec
+	DeadLetterStream provision.StreamSpec
 	CreateStreams    bool
 	// BatchPublish is "auto" (the default: fast-ingest batches when the
 	// event stream allows them), "on" (require them) or "off" (publish per
@@ -404,10 +405,10 @@ func (r *Relay) checkStreams(ctx context.Context) error {
 // ensureStreams checks (and with CreateStreams creates) the event and
 // dead-letter streams and returns their reports, events first; a created
 // stream is logged, the warnings are the caller's.
-func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) ([2]*publisher.StreamReport, error) {
-	var reps [2]*publisher.StreamReport
-	for i, spec := range []publisher.StreamSpec{cfg.Stream, cfg.DeadLetterStream} {
-		rep, err := publisher.EnsureStream(ctx, js, spec, cfg.CreateStreams)
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) ([2]*provision.StreamReport, error) {
+	var reps [2]*provision.StreamReport
+	for i, spec := range []provision.StreamSpec{cfg.Stream, cfg.DeadLetterStream} {
+		rep, err := provision.EnsureStream(ctx, js, spec, cfg.CreateStreams)
 		if err != nil {
 			return reps, err
 		}

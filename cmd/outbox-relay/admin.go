@@ -19,7 +19,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
-	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -144,8 +144,8 @@ func setupStreams(ctx context.Context, js jetstream.JetStream, cfg config.Config
 	var created []string
 	events, dlq := cfg.Streams()
 	events.UpdatePartitions = true // setup is where the partition count is set or changed
-	for _, spec := range []publisher.StreamSpec{events, dlq} {
-		srep, err := publisher.EnsureStream(ctx, js, spec, true)
+	for _, spec := range []provision.StreamSpec{events, dlq} {
+		srep, err := provision.EnsureStream(ctx, js, spec, true)
 		if err != nil {
 			return created, err
 		}
@@ -425,7 +425,7 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 		}
 		rep.StreamMessages, rep.StreamLastSeq = info.State.Msgs, info.State.LastSeq
 		rep.StreamStorage, rep.StreamReplicas = info.Config.Storage.String(), info.Config.Replicas
-		durable, reason := publisher.Durability(info.Config)
+		durable, reason := provision.Durability(info.Config)
 		rep.DurableAcks, rep.DurableReason = &durable, reason
 	}
 	if s, err := js.Stream(ctx, cfg.NATS.DeadLetterStream); err == nil {

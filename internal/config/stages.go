@@ -1,6 +1,7 @@
 package config
 
 import (
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
@@ -30,8 +31,8 @@ func (c *Config) Replication() replication.Config {
 }
 
 // Streams returns the specs of the event and dead-letter streams.
-func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
-	events = publisher.StreamSpec{
+func (c *Config) Streams() (events, deadLetters provision.StreamSpec) {
+	events = provision.StreamSpec{
 		Name:       c.NATS.Stream,
 		Subjects:   c.NATS.StreamSubjects,
 		Duplicates: c.NATS.DuplicateWindow,
@@ -43,7 +44,7 @@ func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
 		AllowBatch:     c.NATS.BatchPublish != "off",
 		Partitions:     c.NATS.Partitions,
 	}
-	deadLetters = publisher.StreamSpec{
+	deadLetters = provision.StreamSpec{
 		Name:       c.NATS.DeadLetterStream,
 		Subjects:   []string{c.Router.DeadLetterFilter()},
 		Duplicates: c.NATS.DuplicateWindow,

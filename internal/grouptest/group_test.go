@@ -20,9 +20,9 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
 func TestMain(m *testing.M) {
@@ -411,7 +411,7 @@ func TestGroupPartitionCountChangeDuringLoad(t *testing.T) {
 	}
 	spec := s.f.Cfg.Stream
 	spec.Partitions, spec.UpdatePartitions = 8, true
-	rep, err := publisher.EnsureStream(ctx, s.f.JS, spec, true)
+	rep, err := provision.EnsureStream(ctx, s.f.JS, spec, true)
 	if err != nil || !rep.Partitioned {
 		t.Fatalf("change the partition count: %+v, %v", rep, err)
 	}

@@ -20,11 +20,11 @@ import (
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/cleanup"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -831,13 +831,13 @@ func TestToolsRefuseStreamsThatDeleteEvents(t *testing.T) {
 	}
 	rcfg := config(f, time.Now().Add(-time.Hour))
 	rcfg.Slot = ""
-	if _, err := reconcile.Run(ctx, f.DB.Pool, f.JS, rcfg); !errors.Is(err, publisher.ErrDeletesEvents) {
+	if _, err := reconcile.Run(ctx, f.DB.Pool, f.JS, rcfg); !errors.Is(err, provision.ErrDeletesEvents) {
 		t.Errorf("reconcile: %v, want ErrDeletesEvents", err)
 	}
-	if _, err := reconcile.Repair(ctx, f.DB.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, nil); !errors.Is(err, publisher.ErrDeletesEvents) {
+	if _, err := reconcile.Repair(ctx, f.DB.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, nil); !errors.Is(err, provision.ErrDeletesEvents) {
 		t.Errorf("repair: %v, want ErrDeletesEvents", err)
 	}
-	if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0)); !errors.Is(err, publisher.ErrDeletesEvents) {
+	if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0)); !errors.Is(err, provision.ErrDeletesEvents) {
 		t.Errorf("cleanup: %v, want ErrDeletesEvents", err)
 	}
 }
