@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
 )
@@ -92,7 +93,7 @@ func benchmarkPublish(b *testing.B, batch bool) {
 	name := strings.ToUpper(testenv.UniqueName("BENCH"))
 	prefix := strings.ToLower(name)
 	ctx := context.Background()
-	if _, err := publisher.EnsureStream(ctx, js, publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute, AllowBatch: true}, true); err != nil {
+	if _, err := provision.EnsureStream(ctx, js, provision.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute, AllowBatch: true}, true); err != nil {
 		b.Fatal(err)
 	}
 	defer func() { _ = js.DeleteStream(ctx, name) }()

@@ -14,7 +14,6 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
-	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
@@ -105,10 +104,9 @@ func TestRelayCloudEvents(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t, "")
 	prefix := "evt_" + strings.ToLower(f.Stream[2:8])
-	f.Cfg.MessagePrefixes = []string{prefix}
 	f.Cfg.Router.Tables[0].CloudEvents = router.CloudEventsConfig{Enabled: true}
-	f.Cfg.Router.Tables = append(f.Cfg.Router.Tables, router.TableConfig{
-		Table:       relay.MessageSchema + "." + prefix,
+	f.Cfg.Router.Messages = append(f.Cfg.Router.Messages, router.MessageConfig{
+		Prefix:      prefix,
 		Subject:     f.Cfg.Router.Tables[0].Subject,
 		CloudEvents: router.CloudEventsConfig{Enabled: true, Source: "https://shop.example/orders"},
 	})

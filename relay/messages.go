@@ -9,9 +9,9 @@ import (
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
-// MessageSchema is the schema name under which table-less events
-// (pg_logical_emit_message) are routed: the router maps each configured
-// prefix as the table MessageSchema.<prefix> (router.MessageSchema).
+// MessageSchema names table-less events (pg_logical_emit_message) in
+// their Outbox-Table header and dead-letter records: MessageSchema.<prefix>
+// (router.MessageTable).
 const MessageSchema = router.MessageSchema
 
 // Reason classes of logical messages the relay cannot route.
@@ -28,8 +28,9 @@ type messageError struct {
 func (e *messageError) Error() string       { return e.reason }
 func (e *messageError) ReasonClass() string { return e.class }
 
-// messagePrefixes are the configured pg_logical_emit_message prefixes;
-// other prefixes are other applications' messages, not outbox events.
+// messagePrefixes are the configured pg_logical_emit_message prefixes
+// (router.Config.Messages); other prefixes are other applications'
+// messages, not outbox events.
 type messagePrefixes map[string]bool
 
 func newMessagePrefixes(prefixes []string) messagePrefixes {

@@ -171,7 +171,7 @@ func (p *pipeline) message(ctx context.Context, msg *replication.Message) error 
 			return p.publishEvent(ctx, rm)
 		}
 	}
-	return p.deadLetter(ctx, rt.DeadLetterLogical(msg, env, p.commit, err), err, MessageSchema+"."+msg.Prefix, msg.LSN)
+	return p.deadLetter(ctx, rt.DeadLetterLogical(msg, env, p.commit, err), err, router.MessageTable(msg.Prefix), msg.LSN)
 }
 
 // insert maps a row and publishes it, or dead-letters it with the router's

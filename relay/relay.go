@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/internal/backoff"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -29,17 +30,13 @@ type Config struct {
 	Publisher   publisher.Config
 	// Stream and DeadLetterStream are checked (and created when
 	// CreateStreams is set) before streaming starts.
-	Stream           publisher.StreamSpec
-	DeadLetterStream publisher.StreamSpec
+	Stream           provision.StreamSpec
+	DeadLetterStream provision.StreamSpec
 	CreateStreams    bool
 	// BatchPublish is "auto" (the default: fast-ingest batches when the
 	// event stream allows them), "on" (require them) or "off" (publish per
 	// aggregate).
 	BatchPublish string
-	// MessagePrefixes are the pg_logical_emit_message prefixes relayed as
-	// table-less events. Router.Tables must map each one as the table
-	// MessageSchema.<prefix>.
-	MessagePrefixes []string
 	// ShutdownTimeout bounds the wait for in-flight acks on shutdown.
 	// Default 5s.
 	ShutdownTimeout time.Duration
@@ -210,7 +207,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	if cfg.ReconnectMax < cfg.ReconnectMin {
 		cfg.ReconnectMax = max(DefaultReconnectMax, cfg.ReconnectMin)
 	}
-	if len(cfg.MessagePrefixes) > 0 {
+	if len(cfg.Router.Messages) > 0 {
 		cfg.Replication.Messages = true
 	}
 	if cfg.MaxUnsettledTxs <= 0 {
@@ -425,10 +422,10 @@ func (r *Relay) checkStreams(ctx context.Context) error {
 // ensureStreams checks (and with CreateStreams creates) the event and
 // dead-letter streams and returns their reports, events first; a created
 // stream is logged, the warnings are the caller's.
-func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) ([2]*publisher.StreamReport, error) {
-	var reps [2]*publisher.StreamReport
-	for i, spec := range []publisher.StreamSpec{cfg.Stream, cfg.DeadLetterStream} {
-		rep, err := publisher.EnsureStream(ctx, js, spec, cfg.CreateStreams)
+func ensureStreams(ctx context.Context, js jetstream.JetStream, cfg Config, log *zap.Logger) ([2]*provision.StreamReport, error) {
+	var reps [2]*provision.StreamReport
+	for i, spec := range []provision.StreamSpec{cfg.Stream, cfg.DeadLetterStream} {
+		rep, err := provision.EnsureStream(ctx, js, spec, cfg.CreateStreams)
 		if err != nil {
 			return reps, err
 		}
@@ -577,7 +574,7 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	r.streaming.Store(true)
 	r.setReady()
 	p := pipeline{r: r, st: st, events: func() publishTarget { return r.eventPublisher() }, deadLetters: r.pub,
-		tracker: tracker, msgs: newMessagePrefixes(r.cfg.MessagePrefixes), spans: newBatchSpans(r.tracer, r.cfg.Stream.Name, st.WakeAt)}
+		tracker: tracker, msgs: newMessagePrefixes(r.cfg.Router.MessagePrefixes()), spans: newBatchSpans(r.tracer, r.cfg.Stream.Name, st.WakeAt)}
 	sctx, end := context.WithCancelCause(ctx)
 	defer end(nil)
 	r.endSession.Store(&end)

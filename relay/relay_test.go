@@ -322,9 +322,8 @@ func TestRelayLogicalMessages(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t, "")
 	prefix := "evt_" + strings.ToLower(f.Stream[2:8])
-	f.Cfg.MessagePrefixes = []string{prefix}
-	f.Cfg.Router.Tables = append(f.Cfg.Router.Tables, router.TableConfig{
-		Table:   relay.MessageSchema + "." + prefix,
+	f.Cfg.Router.Messages = append(f.Cfg.Router.Messages, router.MessageConfig{
+		Prefix:  prefix,
 		Subject: f.Cfg.Router.Tables[0].Subject,
 	})
 	f.Setup(ctx)

@@ -71,6 +71,18 @@ func Setup(ctx context.Context, cfg Config) (*SetupReport, error) {
 	return rep, nil
 }
 
+// ReadServer reads, on a connection of its own, the server's version and
+// the settings the relay's features depend on: `setup` asks it whether the
+// server is a standby, where nothing can be written.
+func ReadServer(ctx context.Context, cfg Config) (ServerInfo, error) {
+	conn, err := connectServerChecked(ctx, &cfg)
+	if err != nil {
+		return ServerInfo{}, err
+	}
+	defer conn.Close(ctx)
+	return ReadServerInfo(ctx, conn)
+}
+
 // Check verifies, without changing anything, that the server, publication
 // and slot are ready for streaming.
 func Check(ctx context.Context, cfg Config) error {

@@ -70,7 +70,7 @@ func BenchmarkRouteEnvelope(b *testing.B) {
 		Payload: json.RawMessage(testPayload), OccurredAt: time.Date(2026, 11, 29, 9, 35, 21, 123456000, time.UTC),
 	}
 	msg := &replication.Message{Transactional: true, Prefix: "evt", LSN: 0x16B3748}
-	r := mustNew(b, Config{Tables: []TableConfig{{Table: MessageSchema + ".evt"}}})
+	r := mustNew(b, Config{Messages: []MessageConfig{{Prefix: "evt"}}})
 	b.Run("envelope", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {

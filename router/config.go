@@ -48,8 +48,12 @@ const maxIdentifierBytes = 63
 // embeds it in the YAML configuration file; call Validate (New does) before
 // use.
 type Config struct {
-	// Tables lists the outbox tables the relay publishes; at least one.
+	// Tables lists the outbox tables the relay publishes; at least one
+	// table or message prefix.
 	Tables []TableConfig `yaml:"tables"`
+	// Messages lists the pg_logical_emit_message prefixes whose messages
+	// the relay publishes as table-less events.
+	Messages []MessageConfig `yaml:"messages"`
 	// DeadLetterSubject prefixes dead-letter subjects: a record for a row of
 	// schema.table goes to <DeadLetterSubject>.<EscapeToken("schema.table")>.
 	// Default DefaultDeadLetterSubject.
@@ -164,19 +168,20 @@ var reservedHeaders = []string{
 // ErrInvalidConfig; several are joined with errors.Join. Validate is
 // idempotent.
 func (c *Config) Validate() error {
-	_, err := c.compile()
+	_, _, err := c.compile()
 	return err
 }
 
-// compile validates c, applying defaults, and returns the table rules.
-func (c *Config) compile() ([]*tableRule, error) {
+// compile validates c, applying defaults, and returns the table rules and
+// the message rules by prefix.
+func (c *Config) compile() ([]*tableRule, map[string]*tableRule, error) {
 	var errs []error
 	fail := func(path, format string, args ...any) {
 		errs = append(errs, &ConfigError{Path: path, Msg: fmt.Sprintf(format, args...)})
 	}
 	dlqOK := c.checkSubjects(fail)
 	dlqFilter := c.DeadLetterSubject + ".>"
-	if len(c.Tables) == 0 {
+	if len(c.Tables) == 0 && len(c.Messages) == 0 {
 		fail("tables", "no tables configured (add one, e.g. `tables: [{table: public.outbox}]`)")
 	}
 	rules := make([]*tableRule, 0, len(c.Tables))
@@ -189,15 +194,15 @@ func (c *Config) compile() ([]*tableRule, error) {
 		t.aggregateType()
 		t.headers()
 		t.cloudEvents()
-		t.messageTable()
 		if t.ok {
 			rules = append(rules, t.r)
 		}
 	}
+	msgs := c.compileMessages(fail, dlqOK, dlqFilter)
 	if len(errs) > 0 {
-		return nil, errors.Join(errs...)
+		return nil, nil, errors.Join(errs...)
 	}
-	return rules, nil
+	return rules, msgs, nil
 }
 
 // checkSubjects applies the defaults of max_subject_bytes and
@@ -248,6 +253,8 @@ func (t *tableCompiler) name(i int, seen map[string]int) {
 	switch schema, name, msg := splitTableName(tc.Table); {
 	case msg != "":
 		t.bad(".table", "%s", msg)
+	case schema == MessageSchema:
+		t.bad(".table", "%q: %s is the schema of logical messages' events, not of a table (map the prefix under messages, e.g. `messages: [{prefix: %s}]`)", tc.Table, MessageSchema, name)
 	default:
 		tc.Table = schema + "." + name
 		r.schema, r.name, r.qualified = schema, name, tc.Table
@@ -390,28 +397,6 @@ func (t *tableCompiler) cloudEvents() {
 	}
 }
 
-// messageTable refuses what a logical-message table (MessageSchema.<prefix>)
-// cannot have: its events come from an envelope whose fields are fixed
-// (RouteEnvelope), not from columns a configuration could rename or map.
-func (t *tableCompiler) messageTable() {
-	if t.r.schema != MessageSchema {
-		return
-	}
-	col := t.tc.Columns
-	def := ColumnsConfig{
-		EventID: DefaultEventIDColumn, AggregateID: DefaultAggregateIDColumn, AggregateVersion: DefaultAggregateVersionColumn,
-		EventType: DefaultEventTypeColumn, Payload: DefaultPayloadColumn,
-		AggregateType: col.AggregateType, OccurredAt: col.OccurredAt, // optional: checked below
-	}
-	if col != def || (col.AggregateType != "" && col.AggregateType != DefaultAggregateTypeColumn) ||
-		(col.OccurredAt != "" && col.OccurredAt != DefaultOccurredAtColumn) {
-		t.bad(".columns", "is set for a logical-message table: its events are read from the envelope's fields, which have fixed names (remove columns)")
-	}
-	if len(t.tc.Headers) > 0 {
-		t.bad(".headers", "is set for a logical-message table: an envelope has no columns to map to headers (remove headers)")
-	}
-}
-
 // maxEscapedTableLen is the longest EscapeToken("schema.table"): two
 // 63-byte identifiers and the dot, each byte escaped.
 const maxEscapedTableLen = 3 * (2*maxIdentifierBytes + 1)
@@ -426,13 +411,14 @@ func QualifiedTable(name string) string {
 }
 
 // Clone returns a copy of c that shares nothing mutable with it: its
-// table list and every table's header map are copied, so that validating
+// table and message lists and every table's header map are copied, so that validating
 // or compiling the copy never changes c.
 func (c Config) Clone() Config {
 	c.Tables = slices.Clone(c.Tables)
 	for i := range c.Tables {
 		c.Tables[i].Headers = maps.Clone(c.Tables[i].Headers)
 	}
+	c.Messages = slices.Clone(c.Messages)
 	return c
 }
 
@@ -529,9 +515,15 @@ func isSpaceTab(c byte) bool { return c == ' ' || c == '\t' }
 // dropped, so the result can be a stream's subject list as it is. It applies
 // the defaults to a copy of c and skips templates Validate would reject.
 func (c *Config) SubjectFilters() []string {
-	var all []string
+	all := make([]string, 0, len(c.Tables)+len(c.Messages))
+	subjects := make([]string, 0, cap(all))
 	for _, tc := range c.Tables {
-		s := tc.Subject
+		subjects = append(subjects, tc.Subject)
+	}
+	for _, m := range c.Messages {
+		subjects = append(subjects, m.Subject)
+	}
+	for _, s := range subjects {
 		if s == "" {
 			s = DefaultSubject
 		}

@@ -8,25 +8,24 @@ import (
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
-// MessageSchema is the schema name under which table-less events
-// (pg_logical_emit_message) are configured: the events of a message prefix
-// are those of the table MessageSchema.<prefix>, with its subject template,
-// aggregate type and CloudEvents settings, and that table name in
-// Outbox-Table. PostgreSQL reserves schema names starting with pg_, so no
-// real table can collide with it.
+// MessageSchema names table-less events (pg_logical_emit_message) on the
+// wire: the events of a message prefix (Config.Messages) carry
+// MessageTable(prefix), MessageSchema.<prefix>, in Outbox-Table and as
+// {schema}.{table} of their subject template. PostgreSQL reserves schema
+// names starting with pg_, so no real table can collide with it.
 const MessageSchema = "pg_logical_message"
 
 // RouteEnvelope maps a logical message's parsed envelope to a message, as
-// Route maps a row of the table MessageSchema.<msg.Prefix>: the same
-// checks in the same order, the same subjects and headers. Errors are
-// Route's; dead-letter the message with DeadLetterLogical.
+// Route maps a row: the same checks in the same order, subjects and headers
+// made the same way, with the prefix's MessageConfig. Errors are Route's;
+// dead-letter the message with DeadLetterLogical.
 func (r *Router) RouteEnvelope(msg *replication.Message, env *outbox.Envelope, commit CommitInfo) (*Message, error) {
-	rule := r.rules[relKey{MessageSchema, msg.Prefix}]
+	rule := r.messages[msg.Prefix]
 	if rule == nil {
 		return nil, &RouteError{
-			Table:  MessageSchema + "." + msg.Prefix,
+			Table:  MessageTable(msg.Prefix),
 			Class:  ClassUnknownTable,
-			Reason: "the message prefix is not in the router configuration (add the table " + MessageSchema + "." + msg.Prefix + ")",
+			Reason: "the message prefix is not in the router configuration (add it to messages: [{prefix: " + msg.Prefix + "}])",
 		}
 	}
 	ev := event{lsn: msg.LSN}
@@ -84,7 +83,7 @@ func readEnvelope(rule *tableRule, env *outbox.Envelope, ev *event) *RouteError 
 // DeadLetterLogical builds the dead-letter record of a logical message
 // with a configured prefix that cannot become an event: emitted
 // non-transactionally, an invalid envelope, or one RouteEnvelope refused.
-// It is DeadLetter's record for the table MessageSchema.<prefix> at the
+// It is DeadLetter's record for the table MessageTable(prefix) at the
 // message's LSN, whose row is the message as emitted:
 //
 //	{..., "row": {"content": "..."}, ...}
@@ -94,7 +93,7 @@ func readEnvelope(rule *tableRule, env *outbox.Envelope, ev *event) *RouteError 
 // concurrent use.
 func (r *Router) DeadLetterLogical(msg *replication.Message, env *outbox.Envelope, commit CommitInfo, reason error) *Message {
 	rec := dlqRecord{
-		table:  MessageSchema + "." + msg.Prefix,
+		table:  MessageTable(msg.Prefix),
 		lsn:    msg.LSN,
 		commit: commit,
 		row:    []dlqField{{name: "content", val: msg.Content}},

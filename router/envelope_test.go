@@ -14,7 +14,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
-// syntheticRow is how the relay used to route a logical message: a row of
+// syntheticRow is how the relay once routed a logical message: a row of
 // a made-up relation with the default column names, the version formatted
 // as text and occurred_at in PostgreSQL's ISO text, for Route to parse
 // again. TestRouteEnvelopeMatchesSyntheticRow holds RouteEnvelope to the
@@ -32,6 +32,16 @@ func syntheticRow(prefix string, env *outbox.Envelope, lsn replication.LSN) *rep
 	}}
 }
 
+// messageRouter is a router for the message prefix of mc that also routes
+// syntheticRow's relation with the prefix's rule, so the two paths can be
+// compared; no configuration can map that relation.
+func messageRouter(t testing.TB, mc MessageConfig, opts ...Option) *Router {
+	t.Helper()
+	r := mustNew(t, Config{Messages: []MessageConfig{mc}}, opts...)
+	r.rules[relKey{MessageSchema, mc.Prefix}] = r.messages[mc.Prefix]
+	return r
+}
+
 func TestRouteEnvelopeMatchesSyntheticRow(t *testing.T) {
 	const prefix = "evt"
 	base := outbox.Envelope{
@@ -39,11 +49,11 @@ func TestRouteEnvelopeMatchesSyntheticRow(t *testing.T) {
 		EventType: "OrderPlaced", Payload: json.RawMessage(`{"total": 42}`),
 		OccurredAt: time.Date(2026, 11, 29, 9, 35, 21, 500_000_000, time.UTC),
 	}
-	configs := map[string]TableConfig{
-		"default":     {Table: MessageSchema + "." + prefix},
-		"subject":     {Table: MessageSchema + "." + prefix, Subject: "m.{aggregate_type}.{event_type}.{aggregate_id}"},
-		"constant":    {Table: MessageSchema + "." + prefix, AggregateType: "Fixed"},
-		"cloudevents": {Table: MessageSchema + "." + prefix, CloudEvents: CloudEventsConfig{Enabled: true}},
+	configs := map[string]MessageConfig{
+		"default":     {Prefix: prefix},
+		"subject":     {Prefix: prefix, Subject: "m.{aggregate_type}.{event_type}.{aggregate_id}"},
+		"constant":    {Prefix: prefix, AggregateType: "Fixed"},
+		"cloudevents": {Prefix: prefix, CloudEvents: CloudEventsConfig{Enabled: true}},
 	}
 	for _, tc := range []struct {
 		name string
@@ -67,7 +77,7 @@ func TestRouteEnvelopeMatchesSyntheticRow(t *testing.T) {
 	} {
 		for cname, cfg := range configs {
 			t.Run(tc.name+"/"+cname, func(t *testing.T) {
-				r := mustNew(t, Config{Tables: []TableConfig{cfg}})
+				r := messageRouter(t, cfg)
 				env := base
 				tc.edit(&env)
 				msg := &replication.Message{Transactional: true, Prefix: prefix, LSN: 0x16B3748}
@@ -101,38 +111,45 @@ func TestRouteEnvelopeUnknownPrefix(t *testing.T) {
 	}
 }
 
-// A logical-message table has no columns: renaming or mapping them is a
-// configuration error, not a dead letter per message.
-func TestValidateMessageTableColumns(t *testing.T) {
+// Messages are their own configuration: a table in MessageSchema is
+// refused, naming messages; a bad or repeated prefix is refused at its
+// path; a configuration of messages only is valid.
+func TestValidateMessages(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		tc   TableConfig
+		cfg  Config
 		path string
+		hint string
 	}{
-		{"columns", TableConfig{Columns: ColumnsConfig{EventID: "id"}}, "tables[0].columns"},
-		{"optional column", TableConfig{Columns: ColumnsConfig{OccurredAt: "at"}}, "tables[0].columns"},
-		{"headers", TableConfig{Headers: map[string]string{"event_type": "X-Type"}}, "tables[0].headers"},
+		{"table in the message schema", Config{Tables: []TableConfig{{Table: MessageSchema + ".evt"}}}, "tables[0].table", "messages: [{prefix: evt}]"},
+		{"prefix with a dot", Config{Messages: []MessageConfig{{Prefix: "a.b"}}}, "messages[0].prefix", "letters, digits, _ or -"},
+		{"prefix twice", Config{Messages: []MessageConfig{{Prefix: "ev"}, {Prefix: "ev"}}}, "messages[1].prefix", "mapped twice"},
+		{"subject", Config{Messages: []MessageConfig{{Prefix: "ev", Subject: "ev.{nope}"}}}, "messages[0].subject", "{nope}"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			tc.tc.Table = MessageSchema + ".evt"
-			cfg := Config{Tables: []TableConfig{tc.tc}}
-			err := cfg.Validate()
+			err := tc.cfg.Validate()
 			var ce *ConfigError
-			if !errors.As(err, &ce) || ce.Path != tc.path {
-				t.Fatalf("Validate = %v, want an error at %s", err, tc.path)
+			if !errors.As(err, &ce) || ce.Path != tc.path || !strings.Contains(ce.Msg, tc.hint) {
+				t.Fatalf("Validate = %v, want an error at %s saying %q", err, tc.path, tc.hint)
 			}
 		})
 	}
-	ok := Config{Tables: []TableConfig{{Table: MessageSchema + ".evt", Columns: ColumnsConfig{EventID: DefaultEventIDColumn, OccurredAt: DefaultOccurredAtColumn}}}}
+	ok := Config{Messages: []MessageConfig{{Prefix: "evt", CloudEvents: CloudEventsConfig{Enabled: true}}}}
 	if err := ok.Validate(); err != nil {
-		t.Fatalf("default column names: %v", err)
+		t.Fatalf("messages only: %v", err)
+	}
+	if m := ok.Messages[0]; m.Subject != DefaultSubject || m.CloudEvents.Source != DefaultCloudEventsSourcePrefix+MessageTable("evt") {
+		t.Fatalf("defaults not applied: %+v", m)
+	}
+	if got := ok.SubjectFilters(); len(got) != 1 {
+		t.Fatalf("SubjectFilters of messages only = %v", got)
 	}
 }
 
 // DeadLetterLogical keeps the emitted content and names the event when it
 // is known.
 func TestDeadLetterLogical(t *testing.T) {
-	r := mustNew(t, Config{Tables: []TableConfig{{Table: MessageSchema + ".evt"}}})
+	r := mustNew(t, Config{Messages: []MessageConfig{{Prefix: "evt"}}})
 	msg := &replication.Message{Transactional: true, Prefix: "evt", Content: []byte(`{"event_id":"e-1"}`), LSN: 0x16B3748}
 	env := &outbox.Envelope{EventID: "e-1"}
 	dl := r.DeadLetterLogical(msg, env, testCommit, &RouteError{Class: ClassTooLarge, Reason: "too big"})
@@ -159,7 +176,7 @@ func FuzzRouteEnvelope(f *testing.F) {
 	f.Add(testEventID, "", "r-1", int64(7), "RegistrationConfirmed", testPayload, int64(1796117721123456789), int32(0))
 	f.Add("e", "T.x", "", int64(-1), "E", "", int64(0), int32(-12600))
 	f.Add("e\n", "~", "a b", int64(1<<62), " E", "{}", int64(-9_000_000_000_000_000_000), int32(3600))
-	r := mustNew(f, Config{Tables: []TableConfig{{Table: MessageSchema + ".evt", Subject: "m.{aggregate_type}.{event_type}.x{aggregate_id}", CloudEvents: CloudEventsConfig{Enabled: true}}}},
+	r := messageRouter(f, MessageConfig{Prefix: "evt", Subject: "m.{aggregate_type}.{event_type}.x{aggregate_id}", CloudEvents: CloudEventsConfig{Enabled: true}},
 		WithMaxPayload(MinMaxPayload))
 	f.Fuzz(func(t *testing.T, eventID, aggType, aggID string, version int64, eventType, payload string, unixNano int64, offset int32) {
 		env := outbox.Envelope{

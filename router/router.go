@@ -58,6 +58,7 @@ type CommitInfo struct {
 // again.
 type Router struct {
 	rules      map[relKey]*tableRule
+	messages   map[string]*tableRule // by message prefix
 	dlqSubject string
 	maxSubject int
 	maxPayload int
@@ -92,12 +93,13 @@ func New(cfg Config, opts ...Option) (*Router, error) {
 		}
 	}
 	cfg = cfg.Clone()
-	rules, err := cfg.compile()
+	rules, msgs, err := cfg.compile()
 	if err != nil {
 		return nil, err
 	}
 	r := &Router{
 		rules:      make(map[relKey]*tableRule, len(rules)),
+		messages:   msgs,
 		dlqSubject: cfg.DeadLetterSubject,
 		maxSubject: cfg.MaxSubjectBytes,
 		maxPayload: o.maxPayload,
@@ -108,6 +110,10 @@ func New(cfg Config, opts ...Option) (*Router, error) {
 	}
 	return r, nil
 }
+
+// HandlesMessage reports whether logical messages of prefix are in the
+// configuration (Config.Messages); others are other applications'.
+func (r *Router) HandlesMessage(prefix string) bool { return r.messages[prefix] != nil }
 
 // Handles reports whether rel's table is in the configuration.
 func (r *Router) Handles(rel *replication.Relation) bool {

@@ -230,8 +230,13 @@ func (t *template) renderedLen(vals *[numPlaceholders][]byte) int {
 // subject's wildcard tokens, so such a token spreads one aggregate over
 // partitions and its order is lost for consumer groups. A template that
 // does not parse returns nil (Validate reports it).
-func (t TableConfig) EventPlaceholders() []string {
-	s := t.Subject
+func (t TableConfig) EventPlaceholders() []string { return eventPlaceholders(t.Subject) }
+
+// EventPlaceholders is TableConfig.EventPlaceholders for a message prefix's
+// subject template.
+func (m MessageConfig) EventPlaceholders() []string { return eventPlaceholders(m.Subject) }
+
+func eventPlaceholders(s string) []string {
 	if s == "" {
 		s = DefaultSubject
 	}

@@ -15,7 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/contract"
-	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -99,8 +99,8 @@ func routedMessages(subjectPrefix string, first int64, n, aggs, pad int) ([]*nat
 // prefix and a function that deletes it.
 func freshStream(ctx context.Context, env *benchEnv, scenario string) (prefix string, drop func(), err error) {
 	stream, prefix := streamNames(scenario)
-	spec := publisher.StreamSpec{Name: stream, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}
-	if _, err := publisher.EnsureStream(ctx, env.js, spec, true); err != nil {
+	spec := provision.StreamSpec{Name: stream, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute}
+	if _, err := provision.EnsureStream(ctx, env.js, spec, true); err != nil {
 		return "", nil, err
 	}
 	return prefix, func() { _ = env.js.DeleteStream(context.Background(), stream) }, nil

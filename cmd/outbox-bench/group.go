@@ -24,7 +24,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/internal/logging"
-	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 )
 
 // The group runs measure consumer groups across real processes: the same
@@ -46,8 +46,8 @@ const memberReport = 100 * time.Millisecond
 // it with nats.partitions.
 func partitionedBacklog(ctx context.Context, env *benchEnv, events, aggs, pad, partitions int) (string, func(), error) {
 	stream, prefix := streamNames("group")
-	spec := publisher.StreamSpec{Name: stream, Subjects: []string{prefix + ".*.*"}, Duplicates: 2 * time.Minute, Partitions: partitions}
-	if _, err := publisher.EnsureStream(ctx, env.js, spec, true); err != nil {
+	spec := provision.StreamSpec{Name: stream, Subjects: []string{prefix + ".*.*"}, Duplicates: 2 * time.Minute, Partitions: partitions}
+	if _, err := provision.EnsureStream(ctx, env.js, spec, true); err != nil {
 		return "", nil, err
 	}
 	drop := func() { _ = env.js.DeleteStream(context.Background(), stream) }

@@ -16,8 +16,8 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -193,8 +193,8 @@ func (d *demo) setupRelay(ctx context.Context) (*relay.Relay, jetstream.Consumer
 	// watcher can attach before the first event.
 	events, dlq := cfg.Streams()
 	durableNote := false
-	for _, spec := range []publisher.StreamSpec{events, dlq} {
-		rep, err := publisher.EnsureStream(ctx, d.js, spec, true)
+	for _, spec := range []provision.StreamSpec{events, dlq} {
+		rep, err := provision.EnsureStream(ctx, d.js, spec, true)
 		if err != nil {
 			return nil, nil, err
 		}

@@ -19,7 +19,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
-	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -83,8 +83,12 @@ func newSetupCmd(g *globals) *cobra.Command {
 // from an exported snapshot whose waiting rows it publishes, printing each
 // step.
 func setupPostgres(ctx context.Context, cfg config.Config, nc *nats.Conn, out, progress io.Writer) error {
+	backfillRows, err := setupBackfills(ctx, cfg, out)
+	if err != nil {
+		return err
+	}
 	slotCreated := false
-	if cfg.Postgres.Backfill {
+	if backfillRows {
 		brep, err := backfill(ctx, cfg, nc, zap.NewNop(), progress)
 		if err != nil {
 			return err
@@ -110,6 +114,29 @@ func setupPostgres(ctx context.Context, cfg config.Config, nc *nats.Conn, out, p
 	return nil
 }
 
+// setupBackfills reports whether setup backfills the slot: with
+// postgres.backfill, unless the server is a standby. A standby is read-only:
+// the backfill's record (replication.BackfillTable), which guards against
+// streaming past an interrupted backfill, cannot be written there, so setup
+// creates the standby's slot without one and says what it leaves undone.
+func setupBackfills(ctx context.Context, cfg config.Config, out io.Writer) (bool, error) {
+	if !cfg.Postgres.Backfill {
+		return false, nil
+	}
+	info, err := replication.ReadServer(ctx, cfg.Replication())
+	if err != nil {
+		return false, err
+	}
+	if !info.InRecovery {
+		return true, nil
+	}
+	fmt.Fprintf(out, "postgres: the server is a standby (in recovery, read-only): no backfill, and no %s record written; "+
+		"the rows already in the outbox are not published by this setup, only those committed after the standby's slot is created; "+
+		"backfill them by running setup against the primary first (docs/operations.md, \"Decoding on a standby\"), "+
+		"or publish them with `outbox-relay reconcile --repair` once the relay runs\n", replication.BackfillTable)
+	return false, nil
+}
+
 // setupStreams creates the event and dead-letter streams that are missing
 // and checks those that exist, printing each. It returns the names of the
 // streams it created, also when it fails.
@@ -117,8 +144,8 @@ func setupStreams(ctx context.Context, js jetstream.JetStream, cfg config.Config
 	var created []string
 	events, dlq := cfg.Streams()
 	events.UpdatePartitions = true // setup is where the partition count is set or changed
-	for _, spec := range []publisher.StreamSpec{events, dlq} {
-		srep, err := publisher.EnsureStream(ctx, js, spec, true)
+	for _, spec := range []provision.StreamSpec{events, dlq} {
+		srep, err := provision.EnsureStream(ctx, js, spec, true)
 		if err != nil {
 			return created, err
 		}
@@ -398,7 +425,7 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 		}
 		rep.StreamMessages, rep.StreamLastSeq = info.State.Msgs, info.State.LastSeq
 		rep.StreamStorage, rep.StreamReplicas = info.Config.Storage.String(), info.Config.Replicas
-		durable, reason := publisher.Durability(info.Config)
+		durable, reason := provision.Durability(info.Config)
 		rep.DurableAcks, rep.DurableReason = &durable, reason
 	}
 	if s, err := js.Stream(ctx, cfg.NATS.DeadLetterStream); err == nil {

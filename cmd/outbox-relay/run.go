@@ -23,8 +23,8 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/metrics"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
@@ -323,8 +323,8 @@ func autoSetup(ctx context.Context, cfg config.Config, nc *nats.Conn, log *zap.L
 		return err
 	}
 	events, dlq := cfg.Streams()
-	for _, spec := range []publisher.StreamSpec{events, dlq} {
-		if _, err := publisher.EnsureStream(ctx, js, spec, cfg.NATS.CreateStreams); err != nil {
+	for _, spec := range []provision.StreamSpec{events, dlq} {
+		if _, err := provision.EnsureStream(ctx, js, spec, cfg.NATS.CreateStreams); err != nil {
 			return err
 		}
 	}

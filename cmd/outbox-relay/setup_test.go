@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/outbox-relay/outbox-relay/internal/config"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
@@ -249,4 +252,96 @@ func TestRunAutoSetupNamesTheTableMissingFromThePublication(t *testing.T) {
 		t.Fatalf("run = %v, want the table missing from the publication named", err)
 	}
 	f.assertNothingLeft()
+}
+
+// Issue 26: `setup` against a standby that decodes (PostgreSQL 16+) with
+// the default postgres.backfill: true wrote the backfill's record on a
+// read-only server and failed. It creates the standby's slot without a
+// backfill, says what it did not do, and writes nothing on the primary.
+// Runs in the 17 lane (scripts/pg17-root.sh); skipped on 15.
+func TestSetupOnStandbyWithBackfill(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	primary, err := testenv.StartPostgres()
+	testenv.Must(t, err, "start the primary")
+	t.Cleanup(primary.Close)
+	if primary.Major()*10000 < replication.VersionStandbyDecoding {
+		t.Skipf("PostgreSQL %d cannot decode on a standby", primary.Major())
+	}
+	db := testenv.NewDatabaseOn(t, primary)
+	db.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "outbox.sql"))
+	standby, err := primary.StartStandby(testenv.StandbyOptions{})
+	testenv.Must(t, err, "start the standby")
+	t.Cleanup(standby.Close)
+	ns, err := testenv.StartNATS()
+	testenv.Must(t, err, "start NATS")
+	t.Cleanup(ns.Close)
+	name := testenv.UniqueName("sb")
+	stream := strings.ToUpper(name)
+	// The publication is the primary's (docs/operations.md, "Decoding on a
+	// standby"); rows wait in the outbox.
+	if _, err := db.Pool.Exec(ctx, "CREATE PUBLICATION "+name+" FOR TABLE outbox"); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES (gen_random_uuid(), 'registration', $1, 1, 'E', '{}')`, fmt.Sprint(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var lsn string
+	testenv.Must(t, db.Pool.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn), "primary LSN") // past the commits, flushed soon (asynchronous commit)
+	testenv.Must(t, standby.WaitReplayed(ctx, lsn), "replay")
+	file := filepath.Join(t.TempDir(), "relay.yaml")
+	yaml := fmt.Sprintf("postgres:\n  url: %s\n  slot: %s\n  publication: %s\nnats:\n  url: %s\n  stream: %s\n  dead_letter_stream: %s_DLQ\ntables:\n  - table: public.outbox\n    subject: \"%s.{aggregate_type}.{aggregate_id}\"\ndead_letter_subject: %s_dlq\n",
+		standby.URL(db.Name), name, name, ns.URL, stream, stream, name, name)
+	testenv.Must(t, os.WriteFile(file, []byte(yaml), 0o600), "write the configuration")
+	cfg, err := config.Load(config.Sources{File: file})
+	testenv.Must(t, err, "load the configuration")
+	if !cfg.Postgres.Backfill {
+		t.Fatal("postgres.backfill is not on by default")
+	}
+	f := &opsFixture{t: t, cfg: cfg, file: file, stream: stream}
+	// Creating the standby's slot waits for the primary's next
+	// running-transactions record: send them until setup ends.
+	type result struct {
+		out string
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		out, err := f.step("setup")
+		done <- result{out, err}
+	}()
+	var r result
+	for waiting := true; waiting; {
+		select {
+		case r = <-done:
+			waiting = false
+		case <-time.After(200 * time.Millisecond):
+			_ = primary.Exec(ctx, "SELECT pg_log_standby_snapshot()")
+		}
+	}
+	if r.err != nil {
+		t.Fatalf("setup on the standby: %v\n%s", r.err, r.out)
+	}
+	for _, want := range []string{
+		"the server is a standby (in recovery, read-only): no backfill, and no " + replication.BackfillTable + " record written",
+		"reconcile --repair",
+		"postgres: created logical replication slot " + name,
+	} {
+		if !strings.Contains(r.out, want) {
+			t.Errorf("setup's output lacks %q:\n%s", want, r.out)
+		}
+	}
+	st, err := replication.Status(ctx, standby.URL(db.Name), name)
+	testenv.Must(t, err, "the standby's slot")
+	if !st.Exists {
+		t.Errorf("setup on the standby created no slot there")
+	}
+	var table bool
+	testenv.Must(t, db.Pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", replication.BackfillTable).Scan(&table), "look up the backfill table")
+	if table {
+		t.Errorf("setup on the standby created %s on the primary", replication.BackfillTable)
+	}
 }

@@ -19,8 +19,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/outbox-relay/outbox-relay/internal/config"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -178,10 +178,10 @@ func TestCreatedStreamsMaxAge(t *testing.T) {
 	ctx := context.Background()
 	events, dlq := f.cfg.Streams()
 	for _, c := range []struct {
-		spec publisher.StreamSpec
+		spec provision.StreamSpec
 		want time.Duration
 	}{{events, 3 * time.Hour}, {dlq, 0}} {
-		rep, err := publisher.EnsureStream(ctx, f.js, c.spec, true)
+		rep, err := provision.EnsureStream(ctx, f.js, c.spec, true)
 		if err != nil {
 			t.Fatal(err)
 		}

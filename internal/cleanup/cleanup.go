@@ -12,8 +12,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
-	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
@@ -253,7 +253,7 @@ func (c *cleaner) checkDurable(ctx context.Context, js jetstream.JetStream) erro
 	// A stream that deletes events by itself (work-queue retention, a
 	// per-subject limit) cannot prove a row relayed by their absence or
 	// presence now, and its rows may be the last copy.
-	warnings, err := publisher.CheckShape(info.Config)
+	warnings, err := provision.CheckShape(info.Config)
 	if err != nil {
 		return err
 	}
@@ -261,7 +261,7 @@ func (c *cleaner) checkDurable(ctx context.Context, js jetstream.JetStream) erro
 	if info.Config.Storage != jetstream.FileStorage {
 		return fmt.Errorf("%w: stream %s keeps its events in memory, so its rows are the only copy that survives a restart (use --mode published, or move the stream to file storage)", ErrNotDurable, c.cfg.Stream)
 	}
-	if ok, reason := publisher.Durability(info.Config); !ok {
+	if ok, reason := provision.Durability(info.Config); !ok {
 		c.rep.Warnings = append(c.rep.Warnings, fmt.Sprintf("stream %s: %s; cleanup deletes a row only once its event has been stored for %s", c.cfg.Stream, reason, c.cfg.StoredMargin))
 	}
 	return nil

@@ -28,17 +28,13 @@ func TestReadmeCloudEventsExample(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the README example does not load: %v", err)
 	}
-	want := map[string]router.CloudEventsConfig{
-		"public.outbox":                    {Enabled: true, Source: "/outbox-relay/shop/public.outbox"},
-		"pg_logical_message.outbox_events": {Enabled: true, Source: "/outbox-relay/pg_logical_message.outbox_events"},
-	}
 	rc := c.Relay().Router
-	if len(rc.Tables) != len(want) {
-		t.Fatalf("router tables %+v", rc.Tables)
+	wantTable := router.CloudEventsConfig{Enabled: true, Source: "/outbox-relay/shop/public.outbox"}
+	if len(rc.Tables) != 1 || rc.Tables[0].Table != "public.outbox" || rc.Tables[0].CloudEvents != wantTable {
+		t.Errorf("router tables %+v, want public.outbox with cloudevents %+v", rc.Tables, wantTable)
 	}
-	for _, tc := range rc.Tables {
-		if tc.CloudEvents != want[tc.Table] {
-			t.Errorf("%s: cloudevents %+v, want %+v", tc.Table, tc.CloudEvents, want[tc.Table])
-		}
+	wantMsg := router.CloudEventsConfig{Enabled: true, Source: "/outbox-relay/pg_logical_message.outbox_events"}
+	if len(rc.Messages) != 1 || rc.Messages[0].Prefix != "outbox_events" || rc.Messages[0].CloudEvents != wantMsg {
+		t.Errorf("router messages %+v, want outbox_events with cloudevents %+v", rc.Messages, wantMsg)
 	}
 }

@@ -43,12 +43,11 @@ func (e *Error) Unwrap() error { return ErrInvalid }
 type Config struct {
 	Postgres Postgres `yaml:"postgres"`
 	NATS     NATS     `yaml:"nats"`
-	// Tables, dead_letter_subject and max_subject_bytes: the router's keys
-	// sit at the top level of the file.
-	Router router.Config `yaml:",inline"`
-	// Messages relays table-less events written with
-	// pg_logical_emit_message(true, prefix, envelope).
-	Messages        []Message     `yaml:"messages"`
+	// Tables, messages (table-less events written with
+	// pg_logical_emit_message(true, prefix, envelope)),
+	// dead_letter_subject and max_subject_bytes: the router's keys sit at
+	// the top level of the file.
+	Router          router.Config `yaml:",inline"`
 	HTTP            HTTP          `yaml:"http"`
 	Log             Log           `yaml:"log"`
 	ShutdownTimeout time.Duration `yaml:"shutdown_timeout"`
@@ -79,17 +78,6 @@ type Reconcile struct {
 	Interval time.Duration `yaml:"interval"`
 	// Window is how far back each run looks (rows' occurred-at time).
 	Window time.Duration `yaml:"window"`
-}
-
-// Message maps one pg_logical_emit_message prefix, like a table.
-type Message struct {
-	Prefix        string `yaml:"prefix"`
-	Subject       string `yaml:"subject"`
-	AggregateType string `yaml:"aggregate_type"`
-	// CloudEvents adds CloudEvents binary-mode headers, as
-	// tables[].cloudevents; the default source names the prefix's
-	// synthetic table, /outbox-relay/pg_logical_message.<prefix>.
-	CloudEvents router.CloudEventsConfig `yaml:"cloudevents"`
 }
 
 // Postgres configures the replication source.
@@ -226,24 +214,7 @@ func Default() Config {
 	}
 }
 
-// messagePath maps a router error path of a synthetic message table
-// (tables[n] with n past the real tables) back to messages[i].
-func messagePath(p string, realTables int) string {
-	var n int
-	var rest string
-	if _, err := fmt.Sscanf(p, "tables[%d]", &n); err != nil || n < realTables {
-		return p
-	}
-	if i := strings.Index(p, "]"); i >= 0 {
-		rest = p[i+1:]
-	}
-	return fmt.Sprintf("messages[%d]%s", n-realTables, rest)
-}
-
-var (
-	prefixRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,63}$`)
-	streamRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,255}$`)
-)
+var streamRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,255}$`)
 
 // Validate checks every value and applies derived defaults (stream subjects).
 func (c *Config) Validate() error {
@@ -371,39 +342,13 @@ func (c *Config) Validate() error {
 	if c.Reconcile.Window < time.Second || c.Reconcile.Window > 31*24*time.Hour {
 		bad("reconcile.window", "%s is out of range: use 1s to 744h (default 1h; memory grows with the rows in the window)", c.Reconcile.Window)
 	}
-	realTables := len(c.Router.Tables)
-	if c.Router.Tables != nil || len(c.Messages) > 0 {
-		// Drop synthetic tables of an earlier Validate before re-adding them.
-		var keep []router.TableConfig
-		for _, t := range c.Router.Tables {
-			if !strings.HasPrefix(t.Table, relay.MessageSchema+".") {
-				keep = append(keep, t)
-			}
-		}
-		c.Router.Tables = keep
-		realTables = len(keep)
-	}
-	seenPrefix := map[string]bool{}
-	for i, m := range c.Messages {
-		path := fmt.Sprintf("messages[%d].prefix", i)
-		switch {
-		case !prefixRE.MatchString(m.Prefix):
-			bad(path, "%q is not a valid prefix: use 1-63 letters, digits, _ or - (the prefix passed to pg_logical_emit_message)", m.Prefix)
-			continue
-		case seenPrefix[m.Prefix]:
-			bad(path, "%q is mapped twice", m.Prefix)
-			continue
-		}
-		seenPrefix[m.Prefix] = true
-		c.Router.Tables = append(c.Router.Tables, router.TableConfig{Table: relay.MessageSchema + "." + m.Prefix, Subject: m.Subject, AggregateType: m.AggregateType, CloudEvents: m.CloudEvents})
-	}
 	if err := c.Router.Validate(); err != nil {
 		// The router joins one error per problem: convert each, so that
 		// none is lost and all of them match ErrInvalid.
 		for _, e := range unjoin(err) {
 			var ce *router.ConfigError
 			if errors.As(e, &ce) {
-				errs = append(errs, &Error{Path: messagePath(ce.Path, realTables), Msg: ce.Msg})
+				errs = append(errs, &Error{Path: ce.Path, Msg: ce.Msg})
 			} else {
 				errs = append(errs, fmt.Errorf("%w: %w", ErrInvalid, e))
 			}
@@ -429,10 +374,18 @@ func (c *Config) Validate() error {
 		bad("nats.partitions", "needs one stream subject to partition, have %v: use one subject template (such as the default outbox.{aggregate_type}.{aggregate_id}) for all tables", c.NATS.StreamSubjects)
 	}
 	if c.NATS.Partitions > 0 {
+		spread := func(path, subject string, ph []string) {
+			bad(path, "%q holds %s, which differs between one aggregate's events: with nats.partitions the stream hashes every subject token, so the aggregate's events would land in several partitions and lose their order for consumer groups; use only {aggregate_type}, {aggregate_id}, {table}, {schema} and literal text (e.g. the default %s), or unset nats.partitions",
+				subject, strings.Join(ph, ", "), router.DefaultSubject)
+		}
 		for i, t := range c.Router.Tables {
 			if ph := t.EventPlaceholders(); len(ph) > 0 {
-				bad(messagePath(fmt.Sprintf("tables[%d].subject", i), realTables), "%q holds %s, which differs between one aggregate's events: with nats.partitions the stream hashes every subject token, so the aggregate's events would land in several partitions and lose their order for consumer groups; use only {aggregate_type}, {aggregate_id}, {table}, {schema} and literal text (e.g. the default %s), or unset nats.partitions",
-					t.Subject, strings.Join(ph, ", "), router.DefaultSubject)
+				spread(fmt.Sprintf("tables[%d].subject", i), t.Subject, ph)
+			}
+		}
+		for i, m := range c.Router.Messages {
+			if ph := m.EventPlaceholders(); len(ph) > 0 {
+				spread(fmt.Sprintf("messages[%d].subject", i), m.Subject, ph)
 			}
 		}
 	}

@@ -110,7 +110,7 @@ func TestLoadExamples(t *testing.T) {
 				t.Fatalf("validating again: %v", err)
 			}
 			rc := c.Relay()
-			if rc.Replication.URL == "" || !reflect.DeepEqual(rc.Replication.Tables, c.Tables()) || len(rc.MessagePrefixes) != len(c.Messages) || rc.Stream.Name != c.NATS.Stream {
+			if rc.Replication.URL == "" || !reflect.DeepEqual(rc.Replication.Tables, c.Tables()) || len(rc.Router.Messages) != len(c.Router.Messages) || rc.Stream.Name != c.NATS.Stream {
 				t.Errorf("relay config: %+v", rc)
 			}
 			tc.check(t, c)
@@ -180,7 +180,7 @@ func TestFullExampleHasEveryKey(t *testing.T) {
 		}
 	}
 	structPaths(reflect.TypeOf(router.TableConfig{}), "tables[]", want)
-	structPaths(reflect.TypeOf(config.Message{}), "messages[]", want)
+	structPaths(reflect.TypeOf(router.MessageConfig{}), "messages[]", want)
 	var missing, unknown []string
 	for p := range want {
 		if !documented[p] {

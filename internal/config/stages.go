@@ -1,24 +1,18 @@
 package config
 
 import (
-	"strings"
-
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
-// Tables returns the schema-qualified outbox tables (the publication's),
-// without the synthetic tables of logical-message prefixes.
+// Tables returns the schema-qualified outbox tables (the publication's).
 func (c *Config) Tables() []string {
 	var out []string
 	for _, t := range c.Router.Tables {
-		name := router.QualifiedTable(t.Table)
-		if strings.HasPrefix(name, relay.MessageSchema+".") {
-			continue
-		}
-		out = append(out, name)
+		out = append(out, router.QualifiedTable(t.Table))
 	}
 	return out
 }
@@ -37,8 +31,8 @@ func (c *Config) Replication() replication.Config {
 }
 
 // Streams returns the specs of the event and dead-letter streams.
-func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
-	events = publisher.StreamSpec{
+func (c *Config) Streams() (events, deadLetters provision.StreamSpec) {
+	events = provision.StreamSpec{
 		Name:       c.NATS.Stream,
 		Subjects:   c.NATS.StreamSubjects,
 		Duplicates: c.NATS.DuplicateWindow,
@@ -50,7 +44,7 @@ func (c *Config) Streams() (events, deadLetters publisher.StreamSpec) {
 		AllowBatch:     c.NATS.BatchPublish != "off",
 		Partitions:     c.NATS.Partitions,
 	}
-	deadLetters = publisher.StreamSpec{
+	deadLetters = provision.StreamSpec{
 		Name:       c.NATS.DeadLetterStream,
 		Subjects:   []string{c.Router.DeadLetterFilter()},
 		Duplicates: c.NATS.DuplicateWindow,
@@ -77,18 +71,9 @@ func (c *Config) Relay() relay.Config {
 		CreateStreams:     c.NATS.CreateStreams,
 		BatchPublish:      c.NATS.BatchPublish,
 		ShutdownTimeout:   c.ShutdownTimeout,
-		MessagePrefixes:   c.messagePrefixes(),
 		MaxUnsettledTxs:   c.NATS.MaxUnsettledTransactions,
 		MaxUnsettledBytes: int64(c.NATS.MaxUnsettledWALBytes),
 		StallWarning:      c.NATS.StallWarning,
 		PublicationCheck:  c.Postgres.PublicationCheck,
 	}
-}
-
-func (c *Config) messagePrefixes() []string {
-	var out []string
-	for _, m := range c.Messages {
-		out = append(out, m.Prefix)
-	}
-	return out
 }

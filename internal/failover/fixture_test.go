@@ -22,6 +22,7 @@ import (
 	"go.uber.org/zap/zaptest"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
@@ -105,8 +106,8 @@ func newCluster(t *testing.T, o clusterOptions) *cluster {
 			DeadLetterSubject: prefix + "_dlq",
 		},
 		Publisher:        publisher.Config{AckTimeout: 2 * time.Second},
-		Stream:           publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute, AllowBatch: true},
-		DeadLetterStream: publisher.StreamSpec{Name: name + "_DLQ", Subjects: []string{prefix + "_dlq.>"}, Duplicates: 2 * time.Minute},
+		Stream:           provision.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: 2 * time.Minute, AllowBatch: true},
+		DeadLetterStream: provision.StreamSpec{Name: name + "_DLQ", Subjects: []string{prefix + "_dlq.>"}, Duplicates: 2 * time.Minute},
 		CreateStreams:    true,
 		// The relay's defaults (500ms, 30s): the backoff must not delay
 		// streaming after a promotion however long the outage was.

@@ -23,9 +23,9 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
 func TestMain(m *testing.M) {
@@ -446,7 +446,7 @@ func TestGroupPartitionCountChangeDuringLoad(t *testing.T) {
 	}
 	spec := s.f.Cfg.Stream
 	spec.Partitions, spec.UpdatePartitions = 8, true
-	rep, err := publisher.EnsureStream(ctx, s.f.JS, spec, true)
+	rep, err := provision.EnsureStream(ctx, s.f.JS, spec, true)
 	if err != nil || !rep.Partitioned {
 		t.Fatalf("change the partition count: %+v, %v", rep, err)
 	}

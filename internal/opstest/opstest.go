@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
@@ -78,8 +79,8 @@ func New(t *testing.T, natsURL string, duplicates time.Duration) *Fixture {
 			DeadLetterSubject: prefix + "_dlq",
 		},
 		Publisher:        publisher.Config{AckTimeout: 2 * time.Second},
-		Stream:           publisher.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: duplicates, AllowBatch: true},
-		DeadLetterStream: publisher.StreamSpec{Name: name + "_DLQ", Subjects: []string{prefix + "_dlq.>"}, Duplicates: 2 * time.Minute},
+		Stream:           provision.StreamSpec{Name: name, Subjects: []string{prefix + ".>"}, Duplicates: duplicates, AllowBatch: true},
+		DeadLetterStream: provision.StreamSpec{Name: name + "_DLQ", Subjects: []string{prefix + "_dlq.>"}, Duplicates: 2 * time.Minute},
 		CreateStreams:    true,
 		ReconnectMin:     100 * time.Millisecond,
 		ReconnectMax:     time.Second,
@@ -108,8 +109,8 @@ func (f *Fixture) Setup(ctx context.Context) {
 // does when it starts.
 func (f *Fixture) CreateStreams(ctx context.Context) {
 	f.T.Helper()
-	for _, spec := range []publisher.StreamSpec{f.Cfg.Stream, f.Cfg.DeadLetterStream} {
-		if _, err := publisher.EnsureStream(ctx, f.JS, spec, true); err != nil {
+	for _, spec := range []provision.StreamSpec{f.Cfg.Stream, f.Cfg.DeadLetterStream} {
+		if _, err := provision.EnsureStream(ctx, f.JS, spec, true); err != nil {
 			f.T.Fatal(err)
 		}
 	}

@@ -13,7 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/outbox-relay/outbox-relay/contract"
-	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -284,7 +284,7 @@ func Run(ctx context.Context, db DB, js jetstream.JetStream, cfg Config, opts ..
 	rep.SnapshotLSN = snapshot.String()
 	// A stream that deletes events by itself would make every consumed
 	// event look missing, and a repair would store it again.
-	if _, err := publisher.CheckStream(ctx, js, cfg.Stream); err != nil {
+	if _, err := provision.CheckStream(ctx, js, cfg.Stream); err != nil {
 		return nil, err
 	}
 

@@ -20,12 +20,11 @@ import (
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/cleanup"
 	"github.com/outbox-relay/outbox-relay/internal/opstest"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/reconcile"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/outbox"
-	"github.com/outbox-relay/outbox-relay/publisher"
-	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -654,20 +653,16 @@ var layouts = []struct {
 	{"partitioned", func(f *opstest.Fixture) { f.Partition(8) }},
 }
 
-// Issue 17, case 7: with messages: configured, the router has a synthetic
-// table per prefix, and reconcile, cleanup and the relay's reconcile loop
-// failed with "outbox table does not exist: pg_logical_message.outbox".
-// The synthetic tables are skipped where tables are looked up, the report
-// names the prefixes it cannot check, and their events are not unexpected.
+// Issue 17, case 7: with messages: configured, reconcile, cleanup and the
+// relay's reconcile loop failed with "outbox table does not exist:
+// pg_logical_message.outbox". Messages are not tables (issue 26: their own
+// router.Config.Messages): the report names the prefixes it cannot check,
+// and their events are not unexpected.
 func TestReconcileAndCleanupWithMessagePrefixes(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := opstest.New(t, "", 0)
-	if reconcile.MessageSchema != relay.MessageSchema {
-		t.Fatalf("reconcile.MessageSchema %q, relay.MessageSchema %q", reconcile.MessageSchema, relay.MessageSchema)
-	}
-	f.Cfg.MessagePrefixes = []string{"outbox"}
-	f.Cfg.Router.Tables = append(f.Cfg.Router.Tables, router.TableConfig{Table: relay.MessageSchema + ".outbox", Subject: f.Prefix + ".msg.{aggregate_id}"})
+	f.Cfg.Router.Messages = append(f.Cfg.Router.Messages, router.MessageConfig{Prefix: "outbox", Subject: f.Prefix + ".msg.{aggregate_id}"})
 	if err := f.Cfg.Router.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -836,13 +831,13 @@ func TestToolsRefuseStreamsThatDeleteEvents(t *testing.T) {
 	}
 	rcfg := config(f, time.Now().Add(-time.Hour))
 	rcfg.Slot = ""
-	if _, err := reconcile.Run(ctx, f.DB.Pool, f.JS, rcfg); !errors.Is(err, publisher.ErrDeletesEvents) {
+	if _, err := reconcile.Run(ctx, f.DB.Pool, f.JS, rcfg); !errors.Is(err, provision.ErrDeletesEvents) {
 		t.Errorf("reconcile: %v, want ErrDeletesEvents", err)
 	}
-	if _, err := reconcile.Repair(ctx, f.DB.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, nil); !errors.Is(err, publisher.ErrDeletesEvents) {
+	if _, err := reconcile.Repair(ctx, f.DB.Pool, f.JS, reconcile.RepairConfig{Router: f.Cfg.Router, Stream: f.Stream}, nil); !errors.Is(err, provision.ErrDeletesEvents) {
 		t.Errorf("repair: %v, want ErrDeletesEvents", err)
 	}
-	if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0)); !errors.Is(err, publisher.ErrDeletesEvents) {
+	if _, err := cleanup.Run(ctx, f.DB.Pool, f.JS, cleanup.Config{Router: f.Cfg.Router, Stream: f.Stream, OlderThan: time.Hour, StoredMargin: time.Nanosecond}, cleanup.WithMinStoredMargin(0)); !errors.Is(err, provision.ErrDeletesEvents) {
 		t.Errorf("cleanup: %v, want ErrDeletesEvents", err)
 	}
 }

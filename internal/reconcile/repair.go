@@ -15,7 +15,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/contract"
-	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -103,7 +103,7 @@ func Repair(ctx context.Context, db DB, js jetstream.JetStream, cfg RepairConfig
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	if _, err := publisher.CheckStream(ctx, js, cfg.Stream); err != nil {
+	if _, err := provision.CheckStream(ctx, js, cfg.Stream); err != nil {
 		return nil, err
 	}
 	layout, err := streamLayout(ctx, js, cfg.Stream)
@@ -330,7 +330,7 @@ func streamLayout(ctx context.Context, js jetstream.JetStream, stream string) (c
 	if err != nil {
 		return contract.Layout{}, fmt.Errorf("stream %s: %w", stream, err)
 	}
-	return publisher.StreamLayout(s.CachedInfo().Config), nil
+	return provision.StreamLayout(s.CachedInfo().Config), nil
 }
 
 // publish sends one event unless an earlier event of its aggregate failed.

@@ -9,7 +9,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/contract"
-	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 )
 
 // StreamEvent is what a scan reports of one stored message: its headers'
@@ -116,7 +116,7 @@ func ScanStream(ctx context.Context, js jetstream.JetStream, stream string, filt
 	last := info.State.LastSeq
 	res.LastSeq = last
 	res.FirstSeq, res.FirstTime, res.LastTime = info.State.FirstSeq, info.State.FirstTime, info.State.LastTime
-	res.Limits, res.At, res.Layout = limitsOf(info.Config), info.TimeStamp, publisher.StreamLayout(info.Config)
+	res.Limits, res.At, res.Layout = limitsOf(info.Config), info.TimeStamp, provision.StreamLayout(info.Config)
 	if res.At.IsZero() { // a server that does not say
 		res.At = time.Now()
 	}

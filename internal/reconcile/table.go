@@ -49,27 +49,17 @@ type Table struct {
 	columnTypes []string
 }
 
-// MessageSchema is the schema of the router's synthetic tables for
-// table-less events (the configuration's messages: prefixes, relayed from
-// pg_logical_emit_message): the value of relay.MessageSchema, which imports
-// this package. Such events have no row to compare with or delete.
-const MessageSchema = "pg_logical_message"
-
-// Tableless returns the message prefixes of cfg: its tables in
-// MessageSchema, which LoadTables skips.
+// Tableless returns the message prefixes of cfg (cfg.Messages): their
+// events have no row to compare with or delete.
 func Tableless(cfg router.Config) []string {
-	var out []string
-	for _, tc := range cfg.Tables {
-		if schema, prefix, _ := strings.Cut(tc.Table, "."); schema == MessageSchema {
-			out = append(out, prefix)
-		}
+	if len(cfg.Messages) == 0 {
+		return nil
 	}
-	return out
+	return cfg.MessagePrefixes()
 }
 
 // LoadTables resolves every table of cfg (validated here, on a copy) against
-// the catalog, except the synthetic tables of table-less events
-// (Tableless). A table without an occurred-at column fails with
+// the catalog. A table without an occurred-at column fails with
 // ErrNoTimeColumn, a missing table with ErrTableMissing.
 func LoadTables(ctx context.Context, db DB, cfg router.Config) ([]*Table, error) {
 	cfg = cfg.Clone()
@@ -78,9 +68,6 @@ func LoadTables(ctx context.Context, db DB, cfg router.Config) ([]*Table, error)
 	}
 	out := make([]*Table, 0, len(cfg.Tables))
 	for i, tc := range cfg.Tables {
-		if strings.HasPrefix(tc.Table, MessageSchema+".") {
-			continue
-		}
 		t, err := loadTable(ctx, db, tc, fmt.Sprintf("tables[%d]", i))
 		if err != nil {
 			return nil, err

@@ -1,4 +1,4 @@
-package publisher_test
+package provision_test
 
 import (
 	"context"
@@ -10,8 +10,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/contract"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
 // TestEnsureStreamPartitions: a created stream is partitioned, an existing
@@ -26,20 +26,20 @@ func TestEnsureStreamPartitions(t *testing.T) {
 	js, spec := plainStream(ctx, t)
 	name := spec.Name
 	spec.Partitions = 4
-	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
+	if _, err := provision.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
 		t.Fatalf("unpartitioned existing stream: %v, want an error naming setup", err)
 	}
 	spec.UpdatePartitions = true
-	rep, err := publisher.EnsureStream(ctx, js, spec, true)
+	rep, err := provision.EnsureStream(ctx, js, spec, true)
 	if err != nil || !rep.Partitioned {
 		t.Fatalf("setup: %+v, %v; want the transform set", rep, err)
 	}
 	spec.UpdatePartitions = false
-	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || rep.Partitioned {
+	if rep, err := provision.EnsureStream(ctx, js, spec, true); err != nil || rep.Partitioned {
 		t.Fatalf("second check: %+v, %v; want nothing to do", rep, err)
 	}
 	spec.Partitions = 8
-	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "nats.partitions 8") {
+	if _, err := provision.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "nats.partitions 8") {
 		t.Fatalf("other count: %v, want an error naming the count", err)
 	}
 	for range 3 {
@@ -69,7 +69,7 @@ func TestEnsureStreamPartitions(t *testing.T) {
 	cfg.SubjectTransform = &jetstream.SubjectTransformConfig{Source: name + ".*.*", Destination: name + ".{{wildcard(1)}}.{{wildcard(2)}}.8.{{partition(8,1,2)}}"}
 	_, err = js.UpdateStream(ctx, cfg)
 	testenv.Must(t, err, "old layout")
-	if _, err := publisher.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
+	if _, err := provision.EnsureStream(ctx, js, spec, true); err == nil || !strings.Contains(err.Error(), "run `outbox-relay setup` to set it") {
 		t.Fatalf("old layout: %v, want an error naming setup", err)
 	}
 	// Issue 26: setup replaced the transform over the 3 messages stored
@@ -77,11 +77,11 @@ func TestEnsureStreamPartitions(t *testing.T) {
 	// them). It refuses with the steps; once the stream is purged it
 	// replaces the transform.
 	spec.UpdatePartitions = true
-	if _, err := publisher.EnsureStream(ctx, js, spec, true); !errors.Is(err, publisher.ErrLayoutChange) || !strings.Contains(err.Error(), "nats stream purge "+name) {
+	if _, err := provision.EnsureStream(ctx, js, spec, true); !errors.Is(err, provision.ErrLayoutChange) || !strings.Contains(err.Error(), "nats stream purge "+name) {
 		t.Fatalf("setup over the old layout with messages: %v, want ErrLayoutChange naming the purge", err)
 	}
 	testenv.Must(t, s.Purge(ctx), "purge")
-	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned ||
+	if rep, err := provision.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned ||
 		contract.TransformPartitions(name+".*.*", rep.Info.Config.SubjectTransform.Destination) != 8 {
 		t.Fatalf("setup over the old layout: %+v, %v; want the transform replaced", rep, err)
 	}
@@ -90,14 +90,14 @@ func TestEnsureStreamPartitions(t *testing.T) {
 		t.Fatal(err)
 	}
 	spec.Partitions = 16
-	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned {
+	if rep, err := provision.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned {
 		t.Fatalf("count change 8 -> 16 over a message: %+v, %v", rep, err)
 	}
 	spec.Partitions = 8
 	spec.UpdatePartitions = false
 	// A created stream is partitioned from the start.
 	spec.Name, spec.Subjects, spec.Partitions = name+"_new", []string{name + "_new.*.*"}, 2
-	rep, err = publisher.EnsureStream(ctx, js, spec, true)
+	rep, err = provision.EnsureStream(ctx, js, spec, true)
 	if err != nil || rep.Info.Config.SubjectTransform == nil {
 		t.Fatalf("created stream: %+v, %v; want a transform", rep, err)
 	}
@@ -117,8 +117,8 @@ func TestEnsureStreamRefusesPartitioningStoredEvents(t *testing.T) {
 		t.Fatal(err)
 	}
 	spec.Partitions, spec.UpdatePartitions = 4, true
-	_, err := publisher.EnsureStream(ctx, js, spec, true)
-	if !errors.Is(err, publisher.ErrLayoutChange) || !strings.Contains(err.Error(), "holds 1 message(s)") {
+	_, err := provision.EnsureStream(ctx, js, spec, true)
+	if !errors.Is(err, provision.ErrLayoutChange) || !strings.Contains(err.Error(), "holds 1 message(s)") {
 		t.Fatalf("partition a stream holding an event: %v, want ErrLayoutChange", err)
 	}
 	s, err := js.Stream(ctx, name)
@@ -127,20 +127,20 @@ func TestEnsureStreamRefusesPartitioningStoredEvents(t *testing.T) {
 		t.Fatalf("the refused stream was changed: %+v, %v", info, err)
 	}
 	testenv.Must(t, s.Purge(ctx), "purge")
-	if rep, err := publisher.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned {
+	if rep, err := provision.EnsureStream(ctx, js, spec, true); err != nil || !rep.Partitioned {
 		t.Fatalf("partition the purged stream: %+v, %v", rep, err)
 	}
 }
 
 // plainStream creates a stream <name>.*.* without a partition transform,
 // deleted when the test ends.
-func plainStream(ctx context.Context, t *testing.T) (jetstream.JetStream, publisher.StreamSpec) {
+func plainStream(ctx context.Context, t *testing.T) (jetstream.JetStream, provision.StreamSpec) {
 	t.Helper()
 	js, err := jetstream.New(connectNATS(t))
 	testenv.Must(t, err, "jetstream")
 	name := testenv.UniqueName("P")
-	spec := publisher.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}, Duplicates: time.Minute}
-	if _, err := publisher.EnsureStream(ctx, js, spec, true); err != nil {
+	spec := provision.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}, Duplicates: time.Minute}
+	if _, err := provision.EnsureStream(ctx, js, spec, true); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), name) })

@@ -1,4 +1,4 @@
-package publisher_test
+package provision_test
 
 import (
 	"context"
@@ -9,8 +9,8 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
-	"github.com/outbox-relay/outbox-relay/publisher"
 )
 
 func TestCheckShape(t *testing.T) {
@@ -35,8 +35,8 @@ func TestCheckShape(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := base
 			tc.edit(&cfg)
-			w, err := publisher.CheckShape(cfg)
-			if got := errors.Is(err, publisher.ErrDeletesEvents); got != tc.refused || (err != nil && !got) {
+			w, err := provision.CheckShape(cfg)
+			if got := errors.Is(err, provision.ErrDeletesEvents); got != tc.refused || (err != nil && !got) {
 				t.Fatalf("CheckShape: %v, want refused %v", err, tc.refused)
 			}
 			if len(w) != tc.warnings {
@@ -70,11 +70,11 @@ func TestEnsureStreamRefusesStreamsThatDeleteEvents(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = js.DeleteStream(context.Background(), name) })
-		spec := publisher.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}}
-		if _, err := publisher.EnsureStream(ctx, js, spec, true); !errors.Is(err, publisher.ErrDeletesEvents) || !strings.Contains(err.Error(), name) {
+		spec := provision.StreamSpec{Name: name, Subjects: []string{name + ".*.*"}}
+		if _, err := provision.EnsureStream(ctx, js, spec, true); !errors.Is(err, provision.ErrDeletesEvents) || !strings.Contains(err.Error(), name) {
 			t.Errorf("%s: EnsureStream = %v, want ErrDeletesEvents naming the stream", tc.name, err)
 		}
-		if _, err := publisher.CheckStream(ctx, js, name); !errors.Is(err, publisher.ErrDeletesEvents) {
+		if _, err := provision.CheckStream(ctx, js, name); !errors.Is(err, provision.ErrDeletesEvents) {
 			t.Errorf("%s: CheckStream = %v, want ErrDeletesEvents", tc.name, err)
 		}
 	}

@@ -1,4 +1,4 @@
-package publisher_test
+package provision_test
 
 import (
 	"context"
@@ -8,7 +8,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/outbox-relay/outbox-relay/publisher"
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 )
 
 // Creating a stream whose subjects another stream holds fails with an
@@ -25,7 +25,7 @@ func TestEnsureStreamNamesTheOverlappingStream(t *testing.T) {
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "OTHER_SERVICE", Subjects: []string{"orders.>"}}); err != nil {
 		t.Fatal(err)
 	}
-	_, err = publisher.EnsureStream(ctx, js, publisher.StreamSpec{Name: "OUTBOX", Subjects: []string{"orders.*.*"}, Duplicates: time.Minute}, true)
+	_, err = provision.EnsureStream(ctx, js, provision.StreamSpec{Name: "OUTBOX", Subjects: []string{"orders.*.*"}, Duplicates: time.Minute}, true)
 	if err == nil || !strings.Contains(err.Error(), "overlap stream OTHER_SERVICE (orders.>)") {
 		t.Fatalf("EnsureStream = %v, want the overlapping stream named", err)
 	}
