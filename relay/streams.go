@@ -11,7 +11,7 @@ import (
 // StreamProblem returns what the last check of the event and dead-letter
 // streams while running found wrong (the stream gone, its subjects no
 // longer covering the subject template, whatever else
-// publisher.EnsureStream refuses), or nil.
+// provision.EnsureStream refuses), or nil.
 func (r *Relay) StreamProblem() error {
 	if p := r.streamProblem.Load(); p != nil {
 		return *p
@@ -20,7 +20,7 @@ func (r *Relay) StreamProblem() error {
 }
 
 // watchStreams checks the streams every PublicationCheck until ctx ends,
-// with the check that runs at start (publisher.EnsureStream, never
+// with the check that runs at start (provision.EnsureStream, never
 // creating or changing anything): someone may edit a stream under the
 // running relay. A refusal makes the relay not ready and is logged once
 // per change; warnings new since the last check (a duplicate window
