@@ -19,7 +19,7 @@ import (
 // TestSharedDurableTwoInstances: the docs allow several processes to share
 // one plain durable ("they split an aggregate's messages between them; only
 // VersionCheck keeps its order then"). Each instance has its own NATS
-// connection and metrics. 20,000 events over 500 aggregates are already in
+// connection and metrics. 5,000 events over 500 aggregates are already in
 // the stream; both must apply every event exactly once, finish in bounded
 // time, dead-letter nothing, and with VersionCheck apply every aggregate in
 // version order.
@@ -31,7 +31,7 @@ func TestSharedDurableTwoInstances(t *testing.T) {
 
 func sharedDurable(t *testing.T, versionCheck bool) {
 	f := newFixture(t)
-	aggregates, versions := 500, 40
+	aggregates, versions := 500, 10
 	if s := os.Getenv("ATTACK_VERSIONS"); s != "" {
 		versions, _ = strconv.Atoi(s)
 	}
