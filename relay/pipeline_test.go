@@ -158,7 +158,7 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			rt, err := router.New(router.Config{Tables: []router.TableConfig{{Table: "public.outbox"}, {Table: MessageSchema + ".evt"}}})
+			rt, err := router.New(router.Config{Tables: []router.TableConfig{{Table: "public.outbox"}}, Messages: []router.MessageConfig{{Prefix: "evt"}}})
 			if err != nil {
 				t.Fatal(err)
 			}
