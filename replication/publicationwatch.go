@@ -75,7 +75,7 @@ func (w *PublicationWatch) Probe(ctx context.Context) (PublicationProbe, error) 
 func probePublication(ctx context.Context, conn *pgx.Conn, cfg Config) (PublicationProbe, error) {
 	var p PublicationProbe
 	var wal string
-	if err := conn.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&wal); err != nil {
+	if err := conn.QueryRow(ctx, "SELECT "+CurrentLSN+"::text").Scan(&wal); err != nil {
 		return p, fmt.Errorf("read the WAL position: %w", err)
 	}
 	lsn, err := parseLSN(wal)
