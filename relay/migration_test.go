@@ -55,12 +55,7 @@ func TestRelayOutboxMigrations(t *testing.T) {
 			t.Fatalf("after %s: %s", step, rep)
 		}
 	}
-	exec := func(sql string) {
-		t.Helper()
-		if _, err := f.DB.Pool.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := sqlExec(t, ctx, f.DB.Pool)
 	relayed("start")
 	exec(`ALTER TABLE mig_outbox ADD COLUMN tenant text NOT NULL DEFAULT 'acme'`)
 	relayed("ADD COLUMN")

@@ -20,12 +20,7 @@ func TestRelayPublicationRecreated(t *testing.T) {
 	f.Setup(ctx)
 	f.Start(ctx)
 	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := func(sql string) {
-		t.Helper()
-		if _, err := f.DB.Pool.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := sqlExec(t, ctx, f.DB.Pool)
 	w := f.NewWriter(5)
 	all := w.Write(ctx, 50, 5)
 	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)

@@ -25,12 +25,7 @@ func TestRelayPublicationGapSurvivesRestart(t *testing.T) {
 	f.Setup(ctx)
 	rl, stop := f.Start(ctx)
 	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := func(sql string) {
-		t.Helper()
-		if _, err := f.DB.Pool.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := sqlExec(t, ctx, f.DB.Pool)
 	w := f.NewWriter(5)
 	all := w.Write(ctx, 50, 5)
 	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
@@ -70,12 +65,7 @@ func TestRelayPublicationGapStandbyTakesOver(t *testing.T) {
 		t.Fatal("the second relay did not stand by")
 	}
 	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := func(sql string) {
-		t.Helper()
-		if _, err := f.DB.Pool.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := sqlExec(t, ctx, f.DB.Pool)
 	exec(`ALTER PUBLICATION ` + pub + ` DROP TABLE outbox`)
 	all = append(all, w.Write(ctx, 50, 5)...)
 	if !testenv.WaitFor(10*time.Second, func() bool { return errors.Is(rl.PublicationProblem(), relay.ErrPublicationGap) }) {

@@ -25,12 +25,7 @@ func TestRelayChecksPublication(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t, "")
 	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := func(sql string) {
-		t.Helper()
-		if _, err := f.DB.Pool.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := sqlExec(t, ctx, f.DB.Pool)
 	exec(`CREATE TABLE other (id int)`)
 	exec(`CREATE PUBLICATION ` + pub + ` FOR TABLE other WITH (publish = 'insert')`)
 	exec(`SELECT pg_create_logical_replication_slot('` + f.Cfg.Replication.Slot + `', 'pgoutput')`)

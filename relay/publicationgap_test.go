@@ -53,12 +53,7 @@ func publicationGap(t *testing.T, mode string, quick bool) {
 	var ready atomic.Bool
 	f.Start(ctx, relay.WithReadiness(ready.Store))
 	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := func(sql string) {
-		t.Helper()
-		if _, err := f.DB.Pool.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := sqlExec(t, ctx, f.DB.Pool)
 	w := f.NewWriter(5)
 	all := w.Write(ctx, 50, 5)
 	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap/zaptest"
 
@@ -102,12 +103,7 @@ func TestRelayOnlyCommittedInserts(t *testing.T) {
 	}
 	f.Setup(ctx)
 	f.start(ctx)
-	exec := func(sql string) {
-		t.Helper()
-		if _, err := f.DB.Pool.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := sqlExec(t, ctx, f.DB.Pool)
 	ins := func(id, agg string, v int) string {
 		return "INSERT INTO outbox (event_id, aggregate_id, aggregate_version, event_type, payload) VALUES ('" + id + "', '" + agg + "', " + relaytest.Itoa(v) + ", 'T', '{}')"
 	}
@@ -552,5 +548,17 @@ func TestRelayRunReturnsPublisherError(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("Run did not return after its publisher stopped for good")
+	}
+}
+
+// sqlExec returns a function that runs one statement on pool and fails the
+// test, naming the statement, when it fails: the statements the tests use
+// to change the publication, the table or the rows under a running relay.
+func sqlExec(t *testing.T, ctx context.Context, pool *pgxpool.Pool) func(sql string) {
+	return func(sql string) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
 	}
 }
