@@ -122,3 +122,19 @@ func TestMembersWaitsAtMostTheTTL(t *testing.T) {
 		t.Fatalf("members waited %s", el)
 	}
 }
+
+// TestRosterNextExpiry: the coordinator wakes when the first member seen
+// runs out of TTL, not a heartbeat interval later.
+func TestRosterNextExpiry(t *testing.T) {
+	r := newRoster()
+	if at := r.nextExpiry(); !at.IsZero() {
+		t.Fatalf("empty roster: nextExpiry %v, want zero", at)
+	}
+	now := time.Now()
+	r.seen["a"] = rosterEntry{until: now.Add(5 * time.Second)}
+	r.seen["b"] = rosterEntry{until: now.Add(2 * time.Second)}
+	r.seen["c"] = rosterEntry{until: now.Add(9 * time.Second)}
+	if at := r.nextExpiry(); !at.Equal(now.Add(2 * time.Second)) {
+		t.Fatalf("nextExpiry %v, want b's %v", at, now.Add(2*time.Second))
+	}
+}

@@ -374,12 +374,17 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 			return nil
 		}
 		failing.report(g.log, "consumer group step", err)
+		var expired <-chan time.Time // a member runs out of TTL: reassign then
+		if at := g.roster.nextExpiry(); !at.IsZero() {
+			expired = time.After(time.Until(at) + time.Millisecond)
+		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case err := <-g.errs:
 			return fmt.Errorf("consume group %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
 		case <-g.roster.changed: // a member joined or left: reassign now
+		case <-expired:
 		case <-tick.C:
 		}
 	}
