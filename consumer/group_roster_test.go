@@ -124,17 +124,28 @@ func TestMembersWaitsAtMostTheTTL(t *testing.T) {
 }
 
 // TestRosterNextExpiry: the coordinator wakes when the first member seen
-// runs out of TTL, not a heartbeat interval later.
+// runs out of TTL, not a heartbeat interval later; an entry already past
+// does not wake it (it would spin while steps fail before pruning it).
 func TestRosterNextExpiry(t *testing.T) {
-	r := newRoster()
-	if at := r.nextExpiry(); !at.IsZero() {
-		t.Fatalf("empty roster: nextExpiry %v, want zero", at)
-	}
 	now := time.Now()
-	r.seen["a"] = rosterEntry{until: now.Add(5 * time.Second)}
-	r.seen["b"] = rosterEntry{until: now.Add(2 * time.Second)}
-	r.seen["c"] = rosterEntry{until: now.Add(9 * time.Second)}
-	if at := r.nextExpiry(); !at.Equal(now.Add(2 * time.Second)) {
-		t.Fatalf("nextExpiry %v, want b's %v", at, now.Add(2*time.Second))
+	at := func(d time.Duration) rosterEntry { return rosterEntry{until: now.Add(d)} }
+	cases := []struct {
+		name string
+		seen map[string]rosterEntry
+		want time.Time
+	}{
+		{"none", nil, time.Time{}},
+		{"first of three", map[string]rosterEntry{"a": at(5 * time.Second), "b": at(2 * time.Second), "c": at(9 * time.Second)}, now.Add(2 * time.Second)},
+		{"past entries skipped", map[string]rosterEntry{"a": at(-time.Second), "b": at(3 * time.Second)}, now.Add(3 * time.Second)},
+		{"all past", map[string]rosterEntry{"a": at(-time.Second)}, time.Time{}},
+	}
+	for _, tc := range cases {
+		r := newRoster()
+		for id, e := range tc.seen {
+			r.seen[id] = e
+		}
+		if got := r.nextExpiry(now); !got.Equal(tc.want) {
+			t.Errorf("%s: nextExpiry %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }

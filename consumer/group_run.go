@@ -375,7 +375,7 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 		}
 		failing.report(g.log, "consumer group step", err)
 		var expired <-chan time.Time // a member runs out of TTL: reassign then
-		if at := g.roster.nextExpiry(); !at.IsZero() {
+		if at := g.roster.nextExpiry(time.Now()); !at.IsZero() {
 			expired = time.After(time.Until(at) + time.Millisecond)
 		}
 		select {
