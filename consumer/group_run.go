@@ -597,7 +597,7 @@ func (g *group) removeGeneration(ctx context.Context, gen *generation) error {
 	var errs []error
 	for p := range gen.durables {
 		name := PartitionDurable(g.c.cfg.Name, gen.partitions, p)
-		if err := g.strm.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		if err := deleteDurable(ctx, g.strm, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			errs = append(errs, fmt.Errorf("delete drained partition durable %s: %w", name, err))
 		}
 	}
@@ -606,6 +606,11 @@ func (g *group) removeGeneration(ctx context.Context, gen *generation) error {
 	}
 	g.log.Info("older partition generation drained and removed", zap.Int("partitions", gen.partitions))
 	return nil
+}
+
+// deleteDurable deletes a partition durable; tests make it fail.
+var deleteDurable = func(ctx context.Context, strm jetstream.Stream, name string) error {
+	return strm.DeleteConsumer(ctx, name)
 }
 
 // assignment returns the partitions of a count that member owns among
