@@ -187,6 +187,11 @@ func (c *Consumer) consumerConfig() jetstream.ConsumerConfig {
 // worker owning its aggregate.
 func (c *Consumer) dispatch(ctx context.Context, cons jetstream.Consumer) error {
 	f := newFeed(c, cons, c.cfg.Name, c.log, jetstream.PullMaxMessages(min(c.cfg.MaxAckPending, 500)))
+	// Several processes may share a plain durable (feed.go). With
+	// VersionCheck the feed keeps resetting on their gaps: a reset delivers
+	// what is pending in stream order again, which resolves the version
+	// gaps that splitting an aggregate between processes makes.
+	f.shareable = !c.cfg.VersionCheck
 	defer f.stop()
 	for {
 		msg, err := f.recv(ctx)

@@ -85,6 +85,10 @@ func (pt *partition) unpin(ctx context.Context, log *zap.Logger) {
 	}
 }
 
+// hookHandOffUnpin, set by tests, runs between the hand-off's consumer info
+// read and its unpin.
+var hookHandOffUnpin func(pt *partition)
+
 var errHandedOff = errors.New("partition handed off")
 
 // pump hands messages to the workers until a hand-off is asked for.
@@ -135,6 +139,9 @@ func (pt *partition) handOff(ctx context.Context, log *zap.Logger) {
 	ictx, icancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	info, err := pt.cons.Info(ictx)
 	icancel()
+	if hookHandOffUnpin != nil {
+		hookHandOffUnpin(pt)
+	}
 	if err != nil || pt.f.pin == "" || pinnedTo(info, pt.f.pin) {
 		pt.unpin(context.WithoutCancel(ctx), log)
 	}
