@@ -31,11 +31,12 @@ var ErrBatchDisabled = errors.New("stream does not allow batched publishing")
 // mode: the server acknowledges every few hundred messages, and its final
 // answer counts the messages stored, in order. Only that answer settles
 // messages: it names the stream, which is checked like every other ack,
-// while a flow ack names none and so only tells that the server is alive. A message that fails ends the batch where it failed:
-// the server stores nothing after it. So order holds for every message,
-// not only per key, and a hot aggregate is not limited to one round trip
-// per event, while the server answers once per few hundred messages
-// instead of once per message (less CPU on both sides).
+// while a flow ack names none and so only tells that the server is alive.
+// A message that fails ends the batch where it failed: the server stores
+// nothing after it. So within a batch order holds for every message, not
+// only per key, and a hot aggregate is not limited to one round trip per
+// event, while the server answers once per few hundred messages instead
+// of once per message (less CPU on both sides).
 //
 // The server acknowledges a batch's last messages only when it is
 // committed. What queued up while the previous batch was answered forms the
@@ -47,12 +48,13 @@ var ErrBatchDisabled = errors.New("stream does not allow batched publishing")
 //
 // Failures are not handled here but by the per-key Publisher given to
 // NewBatch: when a batch fails (an error, a gap, no answer within
-// AckTimeout), every message the server has not confirmed is sent again in
-// order, starting with the first one alone through the per-key publisher,
-// which retries, classifies and dead-letters it as it does any message.
-// Once it settles the next batch starts behind it; messages the failed
+// AckTimeout), every message the server has not confirmed is sent again
+// alone through the per-key publisher, which keeps each key's order and
+// retries, classifies and dead-letters them as it does any message. Once
+// they settle the next batch starts behind them; messages the failed
 // batch did store after all are reported as duplicates by the stream
-// (Nats-Msg-Id) and skipped. The per-key publisher also carries the
+// (Nats-Msg-Id) and skipped. Across keys, the stream's order then follows
+// the lone publishes' answers: order holds per key. The per-key publisher also carries the
 // messages of other streams (dead-letter records).
 type Batch struct {
 	cfg    Config
@@ -72,10 +74,11 @@ type Batch struct {
 
 	// Hand-over to Run. in holds admitted messages only, so it never
 	// fills; replies blocks the reply subscription while Run catches up;
-	// isoDone holds the one isolated message's result.
+	// isoDone holds the results of the messages gone alone (at most the
+	// window's, so the per-key publisher never blocks on it).
 	in      chan admitted
 	replies chan batchAnswer
-	isoDone chan Result
+	isoDone chan loneResult
 	oldestQ chan stuckQuery
 	stopped chan struct{} // closed when Run returns
 
@@ -108,12 +111,10 @@ type batchState struct {
 	failed  error
 	lastAck time.Time // last ack of the current batch, or its start
 	endBy   time.Time // deadline for the final answer once ending
-	iso     Message   // the message isolated after a failure, with Done = isoSettled
-	isoSent bool      // iso is with the per-key publisher
-	// isoRest counts the messages of a failed batch still to go alone
-	// after iso.
-	isoRest  int
-	failures int // consecutive failed batches, for logging
+	// lone counts the messages from head that go alone after a failure;
+	// loneHanded of them are with the per-key publisher.
+	lone, loneHanded int
+	failures         int // consecutive failed batches, for logging
 	// sends counts messages sent; idleAt is its value when the idle timer
 	// was armed, so a timer that fires after more sends waits again.
 	sends     uint64
@@ -128,7 +129,7 @@ const (
 	batchIdle      batchPhase = iota // no batch: the next send starts one
 	batchOpen                        // sending
 	batchEnding                      // committing or failed: waiting for the final answer
-	batchIsolating                   // the first unconfirmed message is with the per-key publisher
+	batchIsolating                   // a failed batch's unconfirmed messages go alone through the per-key publisher
 )
 
 // bpending is one message on its way through a Batch.
@@ -137,6 +138,17 @@ type bpending struct {
 	size  int
 	bseq  uint64 // batch sequence in the current batch; 0 when not sent in it
 	first time.Time
+	// alone is the message's copy with the per-key publisher after a
+	// failure, and res its result once loneDone.
+	alone    Message
+	loneDone bool
+	res      Result
+}
+
+// loneResult is the per-key publisher's result for a message gone alone.
+type loneResult struct {
+	pd  *bpending
+	res Result
 }
 
 // BatchConfig configures a Batch beyond Config.
@@ -197,7 +209,7 @@ func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opt
 		window:  newWindow(cfg),
 		in:      make(chan admitted, cfg.MaxInFlight),
 		replies: make(chan batchAnswer, replyQueue),
-		isoDone: make(chan Result, 1),
+		isoDone: make(chan loneResult, cfg.MaxInFlight),
 		oldestQ: make(chan stuckQuery),
 		stopped: make(chan struct{}),
 	}
@@ -254,8 +266,8 @@ func (b *Batch) Run(ctx context.Context) error {
 			}
 		case a := <-b.replies:
 			b.answer(a)
-		case res := <-b.isoDone:
-			b.isolatedSettled(res)
+		case r := <-b.isoDone:
+			b.isolatedSettled(r)
 		case q := <-b.oldestQ:
 			s, ok := b.oldest()
 			q <- stuckAnswer{s, ok}
@@ -302,7 +314,7 @@ func (b *Batch) step() {
 		switch {
 		case b.state == batchEnding && b.failed != nil && b.eob == 0:
 			b.commit()
-		case b.state == batchIsolating && !b.isoSent:
+		case b.state == batchIsolating && b.loneHanded < b.lone:
 			b.sendIsolated()
 			return
 		case (b.state == batchIdle || b.state == batchOpen) && b.head+b.sent < len(b.queue):
@@ -638,54 +650,44 @@ func (b *Batch) finishUnanswered() { b.finish(b.acked) }
 // finish ends the current batch with its first n messages stored: the rest
 // are sent again.
 //
-// After a failure, answered or not, every message it sent beyond n goes
-// alone through the per-key publisher, in order, before batching resumes:
-// the stream's leader may still hold some as proposals not yet committed
-// (it answered the failure of one while later ones were on their way, or
-// its answers were lost), and a new batch reaching it would skip each as
-// a duplicate "in process" (10158) and count it as stored, though the
-// leader may yet lose it. A lone publish of such a message is answered
-// with that error instead, and retried until the proposal is stored (a
-// duplicate ack) or lost (stored anew).
+// After a failure, answered or not, every message it sent beyond n (at
+// least the first queued one) goes alone through the per-key publisher
+// before batching resumes: the stream's leader may still hold some as
+// proposals not yet committed (it answered the failure of one while later
+// ones were on their way, or its answers were lost), and a new batch
+// reaching it would skip each as a duplicate "in process" (10158) and
+// count it as stored, though the leader may yet lose it. A lone publish of
+// such a message is answered with that error instead, and retried until
+// the proposal is stored (a duplicate ack) or lost (stored anew). They go
+// together, as the per-key publisher sends any messages: one in flight
+// per key, keys side by side, so each aggregate keeps its order and the
+// failed window drains at per-key speed, not one round trip per message.
 func (b *Batch) finish(n uint64) {
 	b.ack(n)
-	b.isoRest = max(0, b.sent-1) // the first goes as iso
+	lone := max(1, b.sent)
 	for i := b.head; i < b.head+b.sent; i++ {
 		b.queue[i].bseq = 0
 	}
 	b.sent = 0
 	b.id = ""
 	if b.failed == nil {
-		b.failures, b.isoRest = 0, 0
+		b.failures = 0
 		b.state = batchIdle
 		return
 	}
 	b.failures++
 	if b.failures == 1 || b.failures%100 == 0 {
 		b.log.Warn("fast-ingest batch failed; the messages it sent and the server did not confirm go alone, then batching resumes",
-			zap.Int("failures_in_a_row", b.failures), zap.Error(b.failed))
+			zap.Int("failures_in_a_row", b.failures), zap.Int("alone", min(lone, len(b.queue)-b.head)), zap.Error(b.failed))
 	}
 	b.obs.Retried(failureClass(b.failed))
 	if b.head == len(b.queue) {
 		b.state = batchIdle
 		return
 	}
-	b.isolate()
-}
-
-// isolate makes the first queued message the one to go alone through the
-// per-key publisher next.
-func (b *Batch) isolate() {
 	b.state = batchIsolating
-	b.isoSent = false
-	pd := b.queue[b.head]
-	b.iso = *pd.m
-	b.iso.Done = b.isoSettled
+	b.lone, b.loneHanded = min(lone, len(b.queue)-b.head), 0
 }
-
-// isoSettled is the isolated message's Done, on the per-key publisher's
-// Run goroutine: it hands the result to this one's.
-func (b *Batch) isoSettled(res Result) { b.isoDone <- res }
 
 func failureClass(err error) string {
 	var pe *PublishError
@@ -695,37 +697,42 @@ func failureClass(err error) string {
 	return ClassBatch
 }
 
-// sendIsolated hands the first unconfirmed message to the per-key
-// publisher; when its window is full, the next tick tries again.
+// sendIsolated hands the messages that go alone to the per-key publisher,
+// as many as its window takes; the next tick or result hands the rest.
 func (b *Batch) sendIsolated() {
-	ok, err := b.keyed.TryPublish(&b.iso)
-	switch {
-	case err != nil:
-		b.close(err)
-	case ok:
-		b.isoSent = true
+	for b.loneHanded < b.lone {
+		pd := b.queue[b.head+b.loneHanded]
+		pd.alone = *pd.m
+		pd.alone.Done = func(res Result) { b.isoDone <- loneResult{pd, res} }
+		ok, err := b.keyed.TryPublish(&pd.alone)
+		if err != nil {
+			b.close(err)
+			return
+		}
+		if !ok {
+			return
+		}
+		b.loneHanded++
 	}
 }
 
-// isolatedSettled settles the isolated message with the per-key
-// publisher's result and goes on: the rest of a failed batch alone
-// (finish), or the next batch.
-func (b *Batch) isolatedSettled(res Result) {
-	pd := b.queue[b.head]
-	b.queue[b.head] = nil
-	b.head++
-	b.queue, b.head = compactFront(b.queue, b.head)
-	b.state = batchIdle
-	b.isoSent = false
-	b.iso = Message{}
-	b.settle(pd, res)
-	if b.isoRest > 0 && b.head < len(b.queue) && b.closedErr() == nil {
-		// The rest of the failed batch goes alone too.
-		b.isoRest--
-		b.isolate()
-		return
+// isolatedSettled records a lone message's result and settles the queue's
+// head as far as the messages gone alone are settled; once all are, the
+// next batch may start.
+func (b *Batch) isolatedSettled(r loneResult) {
+	r.pd.loneDone, r.pd.res = true, r.res
+	for b.lone > 0 && b.queue[b.head].loneDone {
+		pd := b.queue[b.head]
+		b.queue[b.head] = nil
+		b.head++
+		b.lone--
+		b.loneHanded--
+		b.settle(pd, pd.res)
 	}
-	b.isoRest = 0
+	b.queue, b.head = compactFront(b.queue, b.head)
+	if b.lone == 0 {
+		b.state = batchIdle
+	}
 }
 
 // tick fails a batch whose answers are overdue.

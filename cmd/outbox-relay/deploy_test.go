@@ -69,7 +69,8 @@ func exportedNames(t *testing.T) map[string]bool {
 		UnsettledTxs: zero, UnsettledWALBytes: zero, IntakePaused: zero, BackfillIncomplete: zero, PublicationWrong: zero, PublicationCheckFailing: zero, StreamWrong: zero, TraceHeadersDropped: zero, Stall: func() metrics.Stall { return metrics.Stall{} }})
 	cfg := config.Default()
 	cfg.Reconcile.Interval = time.Minute
-	if _, err := newMonitors(rec, nil, nil, cfg, func() bool { return true }, zap.NewNop()); err != nil {
+	slots := metrics.NewSlotPoller(rec, nil, cfg.Postgres.Slot, cfg.Metrics.PollInterval, zap.NewNop())
+	if _, err := newMonitors(rec, nil, nil, slots, cfg, func() bool { return true }, zap.NewNop()); err != nil {
 		t.Fatal(err)
 	}
 	h := consumer.HandlerFunc(func(context.Context, pgx.Tx, *consumer.Message) error { return nil })

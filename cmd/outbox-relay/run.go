@@ -244,6 +244,28 @@ func serveHTTP(ctx context.Context, g *errgroup.Group, c config.HTTP, h http.Han
 // once), builds the relay and streams until ctx ends.
 func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs relay.Observer, reg prometheus.Registerer,
 	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool, opts ...relay.Option) error {
+	// The pollers and the reconcile loop share a small pool, apart from
+	// the replication connection; it connects on first use.
+	pool, err := sqlPool(ctx, cfg.Postgres.URL, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	// The slot's gauges need PostgreSQL only: polled from the start, not
+	// after NATS answered (slow on a loaded machine, or down), so that a
+	// lost slot shows on /metrics while the relay still waits for the
+	// broker, and while it lingers on its refusal.
+	slots := metrics.NewSlotPoller(reg, pool, cfg.Postgres.Slot, cfg.Metrics.PollInterval, log.Named("metrics"))
+	sctx, stopSlots := context.WithCancel(ctx)
+	slotsDone := make(chan struct{})
+	go func() {
+		defer close(slotsDone)
+		_ = slots.Run(sctx)
+	}()
+	defer func() {
+		stopSlots()
+		<-slotsDone
+	}()
 	attempts := &natsAttempts{}
 	nc, err := dialNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot, attempts)
 	if err != nil {
@@ -265,18 +287,11 @@ func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs re
 		return err
 	}
 	rlp.Store(rl)
-	// The pollers and the reconcile loop share a small pool, apart from
-	// the replication connection; it connects on first use.
-	pool, err := sqlPool(ctx, cfg.Postgres.URL, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return err
 	}
-	mon, err = newMonitors(reg, pool, js, cfg, ready.Load, log)
+	mon, err = newMonitors(reg, pool, js, slots, cfg, ready.Load, log)
 	if err != nil {
 		return err
 	}
@@ -421,18 +436,19 @@ func httpHandler(reg *prometheus.Registry, withPprof bool, ready, standingBy fun
 // monitors are the relay's metrics besides the pipeline's own: the slot and
 // the streams polled on an interval, and the optional reconcile loop.
 type monitors struct {
-	slots     *metrics.SlotPoller
+	slots     *metrics.SlotPoller // run by startAndRun, before NATS is waited for
 	failover  *metrics.FailoverPoller
 	streams   *metrics.StreamPoller
 	reconcile *metrics.Reconcile
 	loop      *reconcile.Loop // nil when reconcile.interval is 0
 }
 
-// newMonitors registers the monitors' metrics on reg; start runs them.
-func newMonitors(reg prometheus.Registerer, pool *pgxpool.Pool, js jetstream.JetStream, cfg config.Config, active func() bool, log *zap.Logger) (*monitors, error) {
+// newMonitors registers the monitors' metrics on reg (the slot poller's
+// were registered by its maker); start runs them.
+func newMonitors(reg prometheus.Registerer, pool *pgxpool.Pool, js jetstream.JetStream, slots *metrics.SlotPoller, cfg config.Config, active func() bool, log *zap.Logger) (*monitors, error) {
 	mlog := log.Named("metrics")
 	m := &monitors{
-		slots:     metrics.NewSlotPoller(reg, pool, cfg.Postgres.Slot, cfg.Metrics.PollInterval, mlog),
+		slots:     slots,
 		failover:  metrics.NewFailoverPoller(reg, cfg.Postgres.URL, cfg.Postgres.Slot, cfg.Metrics.PollInterval, mlog),
 		streams:   metrics.NewStreamPoller(reg, js, cfg.NATS.Stream, cfg.NATS.DeadLetterStream, cfg.Metrics.PollInterval, mlog),
 		reconcile: metrics.NewReconcile(reg),
@@ -462,7 +478,6 @@ func (m *monitors) refresh() {
 // start runs the monitors in g until ctx ends. They never fail: a failed
 // poll is counted and logged, and must not stop the relay.
 func (m *monitors) start(ctx context.Context, g *errgroup.Group) {
-	g.Go(func() error { return m.slots.Run(ctx) })
 	g.Go(func() error { return m.failover.Run(ctx) })
 	g.Go(func() error { return m.streams.Run(ctx) })
 	if m.loop != nil {

@@ -120,6 +120,38 @@ func TestSlotInvalidatedStatus(t *testing.T) {
 			t.Errorf("run's error does not mention %q:\n%s", want, out)
 		}
 	}
+	t.Run("metric while NATS is down", func(t *testing.T) {
+		// The slot's gauges need PostgreSQL only: they are served while
+		// the relay still waits for NATS. Before, they came after NATS
+		// answered, and on a loaded machine a slow broker kept them off
+		// /metrics past the metric test's wait.
+		port, err := testenv.FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		natsPort, err := testenv.FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.set("http.listen", fmt.Sprintf("127.0.0.1:%d", port))
+		s.set("nats.url", fmt.Sprintf("nats://127.0.0.1:%d", natsPort))
+		defer s.set("nats.url", s.natsURL)
+		r := s.startRelay()
+		defer func() { _ = r.term(10 * time.Second) }()
+		body := ""
+		if !testenv.WaitFor(30*time.Second, func() bool {
+			resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", port))
+			if err != nil {
+				return false
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			body = string(b)
+			return strings.Contains(body, `outbox_relay_slot_wal_status{status="lost"} 1`)
+		}) {
+			t.Fatalf("/metrics does not show the lost slot while NATS is down (relay running: %v):\n%s", r.running(), body)
+		}
+	})
 	t.Run("metric", func(t *testing.T) {
 		// The slot metrics come from a running relay: it must keep serving
 		// /metrics (not ready) on a lost slot for the metric to be seen.
