@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/contract"
@@ -302,8 +304,9 @@ func TestGroupMetrics(t *testing.T) {
 	})
 }
 
-// metric sums the series of a gauge or counter of the fixture's registry.
-func (f *fixture) metric(name string) (sum float64, series int) {
+// metric sums the series of a gauge or counter of the fixture's registry
+// that carry the given label name/value pairs.
+func (f *fixture) metric(name string, labels ...string) (sum float64, series int) {
 	f.t.Helper()
 	mfs, err := f.reg.Gather()
 	testenv.Must(f.t, err, "gather")
@@ -311,7 +314,13 @@ func (f *fixture) metric(name string) (sum float64, series int) {
 		if mf.GetName() != name {
 			continue
 		}
+	series:
 		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(labels); i += 2 {
+				if !slices.ContainsFunc(m.GetLabel(), func(l *dto.LabelPair) bool { return l.GetName() == labels[i] && l.GetValue() == labels[i+1] }) {
+					continue series
+				}
+			}
 			series++
 			sum += m.GetGauge().GetValue() + m.GetCounter().GetValue()
 		}
