@@ -2,11 +2,15 @@ package relay_test
 
 import (
 	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
 )
@@ -113,5 +117,62 @@ func TestRelayPublicationRecreatedLogicalMessages(t *testing.T) {
 		}
 		t.Fatalf("a logical message emitted while the publication did not exist is neither relayed nor dead-lettered: stream holds %v, dead-letter stream %d",
 			ids, relaytest.StreamCount(ctx, f.JS, f.DLQ))
+	}
+}
+
+// Adversarial review of issue 25 (second round): the relay's role may
+// read the gap table but not delete from it (the table created by a relay
+// that ran as the owner, which grants SELECT to PUBLIC only, or a grant
+// without DELETE). Recording the gap only logs when refused; clearing it
+// (nothing recorded: a DELETE of no row) was refused too, so the fill
+// never completed: the relay never streamed again nor became ready, and
+// backfilled the outbox from the table over and over (which hid the
+// stall from a count of events), logging why at debug level only.
+func TestRelayPublicationGapRoleCannotClear(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, "")
+	f.Cfg.PublicationCheck = 200 * time.Millisecond
+	f.Setup(ctx)
+	exec := sqlExec(t, ctx, f.DB.Pool)
+	role := "r_" + strings.ToLower(f.Stream[2:10])
+	exec("CREATE ROLE " + role + " LOGIN REPLICATION")
+	exec("GRANT SELECT ON public.outbox TO " + role)
+	// As recordGap creates it when it may.
+	exec(`CREATE TABLE IF NOT EXISTS public.outbox_relay_gap (slot_name name PRIMARY KEY, since_lsn pg_lsn NOT NULL,
+	undecodable boolean NOT NULL DEFAULT false, noticed_at timestamptz NOT NULL)`)
+	exec("GRANT SELECT ON public.outbox_relay_gap TO PUBLIC")
+	f.Cfg.Replication.URL = strings.Replace(f.Cfg.Replication.URL, "postgres@", role+"@", 1)
+	t.Cleanup(func() {
+		_, _ = f.DB.Pool.Exec(context.Background(), "DROP OWNED BY "+role)
+	})
+	var ready atomic.Bool
+	rl, _ := f.Start(ctx, relay.WithReadiness(ready.Store))
+	pub := `"` + f.Cfg.Replication.Publication + `"`
+	w := f.NewWriter(5)
+	all := w.Write(ctx, 50, 5)
+	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
+	exec(`ALTER PUBLICATION ` + pub + ` DROP TABLE outbox`)
+	all = append(all, w.Write(ctx, 50, 5)...)
+	if !testenv.WaitFor(10*time.Second, func() bool { return errors.Is(rl.PublicationProblem(), relay.ErrPublicationGap) }) {
+		t.Fatalf("no gap noticed: %v", rl.PublicationProblem())
+	}
+	exec(`ALTER PUBLICATION ` + pub + ` ADD TABLE outbox`)
+	all = append(all, w.Write(ctx, 50, 5)...)
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all)) }) {
+		t.Fatalf("%d of %d events relayed 30 s after the table was added back (the relay's role may not delete from the gap table): %v",
+			relaytest.StreamCount(ctx, f.JS, f.Stream), len(all), rl.PublicationProblem())
+	}
+	if !testenv.WaitFor(30*time.Second, ready.Load) {
+		t.Fatalf("not ready 30 s after the gap's rows were published (the relay's role may not delete from the gap table): %v", rl.NotReadyReason())
+	}
+	// Only the slot delivers these: the relay streams again.
+	all = append(all, w.Write(ctx, 50, 5)...)
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all)) }) {
+		t.Fatalf("%d of %d events relayed: the relay does not stream again after the gap (the relay's role may not delete from the gap table): %v",
+			relaytest.StreamCount(ctx, f.JS, f.Stream), len(all), rl.PublicationProblem())
+	}
+	if rep := relaytest.Check(all, f.Read(ctx, f.Stream)); !rep.OK() {
+		t.Fatalf("stream check: %s", rep)
 	}
 }

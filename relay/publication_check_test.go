@@ -41,12 +41,16 @@ func TestRelayPublicationCheckCannotRun(t *testing.T) {
 	}
 	// New connections reach nothing; the check's own is ended, so the
 	// next check must connect again. The replication session lives on.
+	// The check's connection is known by its last query, which is another
+	// one while a check runs: ended again until the relay turns not ready.
 	p.BlackholeNew(true)
-	if _, err := f.DB.Pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+	if !testenv.WaitFor(30*time.Second, func() bool {
+		if _, err := f.DB.Pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
 WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid() AND query LIKE '%pg_publication_rel%'`); err != nil {
-		t.Fatal(err)
-	}
-	if !testenv.WaitFor(30*time.Second, func() bool { return !ready.Load() }) {
+			t.Fatal(err)
+		}
+		return !ready.Load()
+	}) {
 		t.Fatal("the relay stayed ready while no publication check could run")
 	}
 	if why := rl.NotReadyReason(); !strings.Contains(why, "cannot be checked") || rl.PublicationCheckFailure() == nil {

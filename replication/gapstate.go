@@ -88,15 +88,22 @@ ON CONFLICT (slot_name) DO UPDATE SET since_lsn = least(` + table + `.since_lsn,
 	return nil
 }
 
-// clearGap deletes the slot's gap record: the gap is filled.
+// clearGap deletes the slot's gap record: the gap is filled. When none is
+// recorded it deletes nothing, so that a role that may read the table but
+// not delete from it (its record refused too) still finishes the fill.
 func clearGap(ctx context.Context, conn *pgx.Conn, cfg Config) error {
-	_, err := conn.Exec(ctx, "DELETE FROM "+gapTable(cfg).Sanitize()+" WHERE slot_name = $1", cfg.Slot)
+	g, err := readGap(ctx, conn, cfg)
+	if err != nil || !g.Open {
+		return err
+	}
+	table := gapTable(cfg).Sanitize()
+	_, err = conn.Exec(ctx, "DELETE FROM "+table+" WHERE slot_name = $1", cfg.Slot)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("clear the publication gap of slot %q: %w", cfg.Slot, err)
+		return backfillStateError(err, fmt.Sprintf("clear the publication gap of slot %q", cfg.Slot), "GRANT SELECT, INSERT, UPDATE, DELETE ON "+table+" TO <the relay's role>")
 	}
 	return nil
 }
