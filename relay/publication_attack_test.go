@@ -195,3 +195,66 @@ func TestRelayPublicationGapRoleCannotClear(t *testing.T) {
 		t.Fatalf("stream check: %s", rep)
 	}
 }
+
+// Adversarial review of issue 25 (second round): two outbox tables in the
+// publication, only the second dropped from it while the relay streams
+// and both written: the rows of the first keep the slot's stream busy (no
+// idle keepalive) while the second's are withheld; none may be missing,
+// and the first table's order must hold across the fill.
+func TestRelayPublicationGapSecondTable(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"auto", "off"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			f := newFixture(t, "")
+			f.Cfg.BatchPublish = mode
+			f.Cfg.PublicationCheck = 200 * time.Millisecond
+			exec := sqlExec(t, ctx, f.DB.Pool)
+			exec("CREATE TABLE public.outbox_two (LIKE public.outbox INCLUDING ALL)")
+			f.Cfg.Replication.Tables = append(f.Cfg.Replication.Tables, "public.outbox_two")
+			f.Cfg.Router.Tables = append(f.Cfg.Router.Tables, router.TableConfig{Table: "public.outbox_two", Subject: f.Prefix + ".two.{aggregate_type}.{aggregate_id}"})
+			f.Setup(ctx)
+			f.Start(ctx)
+			pub := `"` + f.Cfg.Replication.Publication + `"`
+			w := f.NewWriter(5)
+			two := 0
+			writeTwo := func(n int) {
+				t.Helper()
+				exec(`INSERT INTO public.outbox_two (event_id, aggregate_id, aggregate_version, event_type, payload)
+SELECT gen_random_uuid(), 'two', v, 'E', '{}' FROM generate_series(` + relaytest.Itoa(two+1) + `, ` + relaytest.Itoa(two+n) + `) v`)
+				two += n
+			}
+			all := w.Write(ctx, 50, 5)
+			writeTwo(10)
+			f.WaitCount(ctx, f.Stream, 60, 30*time.Second)
+			exec(`ALTER PUBLICATION ` + pub + ` DROP TABLE public.outbox_two`)
+			for i := 0; i < 5; i++ {
+				all = append(all, w.Write(ctx, 10, 5)...)
+				writeTwo(10)
+			}
+			exec(`ALTER PUBLICATION ` + pub + ` ADD TABLE public.outbox_two`)
+			all = append(all, w.Write(ctx, 50, 5)...)
+			writeTwo(10)
+			want := uint64(len(all) + two)
+			if !testenv.WaitFor(60*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.Stream) >= want }) {
+				t.Fatalf("%d of %d events relayed", relaytest.StreamCount(ctx, f.JS, f.Stream), want)
+			}
+			var first []relaytest.Received
+			versions := map[int64]bool{}
+			for _, m := range f.Read(ctx, f.Stream) {
+				if m.Event.AggregateID == "two" {
+					versions[m.Event.AggregateVersion] = true
+					continue
+				}
+				first = append(first, m)
+			}
+			if len(versions) != two {
+				t.Fatalf("outbox_two: %d distinct versions in the stream, want %d", len(versions), two)
+			}
+			if rep := relaytest.Check(all, first); !rep.OK() {
+				t.Fatalf("stream check of the first table: %s", rep)
+			}
+		})
+	}
+}
