@@ -258,3 +258,64 @@ SELECT gen_random_uuid(), 'two', v, 'E', '{}' FROM generate_series(` + relaytest
 		})
 	}
 }
+
+// Adversarial review of issue 25 (second round): the publication dropped
+// while the active relay streams (the gap recorded, not undecodable), the
+// active relay stopped, the publication created again; a standby that
+// checked the publication before takes over: it must fill the gap and get
+// past the stretch the slot cannot decode, then stream.
+// "restart": no standby; a relay started afresh once the publication is
+// created again, which never saw it right before, reads the recorded gap.
+func TestRelayPublicationRecreatedStandbyTakesOver(t *testing.T) {
+	t.Parallel()
+	for _, standby := range []bool{true, false} {
+		name := "standby"
+		if !standby {
+			name = "restart"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			recreatedTakeOver(t, standby)
+		})
+	}
+}
+
+func recreatedTakeOver(t *testing.T, standby bool) {
+	ctx := context.Background()
+	f := newFixture(t, "")
+	f.Cfg.PublicationCheck = 200 * time.Millisecond
+	f.Setup(ctx)
+	rl, stop := f.Start(ctx)
+	w := f.NewWriter(5)
+	all := w.Write(ctx, 50, 5)
+	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
+	if standby {
+		obs := &countingObserver{}
+		f.Start(ctx, relay.WithObserver(obs))
+		if !testenv.WaitFor(30*time.Second, func() bool { return obs.standby.Load() >= 1 }) {
+			t.Fatal("the second relay did not stand by")
+		}
+	}
+	pub := `"` + f.Cfg.Replication.Publication + `"`
+	exec := sqlExec(t, ctx, f.DB.Pool)
+	exec(`DROP PUBLICATION ` + pub)
+	all = append(all, w.Write(ctx, 50, 5)...)
+	if !testenv.WaitFor(10*time.Second, func() bool { return errors.Is(rl.PublicationProblem(), relay.ErrPublicationGap) }) {
+		t.Fatalf("no gap noticed: %v", rl.PublicationProblem())
+	}
+	_ = stop()
+	exec(`CREATE PUBLICATION ` + pub + ` FOR TABLE outbox WITH (publish = 'insert')`)
+	all = append(all, w.Write(ctx, 50, 5)...)
+	if !standby {
+		f.Start(ctx)
+	}
+	if !testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all)) }) {
+		t.Fatalf("%d of %d events relayed after another relay took over", relaytest.StreamCount(ctx, f.JS, f.Stream), len(all))
+	}
+	// Only the slot delivers these: the standby streams.
+	all = append(all, w.Write(ctx, 50, 5)...)
+	testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all)) })
+	if rep := relaytest.Check(all, f.Read(ctx, f.Stream)); !rep.OK() {
+		t.Fatalf("stream check after a standby took over a recreated publication: %s", rep)
+	}
+}
