@@ -319,3 +319,41 @@ func recreatedTakeOver(t *testing.T, standby bool) {
 		t.Fatalf("stream check after a standby took over a recreated publication: %s", rep)
 	}
 }
+
+// Adversarial review of issue 25 (second round): the publication dropped
+// and created again, twice, while a concurrent load writes (big
+// transactions among them), in both publishing modes: the slot is
+// advanced past the stretch it cannot decode while rows commit around the
+// position it is advanced to; none may be missing or out of order.
+func TestRelayPublicationRecreatedUnderLoad(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"auto", "off"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			f := newFixture(t, "")
+			f.Cfg.BatchPublish = mode
+			f.Cfg.PublicationCheck = 200 * time.Millisecond
+			f.Setup(ctx)
+			rl, _ := f.Start(ctx)
+			pub := `"` + f.Cfg.Replication.Publication + `"`
+			exec := sqlExec(t, ctx, f.DB.Pool)
+			first := f.NewWriter(1).Write(ctx, 1, 1)
+			f.WaitCount(ctx, f.Stream, 1, 30*time.Second)
+			wait := relaytest.WriteAsync(ctx, t, f.DB.Pool, relaytest.Load{Events: 3000, Aggregates: 40, Writers: 4, BigTx: 20, Pause: 60 * time.Millisecond})
+			for round := 0; round < 2; round++ {
+				exec(`DROP PUBLICATION ` + pub)
+				testenv.WaitFor(5*time.Second, func() bool { return rl.PublicationProblem() != nil })
+				exec(`CREATE PUBLICATION ` + pub + ` FOR TABLE outbox WITH (publish = 'insert')`)
+				testenv.WaitFor(20*time.Second, func() bool { return rl.PublicationProblem() == nil })
+			}
+			evs := wait()
+			relaytest.StoredPayloads(ctx, t, f.DB.Pool, "outbox", evs)
+			all := append(first, evs...)
+			testenv.WaitFor(90*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all)) })
+			if rep := relaytest.Check(all, f.Read(ctx, f.Stream)); !rep.OK() {
+				t.Fatalf("stream check after the publication was recreated under load: %s", rep)
+			}
+		})
+	}
+}
