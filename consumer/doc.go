@@ -12,12 +12,17 @@
 //
 // A message goes top to bottom through:
 //
-//   - consumer.go: [New] and [Consumer.Run] — the durable consumer and the
-//     dispatcher, which hashes aggregate type and id to one of
-//     Config.Workers workers (group*.go and partition.go do the same per
-//     partition for a consumer group, Config.Group).
+//   - consumer.go: [New] and [Consumer.Run]. A Consumer is configuration
+//     only; each Run builds an engine.
+//   - engine.go: the engine, one Run — it owns the workers, runs the
+//     source, the replay and statistics loops, and stops in order (the
+//     source first, the workers last, so that they settle what it handed
+//     out). Its source is where deliveries come from: the plain durable
+//     (durableSource, durable.go) or a group member's partitions (group*.go
+//     and partition.go). The engine hashes aggregate type and id to one of
+//     Config.Workers workers.
 //   - feed.go: a JetStream consumer's deliveries on their way to the
-//     dispatcher, in stream order by construction: a feed opens with a
+//     workers, in stream order by construction: a feed opens with a
 //     reset of its consumer to the ack floor and resets again whenever the
 //     consumer sequence of its deliveries breaks. The plain durable and
 //     each group partition pull through one.

@@ -36,6 +36,7 @@ import (
 // repetitions, and are applied first; a repetition of an applied message is
 // a duplicate (the dedup row). Nothing here waits for a redelivery timer.
 type feed struct {
+	e       *engine // whose workers the deliveries go to
 	c       *Consumer
 	cons    jetstream.Consumer
 	name    string // the consumer's name
@@ -57,9 +58,9 @@ type feed struct {
 	changed   chan struct{} // receives (non-blocking) on each settle
 }
 
-func newFeed(c *Consumer, cons jetstream.Consumer, name string, log *zap.Logger, opts ...jetstream.PullMessagesOpt) *feed {
+func newFeed(e *engine, cons jetstream.Consumer, name string, log *zap.Logger, opts ...jetstream.PullMessagesOpt) *feed {
 	return &feed{
-		c: c, cons: cons, name: name, pullOpt: opts, log: log, why: resumeStart,
+		e: e, c: e.c, cons: cons, name: name, pullOpt: opts, log: log, why: resumeStart,
 		inflight:  map[string]int{},
 		returning: map[uint64]string{},
 		changed:   make(chan struct{}, 1),
@@ -228,19 +229,16 @@ func (f *feed) quiet() bool {
 // forward hands a delivery to the worker of its aggregate, tracked until
 // it is settled.
 func (f *feed) forward(ctx context.Context, msg jetstream.Msg) error {
-	c := f.c
-	it := c.newItem(msg)
+	it := f.c.newItem(msg)
 	f.track(it.key)
 	f.returned(it.m.StreamSeq)
 	tm := &trackedMsg{Msg: msg, f: f, key: it.key, seq: it.m.StreamSeq}
 	it.msg = tm
-	select {
-	case c.workers[c.workerIndex(it.key)].in <- it:
-		return nil
-	case <-ctx.Done():
+	if err := f.e.send(ctx, it); err != nil {
 		tm.settled() // comes again after the next reset
-		return ctx.Err()
+		return err
 	}
+	return nil
 }
 
 func (f *feed) track(key string) {

@@ -13,7 +13,6 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
-	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/contract"
 )
@@ -22,6 +21,7 @@ import (
 // heartbeat, the assignment of partitions and the partitions pulled.
 type group struct {
 	c        *Consumer
+	e        *engine // whose workers the partitions feed
 	strm     jetstream.Stream
 	ttl      time.Duration // the bucket's member TTL
 	replicas int           // of the bucket, when it must be created again
@@ -68,45 +68,17 @@ type memberInfo struct {
 	partitions int
 }
 
-// runGroup is Run for a group member: it checks the stream, joins the
+// run is the group member's source: it checks the stream, joins the
 // group, creates the partition durables, and until ctx ends keeps pulling
-// the partitions assigned to it. On shutdown it hands its partitions off
-// (settling what is in flight) before the workers stop, and leaves the
-// group at once rather than after the member TTL.
-func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
-	info, err := strm.Info(ctx)
-	if err != nil {
-		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
-	}
-	source, partitions, err := c.checkGroupStream(info)
-	if err != nil {
-		return err
-	}
-	id, err := c.identity(ctx)
-	if err != nil {
-		return err
-	}
-	met, err := newGroupMetrics(c.reg, c.cfg.Name)
-	if err != nil {
-		return err
-	}
-	g := &group{
-		c: c, strm: strm, id: id, source: source, met: met, current: partitions,
-		log:       c.log.With(zap.String("member", c.cfg.Group.Member)),
-		parts:     map[string]*partition{},
-		errs:      make(chan error, 1),
-		lastOwner: map[string]time.Time{},
-		infos:     map[string]*jetstream.ConsumerInfo{},
-		roster:    newRoster(),
-		rewatch:   make(chan struct{}, 1),
-		replicas:  max(info.Config.Replicas, 1),
-	}
-	g.beatCount.Store(int64(partitions))
-	if err := g.openBucket(ctx); err != nil {
+// the partitions assigned to it. On shutdown it leaves the group at once
+// rather than after the member TTL, and hands its partitions off (the
+// workers, on settleCtx, settle what is in flight).
+func (g *group) run(ctx, settleCtx context.Context, e *engine) error {
+	if err := g.setUp(ctx, e); err != nil {
 		return err
 	}
 	// The roster is read by the join's agreement check and by every step
-	// until Run returns.
+	// until run returns.
 	rctx, stopRoster := context.WithCancel(ctx)
 	var rosterWG sync.WaitGroup
 	rosterWG.Go(func() { g.watchRoster(rctx) })
@@ -115,50 +87,51 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 	if err := g.join(ctx); err != nil {
 		return err
 	}
-	if err := g.ensureGeneration(ctx, partitions, true); err != nil {
+	if err := g.ensureGeneration(ctx, g.current, true); err != nil {
 		return err
 	}
-	c.grp = g
-	defer func() { c.grp = nil }()
+	c := g.c
 	c.log.Info("consuming as a group member", zap.String("stream", c.cfg.Stream), zap.String("member", c.cfg.Group.Member),
-		zap.Int("partitions", partitions), zap.Duration("pinned_ttl", c.cfg.Group.PinnedTTL),
+		zap.Int("partitions", g.current), zap.Duration("pinned_ttl", c.cfg.Group.PinnedTTL),
 		zap.Duration("member_ttl", g.ttl), zap.Bool("version_check", c.cfg.VersionCheck))
-
-	c.workers = make([]*worker, c.cfg.Workers)
-	for i := range c.workers {
-		c.workers[i] = newWorker(c, i)
-	}
-	// The workers outlive ctx: the hand-off at shutdown needs them to
-	// settle what is in flight. They stop once the partitions are done.
-	wctx, wcancel := context.WithCancel(context.WithoutCancel(ctx))
-	defer wcancel()
-	wg, wgctx := errgroup.WithContext(wctx)
-	for _, w := range c.workers {
-		wg.Go(func() error { return w.run(wgctx) })
-	}
-	lg, lctx := errgroup.WithContext(ctx)
-	lg.Go(func() error { return c.replayLoop(lctx) })
-	lg.Go(func() error { return c.statsLoop(lctx) })
-	lg.Go(func() error {
-		err := g.coordinate(lctx, wgctx)
-		g.shutdown()
-		return err
-	})
-	lg.Go(func() error { // a worker that fails ends the member
-		select {
-		case <-wgctx.Done():
-			return errors.New("a worker stopped")
-		case <-lctx.Done():
-			return nil
-		}
-	})
-	err = lg.Wait()
-	wcancel()
-	g.wg.Wait()
-	if werr := wg.Wait(); werr != nil || ctx.Err() != nil {
-		return werr // the cause, when a worker ended the member; nil on shutdown
-	}
+	// The partitions pull on the workers' context, so that the hand-off at
+	// shutdown can settle; they stop with run.
+	pctx, stopParts := context.WithCancel(settleCtx)
+	defer g.wg.Wait()
+	defer stopParts()
+	err := g.coordinate(ctx, pctx)
+	g.shutdown()
 	return err
+}
+
+// setUp reads the stream's partitioning and this member's identity, and
+// opens the member bucket.
+func (g *group) setUp(ctx context.Context, e *engine) error {
+	c := g.c
+	info, err := g.strm.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
+	}
+	if g.source, g.current, err = c.checkGroupStream(info); err != nil {
+		return err
+	}
+	if g.id, err = c.identity(ctx); err != nil {
+		return err
+	}
+	if g.met, err = newGroupMetrics(c.reg, c.cfg.Name); err != nil {
+		return err
+	}
+	g.e = e
+	g.log = c.log.With(zap.String("member", c.cfg.Group.Member))
+	g.parts = map[string]*partition{}
+	g.errs = make(chan error, 1)
+	g.lastOwner = map[string]time.Time{}
+	g.infos = map[string]*jetstream.ConsumerInfo{}
+	g.roster = newRoster()
+	g.rewatch = make(chan struct{}, 1)
+	g.replicas = max(info.Config.Replicas, 1)
+	g.beatCount.Store(int64(g.current))
+	return g.openBucket(ctx)
 }
 
 // openBucket opens (creating it if needed) the group's member bucket. It

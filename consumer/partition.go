@@ -42,7 +42,7 @@ func newPartition(g *group, partitions, p int, cons jetstream.Consumer) *partiti
 	name := PartitionDurable(c.cfg.Name, partitions, p)
 	return &partition{
 		g: g, partitions: partitions, p: p, cons: cons, durable: name,
-		f: newFeed(c, cons, name, g.log, jetstream.PullPriorityGroup(priorityGroup(c.cfg.Name)),
+		f: newFeed(g.e, cons, name, g.log, jetstream.PullPriorityGroup(priorityGroup(c.cfg.Name)),
 			jetstream.PullMaxMessages(min(partitionPending(c.cfg.MaxAckPending, partitions), 256)), jetstream.PullExpiry(groupPullExpiry)),
 		handoff: make(chan struct{}),
 		done:    make(chan struct{}),
@@ -98,18 +98,11 @@ func (pt *partition) pump(ctx context.Context) error {
 		case <-hctx.Done():
 		}
 	}()
-	for {
-		msg, err := pt.f.recv(hctx)
-		if err == nil {
-			err = pt.f.forward(hctx, msg)
-		}
-		if err != nil {
-			if ctx.Err() == nil && isClosed(pt.handoff) {
-				return errHandedOff
-			}
-			return err
-		}
+	err := pt.g.e.pump(hctx, pt.f)
+	if ctx.Err() == nil && isClosed(pt.handoff) {
+		return errHandedOff
 	}
+	return err
 }
 
 // handOff settles the partition before it moves: the subscription is
