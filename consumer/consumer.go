@@ -17,6 +17,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
+	"github.com/outbox-relay/outbox-relay/consumer/internal/observe"
 	"github.com/outbox-relay/outbox-relay/contract"
 )
 
@@ -80,7 +82,7 @@ func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (
 	if err != nil {
 		return nil, err
 	}
-	if _, err := newGroupVecs(o.registerer); err != nil { // group.go's metrics
+	if err := group.RegisterMetrics(o.registerer); err != nil { // known before a group runs
 		return nil, err
 	}
 	c := &Consumer{
@@ -246,22 +248,7 @@ func (c *Consumer) statsLoop(ctx context.Context) error {
 	}
 }
 
-// loopHealth keeps a polling loop's log quiet during an outage: the first
-// failure is a warning, repeats are debug messages, recovery is noted once.
-type loopHealth struct{ failures int }
+// loopHealth is observe.LoopHealth, the quiet log of a polling loop.
+type loopHealth struct{ h observe.LoopHealth }
 
-func (h *loopHealth) report(log *zap.Logger, what string, err error) {
-	switch {
-	case err != nil && h.failures == 0:
-		log.Warn(what+" failed; retrying quietly until it succeeds", zap.Error(err))
-	case err != nil:
-		log.Debug(what+" failed again", zap.Int("failures", h.failures+1), zap.Error(err))
-	case h.failures > 0:
-		log.Info(what+" works again", zap.Int("failures", h.failures))
-	}
-	if err != nil {
-		h.failures++
-	} else {
-		h.failures = 0
-	}
-}
+func (l *loopHealth) report(log *zap.Logger, what string, err error) { l.h.Report(log, what, err) }

@@ -18,9 +18,14 @@
 //     source, the replay and statistics loops, and stops in order (the
 //     source first, the workers last, so that they settle what it handed
 //     out). Its source is where deliveries come from: the plain durable
-//     (durableSource, durable.go) or a group member's partitions (group*.go
-//     and partition.go). The engine hashes aggregate type and id to one of
-//     Config.Workers workers.
+//     (durableSource, durable.go) or a group member's partitions
+//     (groupSource, group_source.go). The engine hashes aggregate type and
+//     id to one of Config.Workers workers.
+//   - internal/group: a group member's membership — heartbeat, roster,
+//     assignment, partition generations, each partition's pull and
+//     hand-off. It sees the engine only as a group.Host that opens feeds
+//     and creates durables, so it does not import this package; group.go
+//     here holds GroupConfig and its checks.
 //   - feed.go: a JetStream consumer's deliveries on their way to the
 //     workers, in stream order by construction: a feed opens with a
 //     reset of its consumer to the ack floor and resets again whenever the

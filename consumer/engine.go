@@ -22,7 +22,7 @@ type engine struct {
 
 // source is where an engine's deliveries come from: one plain durable
 // consumer (durableSource) or the partitions a group member owns
-// (groupSource). A source feeds the engine's workers through feeds
+// (groupSource, over consumer/internal/group). A source feeds the engine's workers through feeds
 // (feed.go), which keep each JetStream consumer's deliveries in stream
 // order.
 type source interface {
@@ -102,10 +102,10 @@ func (e *engine) pump(ctx context.Context, f *feed) error {
 }
 
 // newSource is the source Config asks for: a group member's partitions
-// (group_run.go), or the plain durable consumer (durable.go).
+// (group_source.go), or the plain durable consumer (durable.go).
 func (c *Consumer) newSource(strm jetstream.Stream) source {
 	if c.cfg.Group != nil {
-		return &group{c: c, strm: strm}
+		return c.newGroupSource(strm)
 	}
 	return &durableSource{c: c, strm: strm}
 }

@@ -14,9 +14,9 @@ import (
 
 // feed is one JetStream consumer's deliveries on their way to the workers,
 // in stream order by construction rather than by timing. It is what both
-// the plain durable (dispatch) and each partition of a group member
-// (partition.go) pull through; a group decides which consumers to feed, the
-// workers stay common.
+// the plain durable (durableSource) and each partition of a group member
+// (groupSource) pull through; a source decides which consumers to feed,
+// the workers stay common.
 //
 // Order rests on three facts. A consumer reset (ResetConsumer) makes the
 // server forget every delivery it has made and deliver again from its ack

@@ -1,10 +1,11 @@
 package consumer
 
 import (
-	"errors"
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outbox-relay/outbox-relay/consumer/internal/observe"
 )
 
 // Outcomes counted by outbox_consumer_messages_processed_total.
@@ -226,20 +227,9 @@ func (v *metricVecs) series(name, owner string) *metrics {
 	}
 }
 
-// register registers c, or returns the collector of the same name another
-// consumer registered before on reg.
+// register is observe.Register.
 func register[C prometheus.Collector](reg prometheus.Registerer, c C) (C, error) {
-	err := reg.Register(c)
-	if err == nil {
-		return c, nil
-	}
-	var are prometheus.AlreadyRegisteredError
-	if errors.As(err, &are) {
-		if existing, ok := are.ExistingCollector.(C); ok {
-			return existing, nil
-		}
-	}
-	return c, err
+	return observe.Register(reg, c)
 }
 
 func (m *metrics) processed(outcome string) {
