@@ -61,6 +61,17 @@ func (r *Relay) fillGap(ctx context.Context, wal replication.LSN) error {
 		return fmt.Errorf("%w: wait for the acks of the last session before publishing the gap: %v", ErrPublicationGap, err)
 	}
 	begun := time.Now()
+	undecodable := r.guard.fillState()
+	if undecodable {
+		// The slot is advanced to wal after the fill, so the snapshot must
+		// see every transaction that committed before it.
+		sctx, cancel := context.WithTimeout(ctx, r.probeTimeout())
+		err := r.guard.settle(sctx)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("%w: %v", ErrPublicationGap, err)
+		}
+	}
 	tx, closeTx, err := snapshotTx(ctx, r.cfg.Replication.URL, "")
 	if err != nil {
 		return fmt.Errorf("%w: read the outbox: %v", ErrPublicationGap, err)
@@ -82,7 +93,16 @@ func (r *Relay) fillGap(ctx context.Context, wal replication.LSN) error {
 	if err := r.pub.Drain(ctx); err != nil {
 		return fmt.Errorf("%w: wait for the acks of the gap's rows: %v", ErrPublicationGap, err)
 	}
-	r.guard.filled(wal)
+	fctx, cancel := context.WithTimeout(ctx, r.probeTimeout())
+	err = r.guard.filled(fctx, wal)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("%w: the gap's rows are published: %v", ErrPublicationGap, err)
+	}
+	if undecodable {
+		r.log.Warn("advanced the slot past WAL it cannot decode (the publication was dropped and created again): its outbox rows are published from the table",
+			zap.Stringer("to_lsn", wal), zap.Bool("logical_messages_skipped", len(r.cfg.Router.Messages) > 0))
+	}
 	r.releaseGapLock()
 	r.recordPublication(nil, false)
 	r.log.Warn("publication gap filled: published the outbox rows the event stream lacked; streaming again",

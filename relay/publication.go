@@ -3,7 +3,9 @@ package relay
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -49,6 +51,7 @@ func (e gapError) Unwrap() []error {
 // session's at a Relation message, and the one before each session.
 type pubGuard struct {
 	cfg replication.Config
+	log *zap.Logger
 
 	mu    sync.Mutex
 	watch *replication.PublicationWatch
@@ -56,8 +59,18 @@ type pubGuard struct {
 	// the first (whose problem, at start, is an operator's to fix).
 	ident string
 	// gap is set when rows may have been withheld since safe, until
-	// fillGap has published them.
-	gap bool
+	// fillGap has published them. It is kept in replication.GapTable too
+	// (recorded), for the relay that streams the slot next: this one may
+	// stop before the gap is filled.
+	gap, recorded bool
+	// undecodable is set when the slot cannot decode the gap's stretch
+	// (the publication was dropped and created again: pgoutput fails with
+	// 42704 on every change before the new one): after the fill the slot
+	// is advanced past it.
+	undecodable bool
+	// recordFailed is set while the gap cannot be recorded, so that it
+	// logs once.
+	recordFailed bool
 	// safe is the WAL position read before the last right check with
 	// nothing withheld before it: the stream never confirms past it.
 	safe atomic.Uint64
@@ -81,15 +94,13 @@ func (g *pubGuard) limit() replication.LSN {
 
 // check probes the publication and returns the probe and whether rows may
 // have been withheld since the last right check. An error is no verdict.
-func (g *pubGuard) check(ctx context.Context) (replication.PublicationProbe, bool, error) {
+// Before a session (atStart) it also reads the gap a relay recorded
+// before: one that stopped, or lost the slot, before filling it.
+func (g *pubGuard) check(ctx context.Context, atStart bool) (replication.PublicationProbe, bool, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.watch == nil {
-		w, err := replication.NewPublicationWatch(g.cfg)
-		if err != nil {
-			return replication.PublicationProbe{}, g.gap, err
-		}
-		g.watch = w
+	if err := g.open(); err != nil {
+		return replication.PublicationProbe{}, g.gap, err
 	}
 	p, err := g.watch.Probe(ctx)
 	var pgErr *pgconn.PgError
@@ -97,11 +108,24 @@ func (g *pubGuard) check(ctx context.Context) (replication.PublicationProbe, boo
 	if err != nil {
 		return p, g.gap, err
 	}
+	if atStart {
+		rec, err := g.watch.Gap(ctx)
+		if err != nil {
+			return p, g.gap, err
+		}
+		if rec.Open {
+			g.gap, g.recorded = true, true
+			g.undecodable = g.undecodable || rec.Undecodable
+		}
+	}
 	vouched := g.ident != ""
 	switch {
 	case p.Problem != nil:
 		g.gap = g.gap || vouched
 	case vouched && p.Identity != g.ident:
+		// Another publication under the same name: the slot's stretch
+		// before it cannot be decoded.
+		g.undecodable = g.undecodable || publicationOID(p.Identity) != publicationOID(g.ident)
 		g.gap, g.ident = true, p.Identity
 	default:
 		g.ident = p.Identity
@@ -109,15 +133,100 @@ func (g *pubGuard) check(ctx context.Context) (replication.PublicationProbe, boo
 			g.raise(p.WAL)
 		}
 	}
+	g.record(ctx)
 	return p, g.gap, nil
 }
 
-// filled records that the rows withheld before wal are published.
-func (g *pubGuard) filled(wal replication.LSN) {
+func (g *pubGuard) open() error {
+	if g.watch != nil {
+		return nil
+	}
+	w, err := replication.NewPublicationWatch(g.cfg)
+	if err != nil {
+		return err
+	}
+	g.watch = w
+	return nil
+}
+
+// record writes an open gap to replication.GapTable once. A failure only
+// logs: the gap is filled all the same unless this relay stops first,
+// which the log names.
+func (g *pubGuard) record(ctx context.Context) {
+	if !g.gap || g.recorded {
+		return
+	}
+	err := g.watch.RecordGap(ctx, replication.Gap{Since: g.limit(), Undecodable: g.undecodable})
+	if err != nil {
+		if !g.recordFailed {
+			g.log.Error("could not record the publication gap: a relay that stops before it is filled leaves its rows to `outbox-relay reconcile --repair`", zap.Error(err))
+		}
+		g.recordFailed = true
+		return
+	}
+	g.recorded, g.recordFailed = true, false
+}
+
+// publicationOID is the publication row's oid in an identity.
+func publicationOID(ident string) string {
+	oid, _, _ := strings.Cut(ident, ".")
+	return oid
+}
+
+// undecodableStretch records that a session failed because the
+// publication did not exist at a position it decoded, while a check found
+// it existing: it was dropped and created again, and the slot cannot
+// decode the stretch in between. The gap is filled, and the slot advanced
+// past it, before the next session.
+func (g *pubGuard) undecodableStretch() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.gap = false
+	if g.ident == "" && !g.gap {
+		return // never found right: the publication is missing, as Open says
+	}
+	g.gap = true
+	if !g.undecodable {
+		g.undecodable, g.recorded = true, false
+	}
+}
+
+// fillState returns whether the gap's stretch is undecodable.
+func (g *pubGuard) fillState() (undecodable bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.undecodable
+}
+
+// settle waits until the transactions running now are visible
+// (replication.PublicationWatch.SettleCommits).
+func (g *pubGuard) settle(ctx context.Context) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err := g.open(); err != nil {
+		return err
+	}
+	return g.watch.SettleCommits(ctx)
+}
+
+// filled records that the rows withheld before wal are published, first
+// advancing the slot to wal when it cannot decode the stretch.
+func (g *pubGuard) filled(ctx context.Context, wal replication.LSN) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err := g.open(); err != nil {
+		return err
+	}
+	if g.undecodable {
+		if err := g.watch.AdvanceSlot(ctx, wal); err != nil {
+			return err
+		}
+	}
+	if err := g.watch.ClearGap(ctx); err != nil {
+		return err
+	}
+	g.gap, g.recorded, g.undecodable = false, false, false
 	g.raise(wal)
+	return nil
 }
 
 func (g *pubGuard) raise(wal replication.LSN) {
@@ -152,9 +261,9 @@ func (r *Relay) PublicationProblem() error {
 // problem is waited out (an ErrPublicationGap), and a gap is filled here.
 func (r *Relay) preparePublication(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, r.probeTimeout())
-	p, gap, err := r.guard.check(cctx)
+	p, gap, err := r.guard.check(cctx, true)
 	cancel()
-	if err != nil {
+	if r.checkRan(ctx, err); err != nil {
 		return err
 	}
 	r.recordPublication(p.Problem, gap)
@@ -180,25 +289,64 @@ func (r *Relay) preparePublication(ctx context.Context) error {
 // hook: a change is about to be relayed on the check's word).
 func (r *Relay) verifyStreaming(ctx context.Context, failOnError bool) error {
 	cctx, cancel := context.WithTimeout(ctx, r.probeTimeout())
-	p, gap, err := r.guard.check(cctx)
+	p, gap, err := r.guard.check(cctx, false)
 	cancel()
-	if err != nil {
+	if r.checkRan(ctx, err); err != nil {
 		if failOnError {
 			return err
 		}
-		if ctx.Err() == nil && !r.probeFailing.Swap(true) {
-			r.log.Warn("could not check the publication; confirming nothing newer until a check succeeds", zap.Error(err))
-		}
 		return nil
-	}
-	if r.probeFailing.Swap(false) {
-		r.log.Info("publication checks work again")
 	}
 	r.recordPublication(p.Problem, gap)
 	if gap {
 		return gapError{p.Problem}
 	}
 	return nil
+}
+
+// checkRan records whether a publication check could run. While checks
+// fail (the database unreachable for the check's connection, a timeout)
+// nothing newer is confirmed: the relay is not ready, says why, and logs
+// the outage once.
+func (r *Relay) checkRan(ctx context.Context, err error) {
+	if err == nil {
+		if r.checkFailure.Swap(nil) != nil {
+			r.log.Info("publication checks work again")
+			r.setReady()
+		}
+		return
+	}
+	if ctx.Err() != nil {
+		return // stopping
+	}
+	failure := fmt.Errorf("the publication cannot be checked (nothing newer is confirmed until a check succeeds): %w", err)
+	if r.checkFailure.Swap(&failure) == nil {
+		r.log.Warn("could not check the publication; confirming nothing newer until a check succeeds: not ready", zap.Error(err))
+		r.setReady()
+	}
+}
+
+// PublicationCheckFailure returns why the last publication check could not
+// run, or nil when it ran: while checks fail the relay confirms nothing
+// newer and is not ready.
+func (r *Relay) PublicationCheckFailure() error {
+	if p := r.checkFailure.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// NotReadyReason says why the relay is not ready, "" when it is.
+func (r *Relay) NotReadyReason() string {
+	for _, p := range []*error{r.pubProblem.Load(), r.checkFailure.Load(), r.streamProblem.Load()} {
+		if p != nil {
+			return (*p).Error()
+		}
+	}
+	if !r.streaming.Load() {
+		return "not streaming"
+	}
+	return ""
 }
 
 // relationChanged is the session's Relation hook: the server describes a
@@ -280,5 +428,5 @@ func (r *Relay) watchPublication(ctx context.Context) {
 func (r *Relay) setReady() {
 	r.readyMu.Lock()
 	defer r.readyMu.Unlock()
-	r.ready(r.streaming.Load() && r.pubProblem.Load() == nil && r.streamProblem.Load() == nil)
+	r.ready(r.streaming.Load() && r.pubProblem.Load() == nil && r.checkFailure.Load() == nil && r.streamProblem.Load() == nil)
 }

@@ -17,7 +17,6 @@ import (
 // confirmed position (held before the gap), and pgoutput never sends the
 // rows written while the table was out of the publication.
 func TestRelayPublicationGapSurvivesRestart(t *testing.T) {
-	t.Skip("repro for defect A: the publication gap is kept only in memory (pubGuard.gap/ident); a relay stopped during the gap, or a standby taking over, loses the gap's rows (missing 50 of 150)")
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")

@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel/trace"
@@ -126,9 +128,9 @@ type Relay struct {
 	// be filled (owned by the stream goroutine).
 	guard   *pubGuard
 	gapLock *replication.BackfillGuard
-	// probeFailing is set while publication checks fail to run, so that
-	// an outage logs once.
-	probeFailing atomic.Bool
+	// checkFailure is why the last publication check could not run; nil
+	// when it ran (PublicationCheckFailure).
+	checkFailure atomic.Pointer[error]
 	// afterBackfillCheck, when set (by tests, before Run), runs between
 	// the backfill check and the start of a session.
 	afterBackfillCheck func()
@@ -222,7 +224,7 @@ func New(cfg Config, nc *nats.Conn, opts ...Option) (*Relay, error) {
 	if cfg.PublicationCheck <= 0 {
 		cfg.PublicationCheck = DefaultPublicationCheck
 	}
-	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready, tracer: o.tracer, guard: &pubGuard{cfg: cfg.Replication}}
+	r := &Relay{cfg: cfg, nc: nc, log: o.log, obs: o.obs, ready: o.ready, tracer: o.tracer, guard: &pubGuard{cfg: cfg.Replication, log: o.log}}
 	r.durable.Store(-1)
 	rt, err := router.New(cfg.Router, router.WithMaxPayload(int(nc.MaxPayload())))
 	if err != nil {
@@ -603,6 +605,10 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 		cancel()
 		return true, nil
 	}
+	if undecodable(err) {
+		r.guard.undecodableStretch()
+		err = fmt.Errorf("%w: the slot cannot decode WAL written while the publication did not exist (dropped and created again): publishing the rows the event stream lacks, then advancing the slot past the stretch: %w", ErrPublicationGap, err)
+	}
 	if errors.Is(err, ErrPublicationGap) {
 		// Before the slot is let go: a standby must not take it and stream
 		// past the withheld rows.
@@ -618,4 +624,12 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	_ = st.Close(cctx)
 	cancel()
 	return true, err
+}
+
+// undecodable reports whether a session ended because pgoutput did not
+// find the publication at a position it decoded (SQLSTATE 42704 from the
+// stream): the publication was dropped, and perhaps created again.
+func undecodable(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedObject
 }

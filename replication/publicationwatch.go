@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // PublicationProbe is one look at the publication.
@@ -55,21 +58,116 @@ func IsPublicationProblem(err error) bool {
 // identity. An error means no verdict (the database unreachable, a
 // standby): nothing may be concluded from it.
 func (w *PublicationWatch) Probe(ctx context.Context) (PublicationProbe, error) {
-	var p PublicationProbe
+	if err := w.connect(ctx); err != nil {
+		return PublicationProbe{}, err
+	}
+	p, err := probePublication(ctx, w.conn, w.cfg)
+	return p, w.after(err)
+}
+
+func (w *PublicationWatch) connect(ctx context.Context) error {
 	if w.conn == nil || w.conn.IsClosed() {
 		conn, err := connectSQL(ctx, w.cfg.URL)
 		if err != nil {
-			return p, err
+			return err
 		}
 		w.conn = conn
 	}
-	p, err := probePublication(ctx, w.conn, w.cfg)
+	return nil
+}
+
+// after closes the connection after a failed query: it may be broken
+// half-way through one, so the next use starts afresh.
+func (w *PublicationWatch) after(err error) error {
 	if err != nil {
-		// The connection may be broken half-way through a query: start
-		// afresh next time.
 		w.Close(context.Background())
 	}
-	return p, err
+	return err
+}
+
+// Gap reads the slot's recorded publication gap (GapTable).
+func (w *PublicationWatch) Gap(ctx context.Context) (Gap, error) {
+	if err := w.connect(ctx); err != nil {
+		return Gap{}, err
+	}
+	g, err := readGap(ctx, w.conn, w.cfg)
+	return g, w.after(err)
+}
+
+// RecordGap records an open publication gap of the slot, so that any relay
+// streaming the slot next fills it first.
+func (w *PublicationWatch) RecordGap(ctx context.Context, g Gap) error {
+	if err := w.connect(ctx); err != nil {
+		return err
+	}
+	return w.after(recordGap(ctx, w.conn, w.cfg, g))
+}
+
+// ClearGap deletes the slot's gap record once the gap is filled.
+func (w *PublicationWatch) ClearGap(ctx context.Context) error {
+	if err := w.connect(ctx); err != nil {
+		return err
+	}
+	return w.after(clearGap(ctx, w.conn, w.cfg))
+}
+
+// SettleCommits waits until every transaction running now has left the
+// server's list of running transactions. A commit record is written
+// before its transaction becomes visible: a WAL position read before this
+// call may be past the commit of a transaction that a snapshot taken now
+// would not see yet. After it, a snapshot sees every transaction that
+// committed before that position.
+func (w *PublicationWatch) SettleCommits(ctx context.Context) error {
+	if err := w.connect(ctx); err != nil {
+		return err
+	}
+	var snap string
+	if err := w.conn.QueryRow(ctx, "SELECT pg_current_snapshot()::text").Scan(&snap); err != nil {
+		return w.after(fmt.Errorf("read the running transactions: %w", err))
+	}
+	for {
+		var running bool
+		err := w.conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_snapshot_xip($1::pg_snapshot) x
+	WHERE x IN (SELECT pg_snapshot_xip(pg_current_snapshot())))`, snap).Scan(&running)
+		if err != nil {
+			return w.after(fmt.Errorf("wait for the running transactions to end: %w", err))
+		}
+		if !running {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for the running transactions to end: %w", ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// AdvanceSlot moves the slot's confirmed position to lsn without decoding
+// the WAL before it through the output plugin: the way past a stretch
+// pgoutput cannot decode (a publication dropped and created again). The
+// caller vouches that everything committed before lsn is relayed. It
+// retries while the slot is still held by a session that is ending, until
+// ctx ends.
+func (w *PublicationWatch) AdvanceSlot(ctx context.Context, lsn LSN) error {
+	if err := w.connect(ctx); err != nil {
+		return err
+	}
+	for {
+		_, err := w.conn.Exec(ctx, "SELECT pg_replication_slot_advance($1, $2::pg_lsn)", w.cfg.Slot, lsn.String())
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.ObjectInUse {
+			if err != nil {
+				return w.after(fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err))
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("advance slot %q to %s: %w (%v)", w.cfg.Slot, lsn, ctx.Err(), err)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
 }
 
 func probePublication(ctx context.Context, conn *pgx.Conn, cfg Config) (PublicationProbe, error) {

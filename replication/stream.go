@@ -467,7 +467,9 @@ func (s *Stream) maybeSendStatus(ctx context.Context) error {
 	if now.After(s.nextStatus) {
 		return s.SendStatus(ctx)
 	}
-	if s.flushPosition() > s.sentFlush && now.After(s.nextStatus.Add(progressInterval-s.cfg.StatusInterval)) {
+	// The time test first: flushPosition takes the watermark's lock, and
+	// this runs before every message received.
+	if now.After(s.nextStatus.Add(progressInterval-s.cfg.StatusInterval)) && s.flushPosition() > s.sentFlush {
 		return s.SendStatus(ctx)
 	}
 	return nil

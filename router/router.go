@@ -554,7 +554,7 @@ func (r *Router) commitStrings(c CommitInfo) (lsn, ts string) {
 }
 
 func formatCommit(c CommitInfo) (lsn, ts string) {
-	return c.LSN.String(), c.Time.UTC().Format(time.RFC3339Nano)
+	return replication.FormatLSN(c.LSN), c.Time.UTC().Format(time.RFC3339Nano)
 }
 
 // fieldCheck keeps the first error found in an event's fields.

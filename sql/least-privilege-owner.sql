@@ -30,6 +30,18 @@ CREATE TABLE IF NOT EXISTS public.outbox_relay_backfill (
 GRANT SELECT ON public.outbox_relay_backfill TO PUBLIC;
 GRANT SELECT, INSERT, UPDATE, DELETE ON public.outbox_relay_backfill TO outbox_relay;
 
+-- The record of an open publication gap (rows the publication withheld,
+-- written when the relay finds the gap, deleted once it published them):
+-- the relay that streams the slot next fills a gap another left open.
+CREATE TABLE IF NOT EXISTS public.outbox_relay_gap (
+    slot_name   name PRIMARY KEY,
+    since_lsn   pg_lsn NOT NULL,
+    undecodable boolean NOT NULL DEFAULT false,
+    noticed_at  timestamptz NOT NULL
+);
+GRANT SELECT ON public.outbox_relay_gap TO PUBLIC;
+GRANT SELECT, INSERT, UPDATE, DELETE ON public.outbox_relay_gap TO outbox_relay;
+
 -- A table added later goes through the owner the same way:
 --   ALTER PUBLICATION outbox_relay ADD TABLE billing.invoice_events;
 --   GRANT USAGE ON SCHEMA billing TO outbox_relay;

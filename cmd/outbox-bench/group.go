@@ -233,6 +233,7 @@ func runMember(args []string) error {
 	handler := fs.String("handler", "per-message", "per-message or batch")
 	logLevel := fs.String("log-level", "info", "the member's log level (its stderr is a log file)")
 	cpuprofile := fs.String("cpuprofile", "", "write a CPU profile of the member")
+	latencyOut := fs.String("latency-out", "", "on exit, write each applied event's insert time (from the payload's ins) and commit time here, as pairs of little-endian int64 unix ns")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -250,6 +251,8 @@ func runMember(args []string) error {
 		return err
 	}
 	pcfg.MaxConns = int32(*workers + 4)
+	// The load phase tells the consumer's backends from the others by it.
+	pcfg.ConnConfig.RuntimeParams["application_name"] = consumerAppName
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		return err
@@ -274,15 +277,21 @@ func runMember(args []string) error {
 		h = benchBatchHandler{}
 	}
 	var applied, first, last atomic.Int64
-	cfg := consumer.Config{Name: *name, Stream: *stream, Workers: *workers, BatchSize: *batch, MaxAckPending: *pending,
-		Group: &consumer.GroupConfig{Partitions: *partitions, Member: *member}}
+	cfg := consumer.Config{Name: *name, Stream: *stream, Workers: *workers, BatchSize: *batch, MaxAckPending: *pending}
+	if *partitions > 0 {
+		cfg.Group = &consumer.GroupConfig{Partitions: *partitions, Member: *member}
+	}
+	lat := &appliedTimes{}
 	reg := prometheus.NewRegistry()
-	c, err := consumer.New(pool, js, cfg, h, consumer.WithLogger(log.Named(*member)), consumer.WithRegisterer(reg), consumer.WithAfterCommit(func(*consumer.Message) {
+	c, err := consumer.New(pool, js, cfg, h, consumer.WithLogger(log.Named(*member)), consumer.WithRegisterer(reg), consumer.WithAfterCommit(func(m *consumer.Message) {
 		now := time.Now().UnixNano()
 		if applied.Add(1) == 1 {
 			first.Store(now)
 		}
 		last.Store(now)
+		if *latencyOut != "" {
+			lat.add(m.Payload, now)
+		}
 	}))
 	if err != nil {
 		return err
@@ -312,6 +321,9 @@ func runMember(args []string) error {
 	log.Info("member done", zap.Int64("applied", applied.Load()), zap.Uint64("batches", batches), zap.Float64("batched_messages", batched))
 	if errors.Is(err, context.Canceled) {
 		err = nil
+	}
+	if *latencyOut != "" {
+		err = errors.Join(err, lat.write(*latencyOut))
 	}
 	return err
 }

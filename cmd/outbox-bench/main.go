@@ -67,12 +67,26 @@ type options struct {
 	groupPartitions int
 	e2eRates        []int
 	e2eRepeat       int
+	// load phase
+	loadRates       []int
+	loadBatches     []int
+	loadWarmup      time.Duration
+	loadDur         time.Duration
+	loadDrainEvents int
+	loadDrainPerTx  int
 }
 
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == memberCommand {
 		if err := runMember(os.Args[2:]); err != nil {
 			fmt.Fprintln(os.Stderr, "consumer member:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if len(os.Args) > 1 && os.Args[1] == natsCommand {
+		if err := runNATS(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "nats server:", err)
 			os.Exit(1)
 		}
 		return
@@ -117,7 +131,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.Int64Var(&o.largeBacklog, "large-backlog", 2000000, "--large: events of the large backlog (100 rows/tx)")
 	fs.Int64Var(&o.largeTx, "large-tx", 1000000, "--large: rows of the huge transaction")
 	fs.StringVar(&o.profileDir, "profile-dir", "", "write CPU profiles of the decode reader and the relay drains here")
-	phases := fs.String("phases", "broker,drain,tracing,latency,consumer,e2e", "phases to run: broker, drain, tracing (drain with relay spans off and on), latency, consumer, e2e (and large, implied by --large)")
+	phases := fs.String("phases", "broker,drain,tracing,latency,consumer,e2e,load", "phases to run: broker, drain, tracing (drain with relay spans off and on), latency, consumer, e2e, load (cost per event at offered loads beside the drain's; and large, implied by --large)")
 	fs.IntVar(&o.tracingPerTx, "tracing-rows-per-tx", 100, "tracing: rows per transaction of the traced backlog")
 	fs.IntVar(&o.consumerWorkers, "consumer-workers", consumer.DefaultWorkers, "consumer, e2e: the consumer's Workers (and the apply ceiling's connections)")
 	fs.IntVar(&o.consumerBatch, "consumer-batch", consumer.DefaultBatchSize, "consumer, e2e: the consumer's BatchSize for the batched runs (and the apply ceiling's)")
@@ -127,6 +141,12 @@ func parseFlags(args []string) (*options, error) {
 	consumerRuns := fs.String("consumer-runs", "single,batched,batch", "consumer: which runs, each beside its apply ceiling: single (per-message handler, 1 message/tx), batched (per-message handler, batched), batch (batch handler)")
 	fs.IntVar(&o.e2eRepeat, "e2e-repeat", 1, "e2e: alternate the batch size 1 and batched latency runs this many times at each rate (the least disturbed of each counts)")
 	e2eRates := fs.String("e2e-rates", "100,2000", "e2e: offered loads in events/s for insert→applied latency, each with batch size 1 and --consumer-batch")
+	loadRates := fs.String("load-rates", "100,500,2000,5000", "load: offered loads in events/s (1-row transactions)")
+	loadBatches := fs.String("load-batches", "", "load: the consumer's batch sizes at each load (default: 1 and --consumer-batch)")
+	fs.DurationVar(&o.loadWarmup, "load-warmup", time.Second, "load: warm-up per load, not sampled for latency")
+	fs.DurationVar(&o.loadDur, "load-duration", 5*time.Second, "load: sampled time per load")
+	fs.IntVar(&o.loadDrainEvents, "load-drain-events", 30000, "load: events of the backlog whose drain costs the same processes (0: no drain)")
+	fs.IntVar(&o.loadDrainPerTx, "load-drain-rows-per-tx", 1, "load: rows per transaction of that backlog")
 	relayEnv := fs.String("relay-env", "", "extra environment for the relay process, comma-separated KEY=VALUE (e.g. GOGC=200,GOMAXPROCS=1)")
 	fs.IntVar(&o.repeat, "repeat", 3, "drains: alternate the bare reader and the relay this many times on the same backlog and keep the best of each (the machine is noisy)")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 5*time.Minute, "give up on a relay drain after this long")
@@ -165,6 +185,18 @@ func parseFlags(args []string) (*options, error) {
 	}
 	if o.e2eRates, err = positiveInts("--e2e-rates", *e2eRates); err != nil {
 		return nil, err
+	}
+	if o.loadRates, err = positiveInts("--load-rates", *loadRates); err != nil {
+		return nil, err
+	}
+	if *loadBatches == "" {
+		*loadBatches = fmt.Sprintf("1,%d", o.consumerBatch)
+	}
+	if o.loadBatches, err = positiveInts("--load-batches", *loadBatches); err != nil {
+		return nil, err
+	}
+	if o.loadDrainPerTx < 1 {
+		return nil, fmt.Errorf("--load-drain-rows-per-tx %d: want at least 1", o.loadDrainPerTx)
 	}
 	if o.rates, err = positiveInts("--rates", *rates); err != nil {
 		return nil, err
@@ -215,7 +247,9 @@ type results struct {
 	// Consumer holds the consumer and end-to-end phases, measured with
 	// PostgreSQL at durable settings.
 	Consumer *consumerPhase `json:"consumer,omitempty"`
-	Targets  []target       `json:"targets"`
+	// Load is the cost per event of every process at offered loads.
+	Load    *loadPhase `json:"load,omitempty"`
+	Targets []target   `json:"targets"`
 	// BackgroundCores is the CPU other processes used just before the run
 	// (sampled over 2 s with the servers idle): above ~0.2 the figures are
 	// not trustworthy.
@@ -347,6 +381,11 @@ func run(ctx context.Context, o *options) error {
 			return err
 		}
 	}
+	if o.phases["load"] {
+		if res.Load, err = loadPhaseRun(ctx, o, env); err != nil {
+			return fmt.Errorf("load: %w", err)
+		}
+	}
 	if o.phases["large"] {
 		for _, l := range []struct {
 			name          string
@@ -365,7 +404,7 @@ func run(ctx context.Context, o *options) error {
 	res.Targets = judge(res)
 	res.WallSeconds = time.Since(began).Seconds()
 	printTable(os.Stdout, res)
-	return writeJSON(o.out, res)
+	return writeResults(o.out, res)
 }
 
 // drainBacklog loads one backlog into a slot per drain and drains it with
@@ -516,7 +555,22 @@ func gitCommit() string {
 	return s
 }
 
-func writeJSON(dir string, res *results) error {
+// writeResults writes the JSON document and, when the load phase ran, its
+// markdown tables and SVG plots beside it under the same timestamp.
+func writeResults(dir string, res *results) error {
+	stamp := time.Now().UTC().Format("2006-01-02T150405Z")
+	if dir != "" && res.Load != nil {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return err
+		}
+		if err := writeLoadFiles(filepath.Join(dir, stamp), res); err != nil {
+			return err
+		}
+	}
+	return writeJSON(dir, stamp, res)
+}
+
+func writeJSON(dir, stamp string, res *results) error {
 	b, err := json.MarshalIndent(res, "", "  ")
 	if err != nil {
 		return err
@@ -528,7 +582,7 @@ func writeJSON(dir string, res *results) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	path := filepath.Join(dir, time.Now().UTC().Format("2006-01-02T150405Z")+".json")
+	path := filepath.Join(dir, stamp+".json")
 	if err := os.WriteFile(path, append(b, '\n'), 0o644); err != nil {
 		return err
 	}

@@ -162,24 +162,9 @@ func procPPID(pid int) (int, error) {
 // postmaster and its backends), so that other clusters on the machine do
 // not count.
 func treeCPU(root int) time.Duration {
-	if root <= 0 {
-		return 0
-	}
-	total, _ := procCPU(root)
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return total
-	}
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if ppid, err := procPPID(pid); err == nil && ppid == root {
-			if c, err := procCPU(pid); err == nil {
-				total += c
-			}
-		}
+	var total time.Duration
+	for _, s := range sampleTree(root) {
+		total += s.CPU
 	}
 	return total
 }

@@ -123,10 +123,16 @@ func (r *relayProc) stop(env *benchEnv) (peakRSS int64, err error) {
 
 // profile fetches a CPU profile of the relay over seconds into path.
 func (r *relayProc) profile(ctx context.Context, seconds int, path string) error {
+	return r.fetch(ctx, "profile", seconds, path)
+}
+
+// fetch writes the relay's /debug/pprof/<kind> over seconds (profile:
+// CPU; trace: an execution trace) to path.
+func (r *relayProc) fetch(ctx context.Context, kind string, seconds int, path string) error {
 	if r.httpAddr == "" {
 		return errors.New("pprof is off")
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", r.httpAddr, seconds), nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("http://%s/debug/pprof/%s?seconds=%d", r.httpAddr, kind, seconds), nil)
 	if err != nil {
 		return err
 	}

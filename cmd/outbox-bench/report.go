@@ -45,7 +45,8 @@ func judge(r *results) []target {
 	if t := r.Tracing; t != nil {
 		add(fmt.Sprintf("drain, relay spans on ÷ off (%d rows/tx)", t.RowsPerTx), t.Ratio, 0.95, false)
 	}
-	return append(ts, judgeConsumer(r)...)
+	ts = append(ts, judgeConsumer(r)...)
+	return append(ts, judgeLoad(r)...)
 }
 
 // judged is a target met when v ≥ limit (v ≤ limit with le).
@@ -145,6 +146,7 @@ func printTable(w io.Writer, r *results) {
 		tw.Flush()
 	}
 	printConsumer(w, r)
+	printLoad(w, r)
 	fmt.Fprintln(w, "\nTargets")
 	for _, t := range r.Targets {
 		if t.Info {

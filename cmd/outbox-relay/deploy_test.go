@@ -66,7 +66,7 @@ func exportedNames(t *testing.T) map[string]bool {
 	rec.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	zero := func() float64 { return 0 }
 	metrics.NewRelay(rec, metrics.Gauges{InFlight: zero, ConfirmedLSN: zero, OldestAge: zero, Ready: zero, StreamDurable: zero,
-		UnsettledTxs: zero, UnsettledWALBytes: zero, IntakePaused: zero, BackfillIncomplete: zero, PublicationWrong: zero, StreamWrong: zero, TraceHeadersDropped: zero, Stall: func() metrics.Stall { return metrics.Stall{} }})
+		UnsettledTxs: zero, UnsettledWALBytes: zero, IntakePaused: zero, BackfillIncomplete: zero, PublicationWrong: zero, PublicationCheckFailing: zero, StreamWrong: zero, TraceHeadersDropped: zero, Stall: func() metrics.Stall { return metrics.Stall{} }})
 	cfg := config.Default()
 	cfg.Reconcile.Interval = time.Minute
 	if _, err := newMonitors(rec, nil, nil, cfg, func() bool { return true }, zap.NewNop()); err != nil {

@@ -82,7 +82,7 @@ func run(ctx context.Context, cfg config.Config, log *zap.Logger) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	if cfg.HTTP.Listen != "" {
-		if err := serveHTTP(gctx, g, cfg.HTTP, httpHandler(reg, cfg.HTTP.Pprof, streaming, standingBy), log); err != nil {
+		if err := serveHTTP(gctx, g, cfg.HTTP, httpHandler(reg, cfg.HTTP.Pprof, streaming, standingBy, notReadyReason(&rlp, connected)), log); err != nil {
 			return err
 		}
 	}
@@ -166,10 +166,11 @@ func relayGauges(rlp *atomic.Pointer[relay.Relay], streaming func() bool) metric
 			}
 			return 0
 		},
-		IntakePaused:       relayFlag(rlp, (*relay.Relay).IntakePaused),
-		PublicationWrong:   relayFlag(rlp, func(rl *relay.Relay) bool { return rl.PublicationProblem() != nil }),
-		StreamWrong:        relayFlag(rlp, func(rl *relay.Relay) bool { return rl.StreamProblem() != nil }),
-		BackfillIncomplete: relayFlag(rlp, (*relay.Relay).BackfillIncomplete),
+		IntakePaused:            relayFlag(rlp, (*relay.Relay).IntakePaused),
+		PublicationWrong:        relayFlag(rlp, func(rl *relay.Relay) bool { return rl.PublicationProblem() != nil }),
+		StreamWrong:             relayFlag(rlp, func(rl *relay.Relay) bool { return rl.StreamProblem() != nil }),
+		PublicationCheckFailing: relayFlag(rlp, func(rl *relay.Relay) bool { return rl.PublicationCheckFailure() != nil }),
+		BackfillIncomplete:      relayFlag(rlp, (*relay.Relay).BackfillIncomplete),
 		TraceHeadersDropped: func() float64 {
 			if rl := rlp.Load(); rl != nil {
 				return float64(rl.TraceHeadersDropped())
@@ -184,6 +185,24 @@ func relayGauges(rlp *atomic.Pointer[relay.Relay], streaming func() bool) metric
 			st := rl.WatermarkStall()
 			return metrics.Stall{Seconds: st.For.Seconds(), Key: st.Blocker.Key, Subject: st.Blocker.Subject}
 		},
+	}
+}
+
+// notReadyReason says why /readyz answers 503: the relay's reason, or what
+// it waits for before it exists.
+func notReadyReason(rlp *atomic.Pointer[relay.Relay], connected func() bool) func() string {
+	return func() string {
+		rl := rlp.Load()
+		switch {
+		case rl == nil:
+			return "starting (waiting for NATS and PostgreSQL)"
+		case !connected():
+			return "not connected to NATS"
+		}
+		if why := rl.NotReadyReason(); why != "" {
+			return why
+		}
+		return "not streaming"
 	}
 }
 
@@ -374,7 +393,7 @@ func (o *standbyObserver) recent(d time.Duration) bool {
 // healthy standby (NATS connected, PostgreSQL answering that another
 // instance holds the slot), the rule for orchestrators that roll one
 // instance at a time (deploy/helm).
-func httpHandler(reg *prometheus.Registry, withPprof bool, ready, standingBy func() bool) http.Handler {
+func httpHandler(reg *prometheus.Registry, withPprof bool, ready, standingBy func() bool, reason func() string) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -387,7 +406,7 @@ func httpHandler(reg *prometheus.Registry, withPprof bool, ready, standingBy fun
 		case r.URL.Query().Get("standby") == "ok" && standingBy():
 			_, _ = w.Write([]byte("standing by\n"))
 		default:
-			http.Error(w, "not streaming", http.StatusServiceUnavailable)
+			http.Error(w, "not ready: "+reason(), http.StatusServiceUnavailable)
 		}
 	})
 	if withPprof {

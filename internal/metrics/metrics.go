@@ -53,6 +53,8 @@ type Gauges struct {
 	// PublicationWrong is 1 when the last publication check found a table
 	// missing or a wrong setting.
 	PublicationWrong func() float64
+	// PublicationCheckFailing is 1 while the publication check cannot run.
+	PublicationCheckFailing func() float64
 	// StreamWrong is 1 when the last check of the streams while running
 	// found one changed so that it breaks the contract.
 	StreamWrong func() float64
@@ -128,6 +130,7 @@ func NewRelay(reg prometheus.Registerer, g Gauges) *Relay {
 	gauge("outbox_relay_intake_paused", "1 while the relay stopped reading the WAL because the unsettled transactions or WAL bytes reached nats.max_unsettled_transactions or nats.max_unsettled_wal_bytes.", g.IntakePaused)
 	gauge("outbox_relay_backfill_incomplete", "1 when the slot's backfill was interrupted: the relay refuses to stream from the slot until `outbox-relay setup` backfills again.", g.BackfillIncomplete)
 	gauge("outbox_relay_publication_wrong", "1 when the publication lacks a configured table, publishes updates or deletes, sends a partitioned table by partition or filters rows: the relay is not ready; its log names the ALTER PUBLICATION to run.", g.PublicationWrong)
+	gauge("outbox_relay_publication_check_failing", "1 while the publication check cannot run (the database unreachable for the check's connection, a timeout): the relay confirms nothing newer than the last successful check and is not ready; its log line `could not check the publication` has the cause.", g.PublicationCheckFailing)
 	gauge("outbox_relay_stream_wrong", "1 when the last check of the event and dead-letter streams while running (every postgres.publication_check_interval, the check run at start) found one gone or edited so that it breaks the contract, e.g. its subjects no longer covering the subject template: the relay is not ready; its log line names the problem.", g.StreamWrong)
 	if g.TraceHeadersDropped != nil {
 		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "outbox_relay_trace_headers_dropped_total",
