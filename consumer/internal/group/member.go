@@ -682,8 +682,10 @@ func (g *Member) shutdown() {
 	}
 }
 
-// Gone reports which stream sequences need no further processing by the group: a sequence is gone when it left the
-// stream or is at or below its own partition durable's ack floor.
+// Gone reports which stream sequences need no further processing by the
+// group: a sequence is gone when it left the stream or is at or below its
+// own partition durable's ack floor. One whose state cannot be learnt is
+// not gone.
 func (g *Member) Gone(ctx context.Context, seqs []uint64) map[uint64]bool {
 	ctx, cancel := context.WithTimeout(ctx, min(g.cfg.AckWait/3, 5*time.Second))
 	defer cancel()
