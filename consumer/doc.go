@@ -29,8 +29,10 @@
 //   - feed.go: a JetStream consumer's deliveries on their way to the
 //     workers, in stream order by construction: a feed opens with a
 //     reset of its consumer to the ack floor and resets again whenever the
-//     consumer sequence of its deliveries breaks. The plain durable and
-//     each group partition pull through one.
+//     consumer sequence of its deliveries breaks; a reset made by someone
+//     else it adopts, and a plain durable that other processes pull too it
+//     recognises and stops resetting (without VersionCheck). The plain
+//     durable and each group partition pull through one.
 //   - worker.go: a worker owns its queue, the aggregates held behind a
 //     failed message and the retry state; it takes one message or a batch,
 //     runs it on a goroutine of its own and settles each result with the
@@ -66,10 +68,11 @@
 //     are delivered; a message waiting for its retry holds back only its
 //     aggregate.
 //   - Deliveries reach the workers in stream order: a feed hands them on
-//     only while their consumer sequences run unbroken since its last reset
-//     (deliveries lost with a pull that ended, taken by another process, or
-//     a takeover break the run). Order rests on that, not on redelivery
-//     timers; with VersionCheck the database position enforces it as well.
+//     only while their consumer sequences run unbroken since the last reset
+//     (deliveries lost with a pull that ended, or a takeover break the run).
+//     Order rests on that, not on redelivery timers; with VersionCheck the
+//     database position enforces it as well. A plain durable shared by
+//     several processes orders an aggregate only with VersionCheck.
 //   - A group partition is consumed by one member at a time; a member that
 //     takes one over resets it before it pulls, and the dedup row's unique
 //     key serializes a previous owner still applying against it.

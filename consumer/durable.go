@@ -145,6 +145,11 @@ func (s *durableSource) run(ctx, _ context.Context, e *engine) error {
 		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
 		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
 	f := newFeed(e, cons, c.cfg.Name, c.log, jetstream.PullMaxMessages(min(c.cfg.MaxAckPending, 500)))
+	// Several processes may share a plain durable (feed.go). With
+	// VersionCheck the feed keeps resetting on their gaps: a reset delivers
+	// what is pending in stream order again, which resolves the version
+	// gaps that splitting an aggregate between processes makes.
+	f.shareable = !c.cfg.VersionCheck
 	defer f.stop()
 	err = e.pump(ctx, f)
 	if ctx.Err() != nil {

@@ -28,30 +28,60 @@ import (
 // aggregate's later ones until it is redelivered, worker.go). So a feed
 // opens with a reset, and whenever the run of consumer sequences breaks —
 // deliveries in transit lost with a pull that ended (`nats: no heartbeat
-// received`, a reconnect), another process served by the same consumer, a
-// takeover — it drops what it received, waits for the deliveries it handed
-// out to settle (not for those held behind a retried message, which come
-// back with the reset), resets and goes on from the ack floor. Deliveries
-// of before the reset that are still queued in a worker are ahead of their
-// repetitions, and are applied first; a repetition of an applied message is
-// a duplicate (the dedup row). Nothing here waits for a redelivery timer.
+// received`, a reconnect), a takeover — it drops what it received, waits
+// for the deliveries it handed out to settle (not for those held behind a
+// retried message, which come back with the reset), resets and goes on from
+// the ack floor. Deliveries of before the reset that are still queued in a
+// worker are ahead of their repetitions, and are applied first; a
+// repetition of an applied message is a duplicate (the dedup row). Nothing
+// here waits for a redelivery timer.
+//
+// A delivery at consumer sequence 1 that the feed did not ask for is a
+// reset made by someone else (an operator, another member, another process
+// on the durable): it starts a run of its own, the same as one of the
+// feed's resets, and the feed adopts it instead of resetting once more
+// (which under a storm of such resets would throw away every run before it
+// is consumed). It waits only until no more than max_ack_pending deliveries
+// are unsettled, so that a storm of resets cannot pile up copies. A reset's
+// repetitions cost little either way: one of a delivery still in a worker
+// stands in for it (forward), one of a delivery acknowledged lately is
+// acknowledged at once (settledBefore).
+//
+// A plain durable may be pulled by several processes (shareable): each then
+// receives a part of every run, and no reset can give one of them an
+// unbroken one. A delivery is lost to a process only with its connection or
+// pull (a reconnect, a missed heartbeat: the feed sees either); a gap in a
+// run that saw neither went to another process. Two such runs in a row make
+// the feed shared: it hands on deliveries as they come, since the processes
+// split an aggregate's messages between them anyway and only VersionCheck
+// keeps its order then; a gap with a connection or pull event still resets.
+// Once its deliveries have run unbroken for sharedRecheck (the others are
+// gone), it resets to be strict again.
 type feed struct {
-	e       *engine // whose workers the deliveries go to
-	c       *Consumer
-	cons    jetstream.Consumer
-	name    string // the consumer's name
-	pullOpt []jetstream.PullMessagesOpt
-	log     *zap.Logger
+	e         *engine // whose workers the deliveries go to
+	c         *Consumer
+	cons      jetstream.Consumer
+	name      string // the consumer's name
+	pullOpt   []jetstream.PullMessagesOpt
+	log       *zap.Logger
+	shareable bool // a plain durable: other processes may pull it too
 
-	iter  jetstream.MessagesContext // nil until open
-	next  uint64                    // the consumer sequence expected next
-	reset time.Time                 // the last reset, to pace resets in a row
-	why   string                    // why the next open resets (resumes_total)
-	pin   string                    // the pin id of the last delivery (pinned priority groups)
+	iter   jetstream.MessagesContext // nil until open
+	next   uint64                    // the consumer sequence expected next
+	run    runState                  // what happened since the run began
+	strays int                       // runs in a row broken by a gap nothing explains
+	shared time.Time                 // non-zero: shared, since the last break
+	reset  time.Time                 // the last reset, to pace resets in a row
+	why    string                    // why the next open resets (resumes_total)
+	pin    string                    // the pin id of the last delivery (pinned priority groups)
 
 	mu       sync.Mutex
 	inflight map[string]int // aggregate key -> handed out, unsettled
 	n        int            // total unsettled
+	// out holds the deliveries handed out, unsettled and not naked, by
+	// stream sequence: a repetition of one (a reset) stands in for it.
+	out  map[uint64]*trackedMsg
+	done doneSet // stream sequences acknowledged or terminated lately
 	// returning holds the stream sequences naked back to the broker, still
 	// counted in inflight until they are delivered again.
 	returning map[uint64]string
@@ -62,9 +92,28 @@ func newFeed(e *engine, cons jetstream.Consumer, name string, log *zap.Logger, o
 	return &feed{
 		e: e, c: e.c, cons: cons, name: name, pullOpt: opts, log: log, why: resumeStart,
 		inflight:  map[string]int{},
+		out:       map[uint64]*trackedMsg{},
 		returning: map[uint64]string{},
 		changed:   make(chan struct{}, 1),
 	}
+}
+
+// runState is what a feed knows of the run it consumes: when it began, and
+// whether anything that can lose deliveries on their way happened since.
+type runState struct {
+	began       time.Time
+	reconnects  uint64 // the connection's reconnects when the run began
+	interrupted bool   // a pull was interrupted (missed heartbeat, a status)
+}
+
+// beginRun starts the record of a new run.
+func (f *feed) beginRun() {
+	f.run = runState{began: time.Now(), reconnects: f.c.js.Conn().Stats().Reconnects}
+}
+
+// explained reports whether the run saw an event that can lose deliveries.
+func (f *feed) explained() bool {
+	return f.run.interrupted || f.c.js.Conn().Stats().Reconnects != f.run.reconnects
 }
 
 // pinHeader carries the pin id on a delivery to a pinned client.
@@ -73,10 +122,18 @@ const pinHeader = "Nats-Pin-Id"
 // errFeedGap marks a break in the consumer sequence.
 var errFeedGap = errors.New("consumer sequence gap")
 
-// minResetInterval paces resets in a row (two processes sharing one plain
-// durable see each other's deliveries as gaps): each costs a redelivery of
-// everything unacknowledged.
+// minResetInterval paces the feed's resets in a row: each costs a
+// redelivery of everything unacknowledged.
 const minResetInterval = time.Second
+
+// sharedRecheck is how long a shared feed's deliveries must run unbroken
+// before it resets to find out whether it is alone on the durable again; a
+// run that lasted as long before a gap does not count towards sharing.
+const sharedRecheck = 10 * time.Second
+
+// straysToShare is how many runs in a row must break by a gap that nothing
+// explains before a shareable feed counts as shared.
+const straysToShare = 2
 
 // open resets the consumer to its ack floor and opens a new pull
 // subscription: deliveries made before the reset went to the previous
@@ -119,7 +176,8 @@ func (f *feed) open(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("pull from %s: %w", f.name, err)
 	}
-	f.iter, f.next = iter, 1
+	f.iter, f.next, f.shared = iter, 1, time.Time{}
+	f.beginRun()
 	return nil
 }
 
@@ -149,15 +207,16 @@ func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
 		}
 		msg, err := f.iter.Next(jetstream.NextContext(ctx))
 		if err == nil {
-			md, merr := msg.Metadata()
-			if merr == nil && md.Sequence.Consumer == f.next {
-				f.next++
+			var md *jetstream.MsgMetadata
+			if md, err = msg.Metadata(); err == nil {
+				err = f.admit(ctx, md.Sequence.Consumer)
+			}
+			if err == nil {
 				if pin := msg.Headers().Get(pinHeader); pin != "" {
 					f.pin = pin
 				}
 				return msg, nil
 			}
-			err = fmt.Errorf("%w: delivery %d, expected %d", errFeedGap, seqOrZero(md), f.next)
 		}
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
@@ -169,11 +228,14 @@ func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
 			errors.Is(err, jetstream.ErrConsumerLeadershipChanged), errors.Is(err, nats.ErrTimeout):
 			// The subscription lives on; a delivery lost meanwhile shows
 			// as a gap in the consumer sequence.
+			f.run.interrupted = true
 			f.log.Debug("pull interrupted; pulling on", zap.String("durable", f.name), zap.Error(err))
 			continue
 		case errors.Is(err, errFeedGap):
 			f.why = resumeGap
 			f.log.Info("deliveries missed; resuming in order from the ack floor", zap.String("durable", f.name), zap.Error(err))
+		case errors.Is(err, errRecheck):
+			f.why = resumeRecheck
 		default:
 			f.why = resumeEnded
 			f.log.Warn("pull subscription ended; resuming in order from the ack floor", zap.String("durable", f.name), zap.Error(err))
@@ -185,11 +247,52 @@ func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
 	}
 }
 
-func seqOrZero(md *jetstream.MsgMetadata) uint64 {
-	if md == nil {
-		return 0
+// errRecheck asks a shared feed to reset, to learn whether it is alone.
+var errRecheck = errors.New("recheck whether the durable is still shared")
+
+// admit decides on a delivery at consumer sequence seq: nil hands it on,
+// errFeedGap (or errRecheck) drops it and has the feed reset.
+func (f *feed) admit(ctx context.Context, seq uint64) error {
+	switch {
+	case seq == f.next:
+		f.next++
+		if !f.shared.IsZero() && time.Since(f.shared) >= sharedRecheck {
+			return errRecheck // the others stopped pulling: be strict again
+		}
+		return nil
+	case seq == 1:
+		// Someone else reset the consumer: its run starts here.
+		f.next = 2
+		f.beginRun()
+		f.c.met.resumes[resumeAdopted].Inc()
+		f.log.Info("the durable was reset by another party; consuming on from its ack floor",
+			zap.String("durable", f.name), zap.Int("unsettled", f.unsettled()))
+		return f.settleTo(ctx, f.maxAckPending())
+	case !f.shareable || f.explained():
+	case !f.shared.IsZero():
+		f.next, f.shared = seq+1, time.Now()
+		return nil
+	default:
+		if time.Since(f.run.began) >= sharedRecheck {
+			f.strays = 0 // a long run: this gap is the first of its kind
+		}
+		if f.strays++; f.strays >= straysToShare {
+			f.next, f.shared = seq+1, time.Now()
+			f.log.Warn("another process pulls this durable too: deliveries are split between the processes, and only VersionCheck keeps an aggregate's order; use a consumer group (Config.Group) for order without it",
+				zap.String("durable", f.name))
+			return nil
+		}
 	}
-	return md.Sequence.Consumer
+	return fmt.Errorf("%w: delivery %d, expected %d", errFeedGap, seq, f.next)
+}
+
+// maxAckPending is the consumer's max_ack_pending as last seen, 0 when
+// unknown.
+func (f *feed) maxAckPending() int {
+	if info := f.cons.CachedInfo(); info != nil {
+		return max(info.Config.MaxAckPending, 0)
+	}
+	return 0
 }
 
 // settle waits until every delivery handed out is settled, except those
@@ -197,8 +300,12 @@ func seqOrZero(md *jetstream.MsgMetadata) uint64 {
 // redelivery, which comes with the reset. So the deliveries of one reset
 // are out of the workers (but for those held) before the next reset's
 // arrive, and a member never holds more than two resets' worth.
-func (f *feed) settle(ctx context.Context) error {
-	for !f.quiet() {
+func (f *feed) settle(ctx context.Context) error { return f.settleTo(ctx, 0) }
+
+// settleTo waits until no more than n of the deliveries handed out are
+// unsettled, not counting those held behind a naked message.
+func (f *feed) settleTo(ctx context.Context, n int) error {
+	for f.busy() > n {
 		select {
 		case <-f.changed:
 		case <-time.After(200 * time.Millisecond):
@@ -209,30 +316,41 @@ func (f *feed) settle(ctx context.Context) error {
 	return nil
 }
 
-// quiet reports whether everything handed out is settled or held behind a
-// naked message of its aggregate.
-func (f *feed) quiet() bool {
+// busy counts the deliveries handed out and unsettled, but for those of
+// aggregates held behind a naked message.
+func (f *feed) busy() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	waiting := map[string]bool{}
 	for _, key := range f.returning {
 		waiting[key] = true
 	}
+	busy := 0
 	for key, n := range f.inflight {
 		if n > 0 && !waiting[key] {
-			return false
+			busy += n
 		}
 	}
-	return true
+	return busy
 }
 
 // forward hands a delivery to the worker of its aggregate, tracked until
-// it is settled.
+// it is settled. A repetition (after a reset) of a delivery still handed
+// out is not handed out again: the earlier delivery's settlement goes to it
+// instead (the server keeps acknowledgements by stream sequence, so either
+// delivery's ack would do, but a nak or a progress ack counts only for the
+// newer). It keeps its place in the worker's queue, ahead of the
+// aggregate's later messages, and a reset costs no second application.
 func (f *feed) forward(ctx context.Context, msg jetstream.Msg) error {
+	if md, err := msg.Metadata(); err == nil {
+		if f.settledBefore(md.Sequence.Stream, msg) || f.standIn(md.Sequence.Stream, msg) {
+			return nil
+		}
+	}
 	it := f.c.newItem(msg)
-	f.track(it.key)
 	f.returned(it.m.StreamSeq)
-	tm := &trackedMsg{Msg: msg, f: f, key: it.key, seq: it.m.StreamSeq}
+	tm := &trackedMsg{Msg: msg, cur: msg, f: f, key: it.key, seq: it.m.StreamSeq}
+	f.track(tm)
 	it.msg = tm
 	if err := f.e.send(ctx, it); err != nil {
 		tm.settled() // comes again after the next reset
@@ -241,10 +359,80 @@ func (f *feed) forward(ctx context.Context, msg jetstream.Msg) error {
 	return nil
 }
 
-func (f *feed) track(key string) {
+// settledBefore acknowledges msg, a repetition of a delivery of seq that
+// was acknowledged after its commit (or terminated after its dead letter)
+// lately: a reset forgets the acknowledgements above the ack floor, and the
+// repetition needs no transaction to be known as done.
+func (f *feed) settledBefore(seq uint64, msg jetstream.Msg) bool {
 	f.mu.Lock()
-	f.inflight[key]++
+	done := f.done.has(seq)
+	f.mu.Unlock()
+	if !done {
+		return false
+	}
+	_ = msg.Ack() // lost: it comes again, and is acknowledged again
+	f.c.met.idem.Inc()
+	f.c.met.processed(outcomeDuplicate)
+	return true
+}
+
+// finished records that the delivery of seq was acknowledged or terminated.
+func (f *feed) finished(seq uint64) {
+	f.mu.Lock()
+	f.done.add(seq, max(4*f.maxAckPending(), 1024))
+	f.mu.Unlock()
+}
+
+// doneSet is a bounded set of stream sequences, forgetting the oldest
+// added first; one forgotten costs a duplicate's transaction, not order.
+type doneSet struct {
+	seqs  map[uint64]struct{}
+	order []uint64
+}
+
+func (d *doneSet) has(seq uint64) bool {
+	_, ok := d.seqs[seq]
+	return ok
+}
+
+func (d *doneSet) add(seq uint64, limit int) {
+	if d.seqs == nil {
+		d.seqs = map[uint64]struct{}{}
+	}
+	if _, ok := d.seqs[seq]; ok {
+		return
+	}
+	d.seqs[seq] = struct{}{}
+	d.order = append(d.order, seq)
+	for len(d.order) > limit {
+		delete(d.seqs, d.order[0])
+		d.order = d.order[1:]
+	}
+}
+
+// standIn gives msg, a repetition of the delivery of seq, to the earlier
+// delivery if that is still handed out and neither settled nor naked.
+func (f *feed) standIn(seq uint64, msg jetstream.Msg) bool {
+	f.mu.Lock()
+	tm := f.out[seq]
+	f.mu.Unlock()
+	return tm != nil && tm.replace(msg)
+}
+
+func (f *feed) track(tm *trackedMsg) {
+	f.mu.Lock()
+	f.inflight[tm.key]++
 	f.n++
+	f.out[tm.seq] = tm
+	f.mu.Unlock()
+}
+
+// drop forgets tm as a stand-in: it is settled or naked.
+func (f *feed) drop(tm *trackedMsg) {
+	f.mu.Lock()
+	if f.out[tm.seq] == tm {
+		delete(f.out, tm.seq)
+	}
 	f.mu.Unlock()
 }
 
@@ -288,47 +476,96 @@ func (f *feed) unsettled() int {
 	return f.n
 }
 
-// trackedMsg reports to its feed when the worker settles it.
+// trackedMsg reports to its feed when the worker settles it. Its
+// settlement goes to the newest delivery of its message (cur, see
+// feed.forward); the embedded first delivery answers everything else.
 type trackedMsg struct {
 	jetstream.Msg
 	f    *feed
 	key  string
 	seq  uint64
 	once sync.Once
+
+	mu    sync.Mutex
+	cur   jetstream.Msg // the delivery settlements go to
+	final bool          // settled or naked: cur no longer changes
 }
 
-func (m *trackedMsg) settled() { m.once.Do(func() { m.f.settleOne(m.key) }) }
+// replace makes msg the delivery this message's settlement goes to, unless
+// it is already settled or naked.
+func (m *trackedMsg) replace(msg jetstream.Msg) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.final {
+		return false
+	}
+	m.cur = msg
+	return true
+}
+
+// finalMsg fixes and returns the delivery a settlement goes to.
+func (m *trackedMsg) finalMsg() jetstream.Msg {
+	m.mu.Lock()
+	m.final = true
+	msg := m.cur
+	m.mu.Unlock()
+	m.f.drop(m)
+	return msg
+}
+
+func (m *trackedMsg) current() jetstream.Msg {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.cur
+}
+
+func (m *trackedMsg) settled() {
+	m.finalMsg()
+	m.once.Do(func() { m.f.settleOne(m.key) })
+}
+
+// done settles a message the worker is finished with: acknowledged after
+// its commit, or terminated after its dead letter.
+func (m *trackedMsg) done() {
+	m.f.finished(m.seq)
+	m.settled()
+}
 
 func (m *trackedMsg) Ack() error {
-	defer m.settled()
-	return m.Msg.Ack()
+	defer m.done()
+	return m.finalMsg().Ack()
 }
 
 func (m *trackedMsg) DoubleAck(ctx context.Context) error {
-	defer m.settled()
-	return m.Msg.DoubleAck(ctx)
+	defer m.done()
+	return m.finalMsg().DoubleAck(ctx)
 }
 
 func (m *trackedMsg) Term() error {
-	defer m.settled()
-	return m.Msg.Term()
+	defer m.done()
+	return m.finalMsg().Term()
 }
 
 func (m *trackedMsg) TermWithReason(reason string) error {
-	defer m.settled()
-	return m.Msg.TermWithReason(reason)
+	defer m.done()
+	return m.finalMsg().TermWithReason(reason)
 }
+
+// InProgress keeps the newest delivery alive.
+func (m *trackedMsg) InProgress() error { return m.current().InProgress() }
 
 // Nak and NakWithDelay do not settle: the message comes back and is
 // tracked again, and the aggregate stays in flight meanwhile. A
 // redelivered message is a new trackedMsg, so the count of the naked one
 // must go: it is settled when its redelivery is forwarded.
 func (m *trackedMsg) Nak() error {
+	msg := m.finalMsg()
 	m.f.awaitReturn(m)
-	return m.Msg.Nak()
+	return msg.Nak()
 }
 
 func (m *trackedMsg) NakWithDelay(d time.Duration) error {
+	msg := m.finalMsg()
 	m.f.awaitReturn(m)
-	return m.Msg.NakWithDelay(d)
+	return msg.NakWithDelay(d)
 }

@@ -81,3 +81,23 @@ func TestPullEndsWithDeliveriesInTransit(t *testing.T) {
 		t.Errorf("the pull that ended lost its order: %d applied twice, %d out of version order", twice, disorder)
 	}
 }
+
+// TestDoneSetForgetsTheOldestFirst: the set of lately settled stream
+// sequences stays within its limit and forgets in the order it learnt.
+func TestDoneSetForgetsTheOldestFirst(t *testing.T) {
+	var d doneSet
+	for _, seq := range []uint64{5, 3, 9, 3, 7} {
+		d.add(seq, 3)
+	}
+	for _, tc := range []struct {
+		seq  uint64
+		want bool
+	}{{5, false}, {3, true}, {9, true}, {7, true}, {4, false}} {
+		if got := d.has(tc.seq); got != tc.want {
+			t.Errorf("has(%d) = %v, want %v", tc.seq, got, tc.want)
+		}
+	}
+	if len(d.order) != 3 || len(d.seqs) != 3 {
+		t.Errorf("holds %d in order, %d in the set; want 3 and 3", len(d.order), len(d.seqs))
+	}
+}

@@ -292,20 +292,7 @@ func TestGroupMetrics(t *testing.T) {
 	f.waitFor("applied", 30*time.Second, func() bool {
 		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) == 20
 	})
-	value := func(name string) (sum float64, series int) {
-		mfs, err := f.reg.Gather()
-		testenv.Must(t, err, "gather")
-		for _, mf := range mfs {
-			if mf.GetName() != name {
-				continue
-			}
-			for _, m := range mf.GetMetric() {
-				series++
-				sum += m.GetGauge().GetValue() + m.GetCounter().GetValue()
-			}
-		}
-		return sum, series
-	}
+	value := f.metric
 	f.waitFor("group gauges", 10*time.Second, func() bool {
 		members, _ := value("outbox_consumer_group_members")
 		owned, _ := value("outbox_consumer_group_partitions_owned")
@@ -314,4 +301,21 @@ func TestGroupMetrics(t *testing.T) {
 		_, us := value("outbox_consumer_group_partition_unowned_seconds")
 		return members == 1 && owned == 4 && rebalances >= 1 && ps == 4 && us == 4 && pending == 0
 	})
+}
+
+// metric sums the series of a gauge or counter of the fixture's registry.
+func (f *fixture) metric(name string) (sum float64, series int) {
+	f.t.Helper()
+	mfs, err := f.reg.Gather()
+	testenv.Must(f.t, err, "gather")
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			series++
+			sum += m.GetGauge().GetValue() + m.GetCounter().GetValue()
+		}
+	}
+	return sum, series
 }

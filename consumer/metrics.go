@@ -24,6 +24,11 @@ const (
 	resumeStart = "start"
 	resumeGap   = "gap"
 	resumeEnded = "ended"
+	// resumeAdopted counts resets made by someone else that a feed took
+	// over, and resumeRecheck a shared feed's resets to learn whether it is
+	// alone on the durable again (feed.go).
+	resumeAdopted = "adopted"
+	resumeRecheck = "recheck"
 )
 
 // metricVecs are the collectors, shared by every consumer registered with the
@@ -206,7 +211,7 @@ func (v *metricVecs) series(name, owner string) *metrics {
 		outcomes[o] = v.processed.WithLabelValues(name, o)
 	}
 	resumes := map[string]prometheus.Counter{}
-	for _, r := range []string{resumeStart, resumeGap, resumeEnded} {
+	for _, r := range []string{resumeStart, resumeGap, resumeEnded, resumeAdopted, resumeRecheck} {
 		resumes[r] = v.resumes.WithLabelValues(name, r)
 	}
 	return &metrics{

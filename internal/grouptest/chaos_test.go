@@ -3,12 +3,13 @@ package grouptest
 import (
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
 	"slices"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/consumer"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
@@ -47,6 +48,9 @@ func chaos(t *testing.T, partitions int, ids []string, startMembers func(s *scen
 	startMembers(s)
 	l := load()
 	l.Events = 10_000
+	if s.pause > 0 {
+		l.Pause = s.pause
+	}
 	wait := relaytest.WriteAsync(ctx, t, s.f.DB.Pool, l)
 	if !testenv.WaitFor(3*time.Minute, func() bool { return s.applied() >= int64(l.Events/4) }) {
 		t.Fatalf("only %d applied after 3m", s.applied())
@@ -197,53 +201,112 @@ func (s *scenario) floorsNow(partitions int) []uint64 {
 // (MemberTTL 6 s, AckWait 30 s, RetryMax 30 s), how long a SIGKILLed
 // member's partitions stay without a consumer, and how long a member
 // leaving with SIGTERM takes to hand its partitions to the others: from
-// the signal until every partition of the member is pinned to another.
-// Order is checked as in the other tests.
-//
-// It runs with OUTBOX_CHAOS=1 go test ./internal/grouptest/ only: it measures (the figures
-// are in bench/README.md), and in one CI run beside four CPU hogs a
-// partition that went back to its owner after m1 rejoined stayed without a
-// pinned client for over a minute — a liveness defect of the takeover that
-// is open (issue 24), not a timing target this test should gate CI on.
+// the signal until every partition of the member is pinned to another
+// client. JetStream pins a client only when it delivers to it (an idle
+// partition that changed owner shows no pin, which is how an earlier
+// version of this test failed in CI once the load was consumed), so the
+// load is spread over more than a minute and the partitions are busy while
+// they move. After the killed member rejoins, every partition that changes
+// owner must be consumed again by its new owner, and order is checked as
+// in the other tests. The figures are logged (bench/README.md has them);
+// the test fails only when a partition is not consumed again within 2
+// minutes, not on a figure.
 func TestGroupTakeoverDefaults(t *testing.T) {
-	if os.Getenv("OUTBOX_CHAOS") != "1" {
-		t.Skip("measurement: OUTBOX_CHAOS=1 go test ./internal/grouptest/ runs it; see the comment for the open liveness defect")
-	}
 	ids := []string{"m1", "m2", "m3"}
 	const partitions = 6
 	chaos(t, partitions, ids, func(s *scenario) {
 		s.env = []string{envDefaults + "=1"}
+		s.pause = 1500 * time.Millisecond // the load lasts beyond the faults
 		startAll(ids)(s)
 	}, func(s *scenario) {
-		moved := func(id string, members []string, before []string) time.Duration {
+		moved := func(id string, before []*jetstream.ConsumerInfo) time.Duration {
 			start := time.Now()
-			mine := ownedBy(slices.Clone(members), id, partitions)
-			if !testenv.WaitFor(2*time.Minute, func() bool {
-				now := s.pins(partitions)
-				for _, p := range mine {
-					if now[p] == "" || now[p] == before[p] {
-						return false
-					}
-				}
-				return true
-			}) {
+			mine := ownedBy(slices.Clone(ids), id, partitions)
+			if !testenv.WaitFor(2*time.Minute, func() bool { return s.taken(mine, before) }) {
+				s.dumpPartitions(partitions)
 				t.Fatalf("partitions %v of %s not taken over within 2m", mine, id)
 			}
 			return time.Since(start)
 		}
-		before := s.pins(partitions)
+		before := s.infos(partitions)
 		s.kill("m1")
-		killed := moved("m1", ids, before)
+		killed := moved("m1", before)
+		rejoin := s.infos(partitions)
 		s.start("m1", "")
-		if !testenv.WaitFor(time.Minute, func() bool { return slices.Contains(s.pins(partitions), "") == false }) {
-			t.Fatalf("pins after m1's restart: %v", s.pins(partitions))
+		// Every partition that changes owner as m1 rejoins (m1's, and
+		// those moving between m2 and m3) is consumed again by its new
+		// owner.
+		var back []int
+		for p := range partitions {
+			if owner(ids, p) != owner([]string{"m2", "m3"}, p) {
+				back = append(back, p)
+			}
 		}
-		time.Sleep(3 * time.Second) // m1 has its partitions back
-		before = s.pins(partitions)
+		if !testenv.WaitFor(2*time.Minute, func() bool { return s.taken(back, rejoin) }) {
+			s.dumpPartitions(partitions)
+			t.Fatalf("partitions %v not consumed again after m1 rejoined: pins %v", back, s.pins(partitions))
+		}
+		time.Sleep(3 * time.Second)
+		before = s.infos(partitions)
 		stopped := make(chan struct{})
 		go func() { defer close(stopped); s.stop("m2") }()
-		left := moved("m2", ids, before)
+		left := moved("m2", before)
 		<-stopped
-		t.Logf("TAKEOVER WITH DEFAULTS: SIGKILL -> partitions pinned to live members %.1fs; SIGTERM (hand-off) -> %.1fs", killed.Seconds(), left.Seconds())
+		t.Logf("TAKEOVER WITH DEFAULTS: SIGKILL -> partitions taken by live members %.1fs; SIGTERM (hand-off) -> %.1fs", killed.Seconds(), left.Seconds())
 	})
+}
+
+// owner is the member of the sorted ids that owns partition p.
+func owner(ids []string, p int) string { return ids[p%len(ids)] }
+
+// taken reports whether each partition of ps is pinned to a client other
+// than the one in before. JetStream pins a client only when it delivers to
+// it, so this needs events arriving: the test's load lasts beyond it.
+func (s *scenario) taken(ps []int, before []*jetstream.ConsumerInfo) bool {
+	infos := s.infos(len(before))
+	for _, p := range ps {
+		if pin := pinOf(infos[p]); pin == "" || pin == pinOf(before[p]) {
+			return false
+		}
+	}
+	return true
+}
+
+func pinOf(i *jetstream.ConsumerInfo) string {
+	if i == nil {
+		return ""
+	}
+	for _, pg := range i.PriorityGroups {
+		return pg.PinnedClientID
+	}
+	return ""
+}
+
+// infos reads each partition durable's info (nil when it cannot).
+func (s *scenario) infos(partitions int) []*jetstream.ConsumerInfo {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	out := make([]*jetstream.ConsumerInfo, partitions)
+	for p := range partitions {
+		c, err := s.f.JS.Consumer(ctx, s.f.Stream, consumer.PartitionDurable(group, partitions, p))
+		if err != nil {
+			continue
+		}
+		if info, err := c.Info(ctx); err == nil {
+			out[p] = info
+		}
+	}
+	return out
+}
+
+// dumpPartitions logs each partition durable's state.
+func (s *scenario) dumpPartitions(partitions int) {
+	for p, i := range s.infos(partitions) {
+		if i == nil {
+			s.t.Logf("partition %d: no info", p)
+			continue
+		}
+		s.t.Logf("partition %d: pending %d, unacknowledged %d, waiting pulls %d, redelivered %d, ack floor %d, groups %+v",
+			p, i.NumPending, i.NumAckPending, i.NumWaiting, i.NumRedelivered, i.AckFloor.Stream, i.PriorityGroups)
+	}
 }

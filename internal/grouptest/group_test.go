@@ -44,8 +44,9 @@ type scenario struct {
 	f          *opstest.Fixture
 	partitions int // of the members started next
 	pinnedTTL  string
-	noVersion  bool     // members run without VersionCheck
-	env        []string // more environment of the members started next
+	noVersion  bool          // members run without VersionCheck
+	env        []string      // more environment of the members started next
+	pause      time.Duration // chaos: the load's pause between transactions, when set
 	natsURL    string
 	pgURL      string
 

@@ -352,12 +352,17 @@ func (g *Member) coordinate(ctx, pullCtx context.Context) error {
 			return nil
 		}
 		failing.Report(g.log, "consumer group step", err)
+		var expired <-chan time.Time // a member runs out of TTL: reassign then
+		if at := g.roster.nextExpiry(time.Now()); !at.IsZero() {
+			expired = time.After(time.Until(at) + time.Millisecond)
+		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case err := <-g.errs:
 			return fmt.Errorf("consume group %s from stream %s: %w", cfg.Name, cfg.Stream, err)
 		case <-g.roster.changed: // a member joined or left: reassign now
+		case <-expired:
 		case <-tick.C:
 		}
 	}
@@ -570,7 +575,7 @@ func (g *Member) removeGeneration(ctx context.Context, gen *generation) error {
 	var errs []error
 	for p := range gen.durables {
 		name := PartitionDurable(g.cfg.Name, gen.partitions, p)
-		if err := g.strm.DeleteConsumer(ctx, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		if err := DeleteDurable(ctx, g.strm, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			errs = append(errs, fmt.Errorf("delete drained partition durable %s: %w", name, err))
 		}
 	}
@@ -579,6 +584,11 @@ func (g *Member) removeGeneration(ctx context.Context, gen *generation) error {
 	}
 	g.log.Info("older partition generation drained and removed", zap.Int("partitions", gen.partitions))
 	return nil
+}
+
+// DeleteDurable deletes a partition durable; tests make it fail.
+var DeleteDurable = func(ctx context.Context, strm jetstream.Stream, name string) error {
+	return strm.DeleteConsumer(ctx, name)
 }
 
 // assignment returns the partitions of a count that member owns among

@@ -85,6 +85,11 @@ func (pt *partition) unpin(ctx context.Context, log *zap.Logger) {
 	}
 }
 
+// HookHandOffUnpin, set by tests, runs between the hand-off's consumer info
+// read and its unpin, with the member, the partition durable and the pin id
+// of the member's last delivery.
+var HookHandOffUnpin func(member, durable, pin string)
+
 var errHandedOff = errors.New("partition handed off")
 
 // pump hands messages to the workers until a hand-off is asked for.
@@ -128,6 +133,9 @@ func (pt *partition) handOff(ctx context.Context, log *zap.Logger) {
 	ictx, icancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	info, err := pt.cons.Info(ictx)
 	icancel()
+	if HookHandOffUnpin != nil {
+		HookHandOffUnpin(pt.g.cfg.Member, pt.durable, pt.f.Pin())
+	}
 	if err != nil || pt.f.Pin() == "" || pinnedTo(info, pt.f.Pin()) {
 		pt.unpin(context.WithoutCancel(ctx), log)
 	}

@@ -64,6 +64,24 @@ func (r *roster) live(now time.Time) []memberInfo {
 	return out
 }
 
+// nextExpiry is when the first member seen alive runs out of TTL after
+// now (zero when none will): the coordinator steps then, so that a dead
+// member's partitions move as soon as it counts as dead rather than at the
+// next tick, up to a heartbeat interval later. Entries already past are
+// left to the tick: a step that fails before it reads the roster must not
+// make the coordinator spin.
+func (r *roster) nextExpiry(now time.Time) time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var first time.Time
+	for _, e := range r.seen {
+		if e.until.After(now) && (first.IsZero() || e.until.Before(first)) {
+			first = e.until
+		}
+	}
+	return first
+}
+
 func (r *roster) update(e jetstream.KeyValueEntry, ttl time.Duration, now time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()

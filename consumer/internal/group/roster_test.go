@@ -122,3 +122,30 @@ func TestMembersWaitsAtMostTheTTL(t *testing.T) {
 		t.Fatalf("members waited %s", el)
 	}
 }
+
+// TestRosterNextExpiry: the coordinator wakes when the first member seen
+// runs out of TTL, not a heartbeat interval later; an entry already past
+// does not wake it (it would spin while steps fail before pruning it).
+func TestRosterNextExpiry(t *testing.T) {
+	now := time.Now()
+	at := func(d time.Duration) rosterEntry { return rosterEntry{until: now.Add(d)} }
+	cases := []struct {
+		name string
+		seen map[string]rosterEntry
+		want time.Time
+	}{
+		{"none", nil, time.Time{}},
+		{"first of three", map[string]rosterEntry{"a": at(5 * time.Second), "b": at(2 * time.Second), "c": at(9 * time.Second)}, now.Add(2 * time.Second)},
+		{"past entries skipped", map[string]rosterEntry{"a": at(-time.Second), "b": at(3 * time.Second)}, now.Add(3 * time.Second)},
+		{"all past", map[string]rosterEntry{"a": at(-time.Second)}, time.Time{}},
+	}
+	for _, tc := range cases {
+		r := newRoster()
+		for id, e := range tc.seen {
+			r.seen[id] = e
+		}
+		if got := r.nextExpiry(now); !got.Equal(tc.want) {
+			t.Errorf("%s: nextExpiry %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
