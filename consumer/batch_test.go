@@ -146,99 +146,110 @@ func TestBatchDuplicatesInsideOneBatch(t *testing.T) {
 // once and each aggregate's effects are in version order.
 func TestBatchFailuresEndAsInPerMessageMode(t *testing.T) {
 	for _, vc := range []bool{false, true} {
-		t.Run(fmt.Sprintf("version_check=%v", vc), func(t *testing.T) {
-			t.Parallel()
-			f := newFixture(t)
-			const aggs, versions = 40, 30
-			var evs []event
-			for v := int64(1); v <= versions; v++ {
-				for a := range aggs {
-					evs = append(evs, event{ID: fmt.Sprintf("m-a%d-%d", a, v), AggID: fmt.Sprintf("a%d", a), Version: v})
-				}
-			}
-			fail := func(m *Message, call int) error {
-				switch {
-				case m.ID == "m-a5-10":
-					return Permanent(errors.New("malformed reward"))
-				case m.ID == "m-a7-12":
-					return Reject("account closed")
-				case call == 1 && strings.HasSuffix(m.ID, "-7") && m.AggregateID < "a2": // 12 of 1,200
-					return Transient(errors.New("serialization failure"))
-				}
-				return nil
-			}
-			f.publish(evs...)
-			names := []string{"per", "bat"}
-			for i, name := range names {
-				r := newRecorder(name)
-				r.fail = fail
-				cfg := f.baseConfig(name)
-				cfg.Workers = 2
-				cfg.VersionCheck = vc
-				cfg.GapWait = cfg.RetryMax + cfg.AckWait
-				cfg.BatchSize = []int{1, 64}[i]
-				f.start(cfg, r)
-			}
-			for _, name := range names {
-				f.waitSettled(name, 90*time.Second)
-			}
-			vecs := mustVec(t, f)
-			if n := histogramCount(t, vecs.batchSize.WithLabelValues("bat")); n == 0 {
-				t.Fatalf("no batch was formed")
-			}
-			if n := histogramCount(t, vecs.batchSize.WithLabelValues("per")); n != 0 {
-				t.Fatalf("BatchSize 1 formed %d batches", n)
-			}
-			state := func(name, sql string) string {
-				rows, err := f.pool.Query(context.Background(), sql, name)
-				testenv.Must(t, err, "query state")
-				var out []string
-				for rows.Next() {
-					var s string
-					testenv.Must(t, rows.Scan(&s), "scan")
-					out = append(out, s)
-				}
-				testenv.Must(t, rows.Err(), "rows")
-				sort.Strings(out)
-				return strings.Join(out, " ")
-			}
-			for what, sql := range map[string]string{
-				"effects":      `SELECT event_id || 'x' || count(*) FROM applied WHERE consumer = $1 GROUP BY event_id`,
-				"dedup rows":   `SELECT event_id || ':' || outcome FROM consumed_message WHERE consumer = $1`,
-				"dead letters": `SELECT event_id || ':' || failure_class || ':' || attempts FROM consumer_dead_letter WHERE consumer = $1`,
-			} {
-				per, bat := state("per", sql), state("bat", sql)
-				if per != bat {
-					t.Errorf("%s differ:\n per-message %s\n batched     %s", what, per, bat)
-				}
-			}
-			for _, name := range names {
-				if n := queryInt(t, f.pool, `SELECT count(*) FROM (SELECT event_id FROM applied WHERE consumer = $1 GROUP BY event_id HAVING count(*) > 1) d`, name); n != 0 {
-					t.Errorf("%s: %d events applied more than once", name, n)
-				}
-				if n := queryInt(t, f.pool, `SELECT count(*) FROM (SELECT version, lag(version) OVER (PARTITION BY aggregate_id ORDER BY n) AS prev
-					FROM applied WHERE consumer = $1) o WHERE prev >= version`, name); n != 0 {
-					t.Errorf("%s: %d effects applied after a later version", name, n)
-				}
-				if got := metricValue(t, vecs.retries.WithLabelValues(name, "transient")); got != 12 {
-					t.Errorf("%s: %v transient retries, want 12", name, got)
-				}
-				if n := queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = $1 AND event_id = 'm-a5-10' AND failure_class = 'permanent' AND attempts = 1`, name); n != 1 {
-					t.Errorf("%s: permanent failure not dead-lettered once after one attempt", name)
-				}
-				if n := queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = $1 AND event_id = 'm-a7-12' AND outcome = 'rejected'`, name); n != 1 {
-					t.Errorf("%s: rejection not recorded", name)
-				}
-			}
-			applied := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'bat'`)
-			want := int64(aggs*versions - 2) // the permanent failure and the rejection
-			if vc {
-				want -= versions - 10 // a5's later versions wait as gaps behind its dead letter
-			}
-			if applied != want {
-				t.Errorf("batched: %d effects, want %d", applied, want)
-			}
-		})
+		t.Run(fmt.Sprintf("version_check=%v", vc), func(t *testing.T) { batchFailuresEndAsInPerMessageMode(t, vc) })
+	}
+}
+
+func batchFailuresEndAsInPerMessageMode(t *testing.T, vc bool) {
+	t.Parallel()
+	f := newFixture(t)
+	const aggs, versions = 40, 30
+	var evs []event
+	for v := int64(1); v <= versions; v++ {
+		for a := range aggs {
+			evs = append(evs, event{ID: fmt.Sprintf("m-a%d-%d", a, v), AggID: fmt.Sprintf("a%d", a), Version: v})
+		}
+	}
+	fail := func(m *Message, call int) error {
+		switch {
+		case m.ID == "m-a5-10":
+			return Permanent(errors.New("malformed reward"))
+		case m.ID == "m-a7-12":
+			return Reject("account closed")
+		case call == 1 && strings.HasSuffix(m.ID, "-7") && m.AggregateID < "a2": // 12 of 1,200
+			return Transient(errors.New("serialization failure"))
+		}
+		return nil
+	}
+	f.publish(evs...)
+	names := []string{"per", "bat"}
+	for i, name := range names {
+		r := newRecorder(name)
+		r.fail = fail
+		cfg := f.baseConfig(name)
+		cfg.Workers = 2
+		cfg.VersionCheck = vc
+		cfg.GapWait = cfg.RetryMax + cfg.AckWait
+		cfg.BatchSize = []int{1, 64}[i]
+		f.start(cfg, r)
+	}
+	for _, name := range names {
+		f.waitSettled(name, 90*time.Second)
+	}
+	vecs := mustVec(t, f)
+	if n := histogramCount(t, vecs.batchSize.WithLabelValues("bat")); n == 0 {
+		t.Fatalf("no batch was formed")
+	}
+	if n := histogramCount(t, vecs.batchSize.WithLabelValues("per")); n != 0 {
+		t.Fatalf("BatchSize 1 formed %d batches", n)
+	}
+	f.checkSameEnds(names, vecs)
+	applied := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'bat'`)
+	want := int64(aggs*versions - 2) // the permanent failure and the rejection
+	if vc {
+		want -= versions - 10 // a5's later versions wait as gaps behind its dead letter
+	}
+	if applied != want {
+		t.Errorf("batched: %d effects, want %d", applied, want)
+	}
+}
+
+// checkSameEnds checks that every message ended the same way for the
+// per-message consumer and the batched one (names[0], names[1]), each
+// effect once and in version order, with the failures' records.
+func (f *fixture) checkSameEnds(names []string, vecs *metricVecs) {
+	t := f.t
+	t.Helper()
+	state := func(name, sql string) string {
+		rows, err := f.pool.Query(context.Background(), sql, name)
+		testenv.Must(t, err, "query state")
+		var out []string
+		for rows.Next() {
+			var s string
+			testenv.Must(t, rows.Scan(&s), "scan")
+			out = append(out, s)
+		}
+		testenv.Must(t, rows.Err(), "rows")
+		sort.Strings(out)
+		return strings.Join(out, " ")
+	}
+	for what, sql := range map[string]string{
+		"effects":      `SELECT event_id || 'x' || count(*) FROM applied WHERE consumer = $1 GROUP BY event_id`,
+		"dedup rows":   `SELECT event_id || ':' || outcome FROM consumed_message WHERE consumer = $1`,
+		"dead letters": `SELECT event_id || ':' || failure_class || ':' || attempts FROM consumer_dead_letter WHERE consumer = $1`,
+	} {
+		per, bat := state("per", sql), state("bat", sql)
+		if per != bat {
+			t.Errorf("%s differ:\n per-message %s\n batched     %s", what, per, bat)
+		}
+	}
+	for _, name := range names {
+		if n := queryInt(t, f.pool, `SELECT count(*) FROM (SELECT event_id FROM applied WHERE consumer = $1 GROUP BY event_id HAVING count(*) > 1) d`, name); n != 0 {
+			t.Errorf("%s: %d events applied more than once", name, n)
+		}
+		if n := queryInt(t, f.pool, `SELECT count(*) FROM (SELECT version, lag(version) OVER (PARTITION BY aggregate_id ORDER BY n) AS prev
+			FROM applied WHERE consumer = $1) o WHERE prev >= version`, name); n != 0 {
+			t.Errorf("%s: %d effects applied after a later version", name, n)
+		}
+		if got := metricValue(t, vecs.retries.WithLabelValues(name, "transient")); got != 12 {
+			t.Errorf("%s: %v transient retries, want 12", name, got)
+		}
+		if n := queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = $1 AND event_id = 'm-a5-10' AND failure_class = 'permanent' AND attempts = 1`, name); n != 1 {
+			t.Errorf("%s: permanent failure not dead-lettered once after one attempt", name)
+		}
+		if n := queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = $1 AND event_id = 'm-a7-12' AND outcome = 'rejected'`, name); n != 1 {
+			t.Errorf("%s: rejection not recorded", name)
+		}
 	}
 }
 

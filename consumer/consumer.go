@@ -2,7 +2,6 @@ package consumer
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"hash/fnv"
 	"strconv"
@@ -17,8 +16,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
-	"golang.org/x/sync/errgroup"
 
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
+	"github.com/outbox-relay/outbox-relay/consumer/internal/observe"
 	"github.com/outbox-relay/outbox-relay/contract"
 )
 
@@ -54,15 +54,8 @@ type Consumer struct {
 	afterCommit func(*Message)
 	tracer      trace.Tracer // nil: no spans (tracing.go)
 	wanted      map[string]bool
-	workers     []*worker          // made by Run: per-run state
-	cons        jetstream.Consumer // set by Run
-	strm        jetstream.Stream   // set by Run
-	running     atomic.Bool
-
-	// Consumer groups (group.go): the registerer for the group's metrics,
-	// and the running group member, which answers gone().
-	reg prometheus.Registerer
-	grp *group
+	reg         prometheus.Registerer // for a group member's metrics
+	running     atomic.Bool           // a Consumer runs once at a time; a run's state is its engine's
 }
 
 // New returns a consumer of cfg.Stream that applies each event with h inside
@@ -89,7 +82,7 @@ func New(db DB, js jetstream.JetStream, cfg Config, h Handler, opts ...Option) (
 	if err != nil {
 		return nil, err
 	}
-	if _, err := newGroupVecs(o.registerer); err != nil { // group.go's metrics
+	if err := group.RegisterMetrics(o.registerer); err != nil { // known before a group runs
 		return nil, err
 	}
 	c := &Consumer{
@@ -136,33 +129,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("look up stream %s: %w", c.cfg.Stream, err)
 	}
-	if c.cfg.Group != nil {
-		// A group member pulls partition durables (group_run.go).
-		return c.runGroup(ctx, strm)
-	}
-	cons, err := c.durable(ctx)
-	if err != nil {
-		return fmt.Errorf("create durable consumer %s on stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
-	}
-	c.cons, c.strm = cons, strm
-	c.log.Info("consuming", zap.String("stream", c.cfg.Stream), zap.Strings("filter_subjects", c.cfg.FilterSubjects),
-		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
-		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
-	// Worker state (retry counters, held aggregates) describes deliveries of
-	// this run's durable consumer; a later run may read a recreated stream
-	// whose sequences mean other messages, so every run starts afresh.
-	c.workers = make([]*worker, c.cfg.Workers)
-	for i := range c.workers {
-		c.workers[i] = newWorker(c, i)
-	}
-	g, gctx := errgroup.WithContext(ctx)
-	for _, w := range c.workers {
-		g.Go(func() error { return w.run(gctx) })
-	}
-	g.Go(func() error { return c.dispatch(gctx, cons) })
-	g.Go(func() error { return c.replayLoop(gctx) })
-	g.Go(func() error { return c.statsLoop(gctx) })
-	return g.Wait()
+	e := &engine{c: c, src: c.newSource(strm)}
+	return e.run(ctx)
 }
 
 // consumerConfig is the durable consumer the library needs: explicit acks,
@@ -179,31 +147,6 @@ func (c *Consumer) consumerConfig() jetstream.ConsumerConfig {
 		MaxDeliver:     -1,
 		DeliverPolicy:  jetstream.DeliverAllPolicy,
 		FilterSubjects: c.cfg.FilterSubjects,
-	}
-}
-
-// dispatch pulls the durable consumer through a feed, which keeps its
-// deliveries in stream order (feed.go), and hands each message to the
-// worker owning its aggregate.
-func (c *Consumer) dispatch(ctx context.Context, cons jetstream.Consumer) error {
-	f := newFeed(c, cons, c.cfg.Name, c.log, jetstream.PullMaxMessages(min(c.cfg.MaxAckPending, 500)))
-	// Several processes may share a plain durable (feed.go). With
-	// VersionCheck the feed keeps resetting on their gaps: a reset delivers
-	// what is pending in stream order again, which resolves the version
-	// gaps that splitting an aggregate between processes makes.
-	f.shareable = !c.cfg.VersionCheck
-	defer f.stop()
-	for {
-		msg, err := f.recv(ctx)
-		if err == nil {
-			err = f.forward(ctx, msg)
-		}
-		if ctx.Err() != nil {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("consume %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
-		}
 	}
 }
 
@@ -277,33 +220,6 @@ func (c *Consumer) workerIndex(key string) int {
 	return int(h.Sum64() % uint64(c.cfg.Workers))
 }
 
-// gone reports which of the stream sequences seqs are known to need no
-// further processing by this consumer: at or below the durable consumer's
-// ack floor, or no longer in the stream. A sequence whose state cannot be
-// learnt (JetStream unreachable) is not gone. The lookups are bounded so
-// that an unreachable server delays the calling worker by little.
-func (c *Consumer) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
-	if c.grp != nil {
-		return c.grp.gone(ctx, seqs) // group.go: per-partition ack floors
-	}
-	ctx, cancel := context.WithTimeout(ctx, min(c.cfg.AckWait/3, 5*time.Second))
-	defer cancel()
-	info, err := c.cons.Info(ctx)
-	if err != nil {
-		return nil
-	}
-	gone := make(map[uint64]bool, len(seqs))
-	for _, seq := range seqs {
-		if seq <= info.AckFloor.Stream {
-			gone[seq] = true
-			continue
-		}
-		_, err := c.strm.GetMsg(ctx, seq)
-		gone[seq] = errors.Is(err, jetstream.ErrMsgNotFound)
-	}
-	return gone
-}
-
 // statsLoop refreshes the open dead-letter gauges.
 func (c *Consumer) statsLoop(ctx context.Context) error {
 	t := time.NewTicker(c.cfg.StatsInterval)
@@ -332,22 +248,7 @@ func (c *Consumer) statsLoop(ctx context.Context) error {
 	}
 }
 
-// loopHealth keeps a polling loop's log quiet during an outage: the first
-// failure is a warning, repeats are debug messages, recovery is noted once.
-type loopHealth struct{ failures int }
+// loopHealth is observe.LoopHealth, the quiet log of a polling loop.
+type loopHealth struct{ h observe.LoopHealth }
 
-func (h *loopHealth) report(log *zap.Logger, what string, err error) {
-	switch {
-	case err != nil && h.failures == 0:
-		log.Warn(what+" failed; retrying quietly until it succeeds", zap.Error(err))
-	case err != nil:
-		log.Debug(what+" failed again", zap.Int("failures", h.failures+1), zap.Error(err))
-	case h.failures > 0:
-		log.Info(what+" works again", zap.Int("failures", h.failures))
-	}
-	if err != nil {
-		h.failures++
-	} else {
-		h.failures = 0
-	}
-}
+func (l *loopHealth) report(log *zap.Logger, what string, err error) { l.h.Report(log, what, err) }

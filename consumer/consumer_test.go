@@ -199,6 +199,31 @@ func TestErrorClasses(t *testing.T) {
 		t.Errorf("a business rejection was dead-lettered")
 	}
 
+	f.checkClassDeadLetters(evs)
+	vec := mustVec(t, f)
+	if got := metricValue(t, vec.retries.WithLabelValues("cls", "unknown")); got != 4 {
+		t.Errorf("unknown retries = %v, want 4 (2 each for the error and the panic)", got)
+	}
+	if got := metricValue(t, vec.retries.WithLabelValues("cls", "transient")); got != 2 {
+		t.Errorf("transient retries = %v, want 2", got)
+	}
+	if got := metricValue(t, vec.deadLettered.WithLabelValues("cls", "team-rewards", "unknown")); got != 2 {
+		t.Errorf("unknown dead letters = %v, want 2", got)
+	}
+	if got := metricValue(t, vec.processed.WithLabelValues("cls", "rejected")); got != 1 {
+		t.Errorf("rejected = %v, want 1", got)
+	}
+	f.waitFor("open dead-letter gauge", 5*time.Second, func() bool {
+		return metricValue(t, vec.openDLQ.WithLabelValues("cls", "team-rewards")) == 3
+	})
+}
+
+// checkClassDeadLetters checks TestErrorClasses's dead letters: the
+// permanent one with all its context, the unknown and the panic after
+// MaxAttempts.
+func (f *fixture) checkClassDeadLetters(evs map[string]event) {
+	t := f.t
+	t.Helper()
 	type record struct {
 		class, reason, subject, stream, owner, consumer, eventID, eventType, aggType, aggID string
 		version                                                                             int64
@@ -238,22 +263,6 @@ func TestErrorClasses(t *testing.T) {
 	if pan.class != "unknown" || pan.attempts != 3 || !strings.Contains(pan.reason, "handler panicked: kaboom") || !strings.Contains(pan.reason, "goroutine") {
 		t.Errorf("panic dead letter: class %q attempts %d reason %q", pan.class, pan.attempts, pan.reason)
 	}
-	vec := mustVec(t, f)
-	if got := metricValue(t, vec.retries.WithLabelValues("cls", "unknown")); got != 4 {
-		t.Errorf("unknown retries = %v, want 4 (2 each for the error and the panic)", got)
-	}
-	if got := metricValue(t, vec.retries.WithLabelValues("cls", "transient")); got != 2 {
-		t.Errorf("transient retries = %v, want 2", got)
-	}
-	if got := metricValue(t, vec.deadLettered.WithLabelValues("cls", "team-rewards", "unknown")); got != 2 {
-		t.Errorf("unknown dead letters = %v, want 2", got)
-	}
-	if got := metricValue(t, vec.processed.WithLabelValues("cls", "rejected")); got != 1 {
-		t.Errorf("rejected = %v, want 1", got)
-	}
-	f.waitFor("open dead-letter gauge", 5*time.Second, func() bool {
-		return metricValue(t, vec.openDLQ.WithLabelValues("cls", "team-rewards")) == 3
-	})
 }
 
 // A message that breaks the header contract is dead-lettered as permanent

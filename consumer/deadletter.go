@@ -284,12 +284,12 @@ func (r *replayRequest) failedBefore(key string) bool {
 // records are read in aggregate order and dispatched to the aggregate's
 // worker like live messages, so they are applied in order with respect to
 // each other; a batch is finished before the next one is read.
-func (c *Consumer) replayLoop(ctx context.Context) error {
+func (c *Consumer) replayLoop(ctx context.Context, e *engine) error {
 	t := time.NewTicker(c.cfg.ReplayPollInterval)
 	defer t.Stop()
 	var failing loopHealth
 	for {
-		n, err := c.replayBatch(ctx)
+		n, err := c.replayBatch(ctx, e)
 		if ctx.Err() == nil {
 			// The next poll retries; the records stay 'replaying'.
 			failing.report(c.log, "read replay requests", err)
@@ -305,7 +305,7 @@ func (c *Consumer) replayLoop(ctx context.Context) error {
 	}
 }
 
-func (c *Consumer) replayBatch(ctx context.Context) (int, error) {
+func (c *Consumer) replayBatch(ctx context.Context, e *engine) (int, error) {
 	rows, err := c.db.Query(ctx, `
 		SELECT id, subject, stream, stream_seq, deliveries, headers, payload
 		FROM consumer_dead_letter
@@ -337,9 +337,7 @@ func (c *Consumer) replayBatch(ctx context.Context) (int, error) {
 		return 0, err
 	}
 	for i, it := range items {
-		select {
-		case c.workers[c.workerIndex(it.key)].in <- it:
-		case <-ctx.Done():
+		if e.send(ctx, it) != nil {
 			return i, nil
 		}
 	}

@@ -12,12 +12,22 @@
 //
 // A message goes top to bottom through:
 //
-//   - consumer.go: [New] and [Consumer.Run] — the durable consumer and the
-//     dispatcher, which hashes aggregate type and id to one of
-//     Config.Workers workers (group*.go and partition.go do the same per
-//     partition for a consumer group, Config.Group).
+//   - consumer.go: [New] and [Consumer.Run]. A Consumer is configuration
+//     only; each Run builds an engine.
+//   - engine.go: the engine, one Run — it owns the workers, runs the
+//     source, the replay and statistics loops, and stops in order (the
+//     source first, the workers last, so that they settle what it handed
+//     out). Its source is where deliveries come from: the plain durable
+//     (durableSource, durable.go) or a group member's partitions
+//     (groupSource, group_source.go). The engine hashes aggregate type and
+//     id to one of Config.Workers workers.
+//   - internal/group: a group member's membership — heartbeat, roster,
+//     assignment, partition generations, each partition's pull and
+//     hand-off. It sees the engine only as a group.Host that opens feeds
+//     and creates durables, so it does not import this package; group.go
+//     here holds GroupConfig and its checks.
 //   - feed.go: a JetStream consumer's deliveries on their way to the
-//     dispatcher, in stream order by construction: a feed opens with a
+//     workers, in stream order by construction: a feed opens with a
 //     reset of its consumer to the ack floor and resets again whenever the
 //     consumer sequence of its deliveries breaks; a reset made by someone
 //     else it adopts, and a plain durable that other processes pull too it

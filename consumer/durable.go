@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
 )
 
 // Metadata keys recording which database and filter a durable consumer
@@ -120,4 +122,60 @@ func (c *Consumer) checkIdentity(id identity, have jetstream.ConsumerConfig) err
 			ErrDurableClash, c.cfg.Name, c.cfg.Stream, show(haveFilter), show(id.filter))
 	}
 	return nil
+}
+
+// durableSource is the source of a plain consumer: the durable consumer
+// Config.Name, pulled through one feed.
+type durableSource struct {
+	c    *Consumer
+	strm jetstream.Stream
+	cons jetstream.Consumer // set by run before the first delivery
+}
+
+// run creates or checks the durable consumer and feeds its deliveries to
+// the engine until ctx ends.
+func (s *durableSource) run(ctx, _ context.Context, e *engine) error {
+	c := s.c
+	cons, err := c.durable(ctx)
+	if err != nil {
+		return fmt.Errorf("create durable consumer %s on stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
+	}
+	s.cons = cons
+	c.log.Info("consuming", zap.String("stream", c.cfg.Stream), zap.Strings("filter_subjects", c.cfg.FilterSubjects),
+		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
+		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
+	f := newFeed(e, cons, c.cfg.Name, c.log, jetstream.PullMaxMessages(min(c.cfg.MaxAckPending, 500)))
+	// Several processes may share a plain durable (feed.go). With
+	// VersionCheck the feed keeps resetting on their gaps: a reset delivers
+	// what is pending in stream order again, which resolves the version
+	// gaps that splitting an aggregate between processes makes.
+	f.shareable = !c.cfg.VersionCheck
+	defer f.stop()
+	err = e.pump(ctx, f)
+	if ctx.Err() != nil {
+		return nil
+	}
+	return fmt.Errorf("consume %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
+}
+
+// gone: a sequence is gone at or below the durable consumer's ack floor,
+// or when it left the stream. The lookups are bounded so that an
+// unreachable server delays the calling worker by little.
+func (s *durableSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
+	ctx, cancel := context.WithTimeout(ctx, min(s.c.cfg.AckWait/3, 5*time.Second))
+	defer cancel()
+	info, err := s.cons.Info(ctx)
+	if err != nil {
+		return nil
+	}
+	gone := make(map[uint64]bool, len(seqs))
+	for _, seq := range seqs {
+		if seq <= info.AckFloor.Stream {
+			gone[seq] = true
+			continue
+		}
+		_, err := s.strm.GetMsg(ctx, seq)
+		gone[seq] = errors.Is(err, jetstream.ErrMsgNotFound)
+	}
+	return gone
 }

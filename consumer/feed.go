@@ -14,9 +14,9 @@ import (
 
 // feed is one JetStream consumer's deliveries on their way to the workers,
 // in stream order by construction rather than by timing. It is what both
-// the plain durable (dispatch) and each partition of a group member
-// (partition.go) pull through; a group decides which consumers to feed, the
-// workers stay common.
+// the plain durable (durableSource) and each partition of a group member
+// (groupSource) pull through; a source decides which consumers to feed,
+// the workers stay common.
 //
 // Order rests on three facts. A consumer reset (ResetConsumer) makes the
 // server forget every delivery it has made and deliver again from its ack
@@ -58,6 +58,7 @@ import (
 // Once its deliveries have run unbroken for sharedRecheck (the others are
 // gone), it resets to be strict again.
 type feed struct {
+	e         *engine // whose workers the deliveries go to
 	c         *Consumer
 	cons      jetstream.Consumer
 	name      string // the consumer's name
@@ -87,9 +88,9 @@ type feed struct {
 	changed   chan struct{} // receives (non-blocking) on each settle
 }
 
-func newFeed(c *Consumer, cons jetstream.Consumer, name string, log *zap.Logger, opts ...jetstream.PullMessagesOpt) *feed {
+func newFeed(e *engine, cons jetstream.Consumer, name string, log *zap.Logger, opts ...jetstream.PullMessagesOpt) *feed {
 	return &feed{
-		c: c, cons: cons, name: name, pullOpt: opts, log: log, why: resumeStart,
+		e: e, c: e.c, cons: cons, name: name, pullOpt: opts, log: log, why: resumeStart,
 		inflight:  map[string]int{},
 		out:       map[uint64]*trackedMsg{},
 		returning: map[uint64]string{},
@@ -346,19 +347,16 @@ func (f *feed) forward(ctx context.Context, msg jetstream.Msg) error {
 			return nil
 		}
 	}
-	c := f.c
-	it := c.newItem(msg)
+	it := f.c.newItem(msg)
 	f.returned(it.m.StreamSeq)
 	tm := &trackedMsg{Msg: msg, cur: msg, f: f, key: it.key, seq: it.m.StreamSeq}
 	f.track(tm)
 	it.msg = tm
-	select {
-	case c.workers[c.workerIndex(it.key)].in <- it:
-		return nil
-	case <-ctx.Done():
+	if err := f.e.send(ctx, it); err != nil {
 		tm.settled() // comes again after the next reset
-		return ctx.Err()
+		return err
 	}
+	return nil
 }
 
 // settledBefore acknowledges msg, a repetition of a delivery of seq that

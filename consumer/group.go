@@ -1,9 +1,7 @@
 package consumer
 
 import (
-	"errors"
 	"fmt"
-	"hash/fnv"
 	"os"
 	"regexp"
 	"strconv"
@@ -12,17 +10,16 @@ import (
 	"github.com/google/uuid"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/contract"
 )
 
-// Defaults of GroupConfig fields left at their zero value.
-const (
-	DefaultMemberTTL = 6 * time.Second
-	// groupPullExpiry is how long one pull request of a partition lives. The
-	// pinned member re-pulls at least this often while it has room, which
-	// keeps its pin; PinnedTTL must exceed it by a second.
-	groupPullExpiry = 2 * time.Second
-)
+// DefaultMemberTTL is GroupConfig.MemberTTL's default.
+const DefaultMemberTTL = 6 * time.Second
+
+// groupPullExpiry is how long one pull request of a partition lives
+// (group.PullExpiry); PinnedTTL must exceed it by a second.
+const groupPullExpiry = group.PullExpiry
 
 // GroupConfig makes a Consumer one member of the partitioned consumer group
 // Config.Name (see docs/consumer.md "Consumer groups"). The stream must be
@@ -61,23 +58,6 @@ type GroupConfig struct {
 
 // groupNameRE: the group name is part of durable consumer and bucket names.
 var groupNameRE = regexp.MustCompile(`^[A-Za-z0-9_-]{1,128}$`)
-
-// maxPriorityGroup is JetStream's limit on a priority group's name.
-const maxPriorityGroup = 16
-
-// priorityGroup is the pinned-client priority group of the group's
-// partition durables: the group name itself when JetStream accepts it (as
-// members since the first release have used), else a shortened name with a
-// hash of the whole, so that a long group name still works and two long
-// names do not meet (each partition durable has its own group anyway).
-func priorityGroup(name string) string {
-	if len(name) <= maxPriorityGroup {
-		return name
-	}
-	h := fnv.New32a()
-	_, _ = h.Write([]byte(name))
-	return fmt.Sprintf("%s-%08x", name[:maxPriorityGroup-9], h.Sum32())
-}
 
 // memberRE: member ids are key-value keys.
 var memberRE = regexp.MustCompile(`^[A-Za-z0-9_=-][A-Za-z0-9_=.-]{0,199}$`)
@@ -151,94 +131,28 @@ func (c *Config) validateGroup() error {
 	return nil
 }
 
-// Metadata keys of a group's partition durables.
-const (
-	metaGroup      = "outbox-relay.group"
-	metaPartitions = "outbox-relay.partitions"
-	metaPartition  = "outbox-relay.partition"
-)
-
 // PartitionDurable is the durable consumer name of partition p of a group
 // with the given partition count.
-func PartitionDurable(group string, partitions, p int) string {
-	return group + "-" + strconv.Itoa(partitions) + "-" + strconv.Itoa(p)
+func PartitionDurable(name string, partitions, p int) string {
+	return group.PartitionDurable(name, partitions, p)
 }
 
 // GroupBucket is the key-value bucket where a group's members heartbeat.
-func GroupBucket(group string) string { return "OUTBOX_GROUP_" + group }
+func GroupBucket(name string) string { return group.Bucket(name) }
 
 // StreamPartitions reads how a stream partitions its subjects: the subject
 // the transform applies to and the partition count. An error names the fix
 // when the stream is not set up for consumer groups.
 func StreamPartitions(cfg jetstream.StreamConfig) (source string, partitions int, err error) {
-	t := cfg.SubjectTransform
-	if t == nil || t.Destination == "" {
-		return "", 0, fmt.Errorf("%w: stream %s has no partition subject transform: set nats.partitions in the relay config and run `outbox-relay setup` (see docs/consumer.md \"Consumer groups\")",
-			ErrGroupStream, cfg.Name)
-	}
-	src := t.Source
-	if src == "" {
-		if len(cfg.Subjects) != 1 {
-			return "", 0, fmt.Errorf("%w: stream %s has a partition transform without a source and %d subjects; give the transform the stream's subject as source", ErrGroupStream, cfg.Name, len(cfg.Subjects))
-		}
-		src = cfg.Subjects[0]
-	}
-	n := contract.TransformPartitions(src, t.Destination)
-	if n == 0 {
-		return "", 0, fmt.Errorf("%w: stream %s transforms %q to %q, which is not the partition transform of this version (for example %q → %q): set nats.partitions in the relay config and run `outbox-relay setup` to replace it",
-			ErrGroupStream, cfg.Name, src, t.Destination, src, exampleTransform(src))
-	}
-	return src, n, nil
-}
-
-// exampleTransform is the partition transform of source into 8, for
-// error messages; the reason when source cannot be partitioned.
-func exampleTransform(source string) string {
-	dst, err := contract.PartitionTransform(source, 8)
-	if err != nil {
-		return err.Error()
-	}
-	return dst
-}
-
-// checkStream checks that the stream is partitioned as the group expects.
-func (c *Consumer) checkGroupStream(info *jetstream.StreamInfo) (source string, partitions int, err error) {
-	source, partitions, err = StreamPartitions(info.Config)
-	if err != nil {
-		return "", 0, err
-	}
-	if partitions != c.cfg.Group.Partitions {
-		return "", 0, fmt.Errorf("%w: stream %s is partitioned into %d, group %s is configured with Group.Partitions %d: every member must use the stream's count; set Group.Partitions to %d (to change the count, follow docs/consumer.md \"Changing the number of partitions\")",
-			ErrGroupMismatch, info.Config.Name, partitions, c.cfg.Name, c.cfg.Group.Partitions, partitions)
-	}
-	return source, partitions, nil
-}
-
-// errNotGroupDurable marks a consumer of the stream that is not one of
-// this group's partition durables.
-var errNotGroupDurable = errors.New("not a partition durable of this group")
-
-// durableGeneration reads which partition count and partition a durable
-// consumer of this group serves.
-func (c *Consumer) durableGeneration(ci *jetstream.ConsumerInfo) (partitions, p int, err error) {
-	md := ci.Config.Metadata
-	if md[metaGroup] != c.cfg.Name {
-		return 0, 0, errNotGroupDurable
-	}
-	partitions, err1 := strconv.Atoi(md[metaPartitions])
-	p, err2 := strconv.Atoi(md[metaPartition])
-	if err1 != nil || err2 != nil || ci.Name != PartitionDurable(c.cfg.Name, partitions, p) {
-		return 0, 0, errNotGroupDurable
-	}
-	return partitions, p, nil
+	return group.StreamPartitions(cfg)
 }
 
 // Group errors. Match them with errors.Is.
 var (
 	// ErrGroupStream means the stream is not partitioned for consumer
 	// groups; the message names the setup step.
-	ErrGroupStream = errors.New("stream not set up for consumer groups")
+	ErrGroupStream = group.ErrStream
 	// ErrGroupMismatch means this member disagrees with the stream or with
 	// another live member about the group's partition count.
-	ErrGroupMismatch = errors.New("consumer group configuration mismatch")
+	ErrGroupMismatch = group.ErrMismatch
 )

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -63,7 +64,7 @@ func TestGroupPartialGenerationDelete(t *testing.T) {
 	cfg := groupConfig(f, 4)
 	cfg.VersionCheck, cfg.InitialVersion = false, 0
 	var deletes, failed atomic.Int32
-	deleteDurable = func(ctx context.Context, strm jetstream.Stream, name string) error {
+	group.DeleteDurable = func(ctx context.Context, strm jetstream.Stream, name string) error {
 		if strings.HasPrefix(name, PartitionDurable("grp", 4, 0)[:len("grp-4-")]) && deletes.Add(1) == 2 {
 			failed.Add(1)
 			return fmt.Errorf("delete %s: %w", name, context.DeadlineExceeded)
@@ -71,7 +72,7 @@ func TestGroupPartialGenerationDelete(t *testing.T) {
 		return strm.DeleteConsumer(ctx, name)
 	}
 	t.Cleanup(func() {
-		deleteDurable = func(ctx context.Context, strm jetstream.Stream, name string) error {
+		group.DeleteDurable = func(ctx context.Context, strm jetstream.Stream, name string) error {
 			return strm.DeleteConsumer(ctx, name)
 		}
 	})

@@ -13,6 +13,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -162,8 +163,8 @@ func TestGroupLongName(t *testing.T) {
 		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = $1`, name) >= aggs*versions
 	})
 	f.checkApplied(name, aggs, versions)
-	if got := priorityGroup(name); len(got) > maxPriorityGroup || got == priorityGroup(name+"x") {
-		t.Errorf("priorityGroup(%q) = %q: want at most %d characters, distinct from a longer name's", name, got, maxPriorityGroup)
+	if got := group.PriorityGroup(name); len(got) > 16 || got == group.PriorityGroup(name+"x") {
+		t.Errorf("PriorityGroup(%q) = %q: want at most 16 characters (JetStream's limit), distinct from a longer name's", name, got)
 	}
 }
 

@@ -1,10 +1,11 @@
 package consumer
 
 import (
-	"errors"
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outbox-relay/outbox-relay/consumer/internal/observe"
 )
 
 // Outcomes counted by outbox_consumer_messages_processed_total.
@@ -71,8 +72,47 @@ type metrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error) {
+	v := newMetricVecs()
+	if err := v.register(reg); err != nil {
+		return nil, fmt.Errorf("register consumer metrics: %w", err)
+	}
+	return v.series(name, owner), nil
+}
+
+// newMetricVecs makes the collectors, not registered yet.
+func newMetricVecs() *metricVecs {
+	v := newCounterVecs()
+	v.latency = histogramVec("outbox_consumer_consume_latency_seconds",
+		"Time from the outbox transaction's commit (Outbox-Commit-Time) to the consumer's commit of the applied event.",
+		prometheus.ExponentialBuckets(0.005, 2, 16))
+	v.handle = histogramVec("outbox_consumer_transaction_duration_seconds",
+		"Duration of one message's transaction: dedup insert, version check, handler and commit.",
+		prometheus.ExponentialBuckets(0.0005, 2, 16))
+	v.batchSize = histogramVec("outbox_consumer_batch_size",
+		"Messages a worker took together for one batch transaction (Config.BatchSize > 1); a lone message goes through the per-message transaction and is not counted here.",
+		[]float64{2, 4, 8, 16, 32, 64, 128, 256, 512})
+	v.batchTx = histogramVec("outbox_consumer_batch_transaction_duration_seconds",
+		"Duration of one batch transaction: dedup statement, version checks, handlers and commit (each retry of a batch without a failed message counts once).",
+		prometheus.ExponentialBuckets(0.0005, 2, 16))
+	v.openDLQ = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "outbox_consumer_dead_letters_open",
+		Help: "Dead letters waiting for an operator (open or replaying), refreshed periodically.",
+	}, []string{"consumer", "owner"})
+	v.oldestDLQ = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "outbox_consumer_dead_letter_oldest_age_seconds",
+		Help: "Age of the oldest dead letter waiting for an operator; 0 when there is none.",
+	}, []string{"consumer", "owner"})
+	return v
+}
+
+func histogramVec(name, help string, buckets []float64) *prometheus.HistogramVec {
+	return prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: name, Help: help, Buckets: buckets}, []string{"consumer"})
+}
+
+// newCounterVecs makes the counter collectors.
+func newCounterVecs() *metricVecs {
 	l := []string{"consumer"}
-	v := &metricVecs{
+	return &metricVecs{
 		processed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_consumer_messages_processed_total",
 			Help: "Messages handled, by outcome: applied, duplicate (idempotency hit), rejected (business rejection), skipped (event type not wanted), retried, deferred (version gap), dead_lettered.",
@@ -101,39 +141,16 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 			Name: "outbox_consumer_replayed_total",
 			Help: "Dead letters replayed on an operator's request, by result: applied, duplicate, rejected, failed (back to open).",
 		}, []string{"consumer", "result"}),
-		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "outbox_consumer_consume_latency_seconds",
-			Help:    "Time from the outbox transaction's commit (Outbox-Commit-Time) to the consumer's commit of the applied event.",
-			Buckets: prometheus.ExponentialBuckets(0.005, 2, 16),
-		}, l),
-		handle: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "outbox_consumer_transaction_duration_seconds",
-			Help:    "Duration of one message's transaction: dedup insert, version check, handler and commit.",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
-		}, l),
-		batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "outbox_consumer_batch_size",
-			Help:    "Messages a worker took together for one batch transaction (Config.BatchSize > 1); a lone message goes through the per-message transaction and is not counted here.",
-			Buckets: []float64{2, 4, 8, 16, 32, 64, 128, 256, 512},
-		}, l),
-		batchTx: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "outbox_consumer_batch_transaction_duration_seconds",
-			Help:    "Duration of one batch transaction: dedup statement, version checks, handlers and commit (each retry of a batch without a failed message counts once).",
-			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
-		}, l),
-		openDLQ: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "outbox_consumer_dead_letters_open",
-			Help: "Dead letters waiting for an operator (open or replaying), refreshed periodically.",
-		}, []string{"consumer", "owner"}),
-		oldestDLQ: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "outbox_consumer_dead_letter_oldest_age_seconds",
-			Help: "Age of the oldest dead letter waiting for an operator; 0 when there is none.",
-		}, []string{"consumer", "owner"}),
 		resumes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_consumer_resumes_total",
 			Help: "Times a durable or partition was reset to its ack floor to be delivered again in stream order, by reason: start (a run or a takeover), gap (deliveries missed, e.g. lost with a pull that ended), ended (the pull subscription ended).",
 		}, []string{"consumer", "reason"}),
 	}
+}
+
+// register registers the collectors with reg, adopting those another
+// consumer registered there before.
+func (v *metricVecs) register(reg prometheus.Registerer) error {
 	var err error
 	v.processed, err = register(reg, v.processed)
 	if err == nil {
@@ -175,9 +192,11 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 	if err == nil {
 		v.resumes, err = register(reg, v.resumes)
 	}
-	if err != nil {
-		return nil, fmt.Errorf("register consumer metrics: %w", err)
-	}
+	return err
+}
+
+// series are one consumer's series of the collectors.
+func (v *metricVecs) series(name, owner string) *metrics {
 	// The labelled counters the alerts use start at 0 for every class, so
 	// increase() sees the first retry or dead letter (a series that
 	// appears at 1 has no increase).
@@ -210,23 +229,12 @@ func newMetrics(reg prometheus.Registerer, name, owner string) (*metrics, error)
 		batchTx:   v.batchTx.WithLabelValues(name),
 		openDLQ:   v.openDLQ.WithLabelValues(name, owner),
 		oldest:    v.oldestDLQ.WithLabelValues(name, owner),
-	}, nil
+	}
 }
 
-// register registers c, or returns the collector of the same name another
-// consumer registered before on reg.
+// register is observe.Register.
 func register[C prometheus.Collector](reg prometheus.Registerer, c C) (C, error) {
-	err := reg.Register(c)
-	if err == nil {
-		return c, nil
-	}
-	var are prometheus.AlreadyRegisteredError
-	if errors.As(err, &are) {
-		if existing, ok := are.ExistingCollector.(C); ok {
-			return existing, nil
-		}
-	}
-	return c, err
+	return observe.Register(reg, c)
 }
 
 func (m *metrics) processed(outcome string) {

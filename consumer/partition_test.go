@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -56,11 +57,10 @@ func TestGroupHandOffUnpinsNewOwner(t *testing.T) {
 	stopPub, published := make(chan struct{}), make(chan struct{})
 	var raced atomic.Bool
 	var newPin atomic.Value // the new owner's pin, which the hand-off then takes
-	hookHandOffUnpin = func(pt *partition) {
-		if pt.g.c.cfg.Group.Member != "a" || pt.durable != durable || raced.Swap(true) {
+	group.HookHandOffUnpin = func(member, name, old string) {
+		if member != "a" || name != durable || raced.Swap(true) {
 			return
 		}
-		old := pt.f.pin
 		if !testenv.WaitFor(20*time.Second, func() bool { p := f.pinOf(durable); return p != "" && p != old }) {
 			t.Errorf("the new owner was not pinned within 20s")
 		}
@@ -68,7 +68,7 @@ func TestGroupHandOffUnpinsNewOwner(t *testing.T) {
 		<-published
 		newPin.Store(f.pinOf(durable))
 	}
-	t.Cleanup(func() { hookHandOffUnpin = nil })
+	t.Cleanup(func() { group.HookHandOffUnpin = nil })
 	f.runMember(cfg, rec, "a")
 	f.waitMembers("grp", 1)
 	pub(4 * aggs)

@@ -11,6 +11,34 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
+// rewardDB calls the seed's reward functions and reads what they wrote.
+type rewardDB struct {
+	t *testing.T
+	f *fixture
+}
+
+func (r rewardDB) apply(event, player string, delta any) (bool, error) {
+	var applied bool
+	err := r.f.pool.QueryRow(context.Background(), `SELECT apply_reward_event('rewards', $1, $2, $3)`, event, player, delta).Scan(&applied)
+	return applied, err
+}
+
+func (r rewardDB) points(player string) int64 {
+	return queryInt(r.t, r.f.pool, `SELECT points FROM reward_account WHERE player_id = $1`, player)
+}
+
+func (r rewardDB) dedupRows(event string) int64 {
+	return queryInt(r.t, r.f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'rewards' AND event_id = $1`, event)
+}
+
+func sqlstate(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}
+
 // The seed's apply_reward_event runs unchanged against the library's
 // consumed_message table. Each branch of the function is covered.
 func TestApplyRewardEvent(t *testing.T) {
@@ -22,24 +50,8 @@ func TestApplyRewardEvent(t *testing.T) {
 	const player = "11111111-1111-4111-8111-111111111111"
 	mustExec(t, f.pool, `INSERT INTO reward_account (player_id, points) VALUES ($1, 0)`, player)
 
-	apply := func(event, player string, delta any) (bool, error) {
-		var applied bool
-		err := f.pool.QueryRow(ctx, `SELECT apply_reward_event('rewards', $1, $2, $3)`, event, player, delta).Scan(&applied)
-		return applied, err
-	}
-	points := func() int64 {
-		return queryInt(t, f.pool, `SELECT points FROM reward_account WHERE player_id = $1`, player)
-	}
-	dedupRows := func(event string) int64 {
-		return queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'rewards' AND event_id = $1`, event)
-	}
-	sqlstate := func(err error) string {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) {
-			return pgErr.Code
-		}
-		return ""
-	}
+	r := rewardDB{t: t, f: f}
+	apply, points, dedupRows := r.apply, func() int64 { return r.points(player) }, r.dedupRows
 
 	t.Run("applied returns true", func(t *testing.T) {
 		ok, err := apply(uuidN(1), player, 10)

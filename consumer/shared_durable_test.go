@@ -45,47 +45,14 @@ func sharedDurable(t *testing.T, versionCheck bool) {
 		instances, _ = strconv.Atoi(s)
 	}
 	total := int64(aggregates * versions)
-	for v := 1; v <= versions; v++ {
-		for a := range aggregates {
-			e := event{ID: uuidN(v*100000 + a), AggID: fmt.Sprintf("a%d", a), Version: int64(v)}
-			if _, err := f.js.PublishMsgAsync(e.msg(f.stream)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		select {
-		case <-f.js.PublishAsyncComplete():
-		case <-time.After(30 * time.Second):
-			t.Fatal("publishing timed out")
-		}
-	}
+	publishVersionsAsync(t, f, aggregates, versions)
 	cfg := f.baseConfig("shared")
 	cfg.Workers = 8
 	cfg.VersionCheck = versionCheck
 	cfg.GapWait = 10 * time.Second
-	env := testenv.Get(t)
 	r := newRecorder(cfg.Name)
 	start := time.Now()
-	var regs []*prometheus.Registry
-	for i := 0; i < instances; i++ {
-		nc, err := nats.Connect(env.NATS.URL, nats.MaxReconnects(-1))
-		testenv.Must(t, err, "connect")
-		t.Cleanup(nc.Close)
-		js, err := jetstream.New(nc)
-		testenv.Must(t, err, "jetstream")
-		reg := prometheus.NewRegistry()
-		regs = append(regs, reg)
-		c, err := New(f.pool, js, cfg, r, WithLogger(zaptest.NewLogger(t).Named(fmt.Sprint("i", i))), WithRegisterer(reg))
-		testenv.Must(t, err, "new consumer")
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- c.Run(ctx) }()
-		t.Cleanup(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Run: %v", err)
-			}
-		})
-	}
+	regs := startSharedInstances(t, f, cfg, r, instances)
 	ok := testenv.WaitFor(3*time.Minute, func() bool {
 		return queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'shared'`)+
 			queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter`) >= total
@@ -139,6 +106,54 @@ func sharedDurable(t *testing.T, versionCheck bool) {
 				i, own, r, maxSharedResets)
 		}
 	}
+}
+
+// publishVersionsAsync publishes versions 1 to versions of each aggregate,
+// one version of all of them at a time.
+func publishVersionsAsync(t *testing.T, f *fixture, aggregates, versions int) {
+	t.Helper()
+	for v := 1; v <= versions; v++ {
+		for a := range aggregates {
+			e := event{ID: uuidN(v*100000 + a), AggID: fmt.Sprintf("a%d", a), Version: int64(v)}
+			if _, err := f.js.PublishMsgAsync(e.msg(f.stream)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		select {
+		case <-f.js.PublishAsyncComplete():
+		case <-time.After(30 * time.Second):
+			t.Fatal("publishing timed out")
+		}
+	}
+}
+
+// startSharedInstances runs instances consumers of cfg on one durable, each
+// on its own connection and registry, until the test ends.
+func startSharedInstances(t *testing.T, f *fixture, cfg Config, r *recorder, instances int) []*prometheus.Registry {
+	t.Helper()
+	env := testenv.Get(t)
+	var regs []*prometheus.Registry
+	for i := 0; i < instances; i++ {
+		nc, err := nats.Connect(env.NATS.URL, nats.MaxReconnects(-1))
+		testenv.Must(t, err, "connect")
+		t.Cleanup(nc.Close)
+		js, err := jetstream.New(nc)
+		testenv.Must(t, err, "jetstream")
+		reg := prometheus.NewRegistry()
+		regs = append(regs, reg)
+		c, err := New(f.pool, js, cfg, r, WithLogger(zaptest.NewLogger(t).Named(fmt.Sprint("i", i))), WithRegisterer(reg))
+		testenv.Must(t, err, "new consumer")
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- c.Run(ctx) }()
+		t.Cleanup(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		})
+	}
+	return regs
 }
 
 // maxSharedResets bounds an instance's resets on a shared durable: the

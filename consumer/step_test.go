@@ -134,7 +134,7 @@ func TestLostBatchCommitAcksNothingFromInside(t *testing.T) {
 	if its[0].m.StreamSeq != its[1].m.StreamSeq || its[1].m.Deliveries < 2 {
 		t.Fatalf("want two deliveries of one message, got seq %d and %d (delivery %d)", its[0].m.StreamSeq, its[1].m.StreamSeq, its[1].m.Deliveries)
 	}
-	drive(c, newWorker(c, 0), its)
+	drive(c, newWorker(c, nil, 0), its)
 	acked := f.acked(jc, its[0].m.StreamSeq)
 	applied := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'lostcommit'`)
 	recorded := queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = 'lostcommit'`)
@@ -174,7 +174,7 @@ func TestBatchDeadlineIsNotChargedToANeighbour(t *testing.T) {
 	f.publish(event{ID: "dl-slow", AggID: "s", Version: 1}, dup)
 	jc := f.durable(cfg.Name, 30*time.Second)
 	its := f.fetch(c, jc, 2, 5*time.Second)
-	drive(c, newWorker(c, 0), its)
+	drive(c, newWorker(c, nil, 0), its)
 	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'deadline' AND event_id = 'dl-dup'`); n != 0 {
 		t.Errorf("the duplicate was dead-lettered for its neighbour's deadline")
 	}
@@ -246,7 +246,7 @@ func TestCommitNobodyCanConfirmIsRetriedNotDeadLettered(t *testing.T) {
 		}
 		cut <- false
 	}()
-	w := newWorker(c, 0)
+	w := newWorker(c, nil, 0)
 	ctx := context.Background()
 	out := c.processItems(ctx, its)
 	if !<-cut {

@@ -76,50 +76,59 @@ func TestConsumerSpans(t *testing.T) {
 			// Spans end after the ack: wait for all five (event 2 twice).
 			f.waitFor("five spans", 10*time.Second, func() bool { return len(exp.GetSpans()) >= 5 })
 
-			parent, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
-			byOutcome := map[string][]tracetest.SpanStub{}
-			for _, s := range exp.GetSpans() {
-				if s.SpanContext.TraceID() != parent || s.Parent.SpanID().String() != "00f067aa0ba902b7" || !s.Parent.IsRemote() {
-					t.Errorf("span %s: trace %s parent %s, want a child of the header's span", s.Name, s.SpanContext.TraceID(), s.Parent.SpanID())
-				}
-				if s.SpanKind != trace.SpanKindConsumer || s.Name != "process traced" {
-					t.Errorf("span %q kind %s", s.Name, s.SpanKind)
-				}
-				byOutcome[spanAttr(s, AttrOutcome)] = append(byOutcome[spanAttr(s, AttrOutcome)], s)
-			}
-			one := func(outcome string) tracetest.SpanStub {
-				t.Helper()
-				if len(byOutcome[outcome]) == 0 {
-					t.Fatalf("no span with outcome %s: %v", outcome, byOutcome)
-				}
-				return byOutcome[outcome][0]
-			}
-			applied := byOutcome[outcomeApplied]
-			if len(applied) != 2 {
-				t.Fatalf("%d applied spans, want 2 (events 1 and 2): %v", len(applied), byOutcome)
-			}
-			for _, s := range applied {
-				if id := spanAttr(s, AttrEventID); id != uuidN(1) && id != uuidN(2) ||
-					spanAttr(s, AttrAggregateType) != "registration" || spanAttr(s, AttrAggregateVersion) != "1" ||
-					spanAttr(s, AttrEventType) != "RegistrationConfirmed" {
-					t.Errorf("applied span attributes %v", s.Attributes)
-				}
-			}
-			if s := one(outcomeRetried); spanAttr(s, AttrEventID) != uuidN(2) || len(s.Events) != 1 || s.Events[0].Name != EventRetry {
-				t.Errorf("retried span: id %s events %v", spanAttr(s, AttrEventID), spanEvents(s))
-			}
-			if s := one(outcomeDeadLettered); spanAttr(s, AttrEventID) != uuidN(3) || len(s.Events) != 1 || s.Events[0].Name != EventDeadLetter ||
-				s.Status.Code.String() != "Error" {
-				t.Errorf("dead-lettered span: id %s events %v status %v", spanAttr(s, AttrEventID), spanEvents(s), s.Status)
-			}
-			if s := one(outcomeDuplicate); spanAttr(s, AttrEventID) != uuidN(1) || len(s.Events) != 1 || s.Events[0].Name != EventDuplicate {
-				t.Errorf("duplicate span: id %s events %v", spanAttr(s, AttrEventID), spanEvents(s))
-			}
+			one := checkSpans(t, exp.GetSpans())
 			if batch > 1 && spanAttr(one(outcomeApplied), AttrBatchSize) == "" {
 				t.Logf("no batch size on the applied span: it went alone")
 			}
 		})
 	}
+}
+
+// checkSpans checks TestConsumerSpans's spans: children of the header's
+// span, one per outcome with its event; it returns the first span of an
+// outcome.
+func checkSpans(t *testing.T, spans tracetest.SpanStubs) func(outcome string) tracetest.SpanStub {
+	t.Helper()
+	parent, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+	byOutcome := map[string][]tracetest.SpanStub{}
+	for _, s := range spans {
+		if s.SpanContext.TraceID() != parent || s.Parent.SpanID().String() != "00f067aa0ba902b7" || !s.Parent.IsRemote() {
+			t.Errorf("span %s: trace %s parent %s, want a child of the header's span", s.Name, s.SpanContext.TraceID(), s.Parent.SpanID())
+		}
+		if s.SpanKind != trace.SpanKindConsumer || s.Name != "process traced" {
+			t.Errorf("span %q kind %s", s.Name, s.SpanKind)
+		}
+		byOutcome[spanAttr(s, AttrOutcome)] = append(byOutcome[spanAttr(s, AttrOutcome)], s)
+	}
+	one := func(outcome string) tracetest.SpanStub {
+		t.Helper()
+		if len(byOutcome[outcome]) == 0 {
+			t.Fatalf("no span with outcome %s: %v", outcome, byOutcome)
+		}
+		return byOutcome[outcome][0]
+	}
+	applied := byOutcome[outcomeApplied]
+	if len(applied) != 2 {
+		t.Fatalf("%d applied spans, want 2 (events 1 and 2): %v", len(applied), byOutcome)
+	}
+	for _, s := range applied {
+		if id := spanAttr(s, AttrEventID); id != uuidN(1) && id != uuidN(2) ||
+			spanAttr(s, AttrAggregateType) != "registration" || spanAttr(s, AttrAggregateVersion) != "1" ||
+			spanAttr(s, AttrEventType) != "RegistrationConfirmed" {
+			t.Errorf("applied span attributes %v", s.Attributes)
+		}
+	}
+	if s := one(outcomeRetried); spanAttr(s, AttrEventID) != uuidN(2) || len(s.Events) != 1 || s.Events[0].Name != EventRetry {
+		t.Errorf("retried span: id %s events %v", spanAttr(s, AttrEventID), spanEvents(s))
+	}
+	if s := one(outcomeDeadLettered); spanAttr(s, AttrEventID) != uuidN(3) || len(s.Events) != 1 || s.Events[0].Name != EventDeadLetter ||
+		s.Status.Code.String() != "Error" {
+		t.Errorf("dead-lettered span: id %s events %v status %v", spanAttr(s, AttrEventID), spanEvents(s), s.Status)
+	}
+	if s := one(outcomeDuplicate); spanAttr(s, AttrEventID) != uuidN(1) || len(s.Events) != 1 || s.Events[0].Name != EventDuplicate {
+		t.Errorf("duplicate span: id %s events %v", spanAttr(s, AttrEventID), spanEvents(s))
+	}
+	return one
 }
 
 // Without WithTracerProvider the consumer creates no span and the handler's

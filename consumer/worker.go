@@ -20,6 +20,7 @@ import (
 // a delivered, unacknowledged message.
 type worker struct {
 	c       *Consumer
+	src     source // asked whether a retried message is gone
 	id      int
 	in      chan *item
 	queue   []*item
@@ -54,9 +55,10 @@ type gapState struct {
 	deferrals int
 }
 
-func newWorker(c *Consumer, id int) *worker {
+func newWorker(c *Consumer, src source, id int) *worker {
 	return &worker{
 		c:       c,
+		src:     src,
 		id:      id,
 		in:      make(chan *item, 64),
 		blocked: map[string]*block{},
@@ -235,7 +237,7 @@ func (w *worker) heartbeat(ctx context.Context) {
 	// the durable consumer) or removed from the stream. A message that is
 	// merely late, because JetStream is unreachable or slow, keeps its
 	// aggregate held: releasing it then would apply a later event first.
-	gone := w.c.gone(ctx, overdue)
+	gone := w.src.gone(ctx, overdue)
 	for key, b := range w.blocked {
 		switch {
 		case !now.After(b.until) || w.queued(b.head):

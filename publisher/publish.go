@@ -53,11 +53,15 @@ type Result struct {
 // pending is one message on its way: in flight, waiting to retry, or queued
 // behind its key. Only Run touches it.
 type pending struct {
-	m        *Message
-	cur      *Message // m, or its dead-letter record
-	reason   error    // set once dead-lettering
-	size     int
-	seq      uint64 // the current attempt's reply token
+	m      *Message
+	cur    *Message // m, or its dead-letter record
+	reason error    // set once dead-lettering
+	size   int
+	seq    uint64 // the current attempt's reply token
+	// late holds the reply tokens of this message's attempts that timed
+	// out (the latest maxLateTokens): a stored-answer to one of them still
+	// settles the message (answerLate).
+	late     []uint64
 	retryAt  time.Time
 	attempts int
 	noResp   int // consecutive no-responders answers
@@ -127,6 +131,7 @@ type Publisher struct {
 	// Owned by Run.
 	seq      uint64
 	inflight map[uint64]*pending // by reply token
+	late     map[uint64]*pending // timed-out attempts' reply tokens (pending.late)
 	attempts []attemptRef        // in send order, from attHead
 	attHead  int
 	keys     map[string]*keyState
@@ -166,6 +171,7 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 		oldestQ:  make(chan stuckQuery),
 		stopped:  make(chan struct{}),
 		inflight: map[uint64]*pending{},
+		late:     map[uint64]*pending{},
 		keys:     map[string]*keyState{},
 		checking: map[*pending]bool{},
 	}
@@ -427,7 +433,8 @@ func decodeAck(seq uint64, msg *nats.Msg, stream *string) ackReply {
 func (p *Publisher) answer(r ackReply) {
 	pd, ok := p.inflight[r.seq]
 	if !ok {
-		return // a late answer to an attempt that already timed out
+		p.answerLate(r)
+		return
 	}
 	delete(p.inflight, r.seq)
 	subject := pd.cur.Subject
@@ -457,12 +464,75 @@ func (p *Publisher) answer(r ackReply) {
 	p.settle(pd, Result{Ack: pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
 }
 
+// maxLateTokens bounds the timed-out attempts a message keeps listening
+// for, so the late map holds at most MaxInFlight × maxLateTokens tokens.
+const maxLateTokens = 4
+
+// timedOut keeps listening for the answer to pd's attempt seq, whose ack
+// timed out: when every answer takes longer than AckTimeout (a loaded
+// broker, a slow link), only a late answer can ever settle the message,
+// and ignoring them would retry it for ever.
+func (p *Publisher) timedOut(pd *pending, seq uint64) {
+	if len(pd.late) == maxLateTokens {
+		delete(p.late, pd.late[0])
+		pd.late = append(pd.late[:0], pd.late[1:]...)
+	}
+	pd.late = append(pd.late, seq)
+	p.late[seq] = pd
+}
+
+// forgetLate stops listening for pd's timed-out attempts.
+func (p *Publisher) forgetLate(pd *pending) {
+	for _, seq := range pd.late {
+		delete(p.late, seq)
+	}
+	pd.late = pd.late[:0]
+}
+
+// answerLate settles a message on a late answer to one of its timed-out
+// attempts, when that answer says the message is stored: every attempt
+// carries the same message id, so the stream holds it once whichever
+// attempt it kept, and the message's successor (sent only once it settles)
+// is stored after it. Failures of a superseded attempt mean nothing: the
+// current attempt's answer or timeout decides. A message waiting for a
+// no-stream look-up waits for it.
+func (p *Publisher) answerLate(r ackReply) {
+	pd, ok := p.late[r.seq]
+	if !ok || r.noResponders || r.bad != nil || r.api != nil || p.checking[pd] {
+		return
+	}
+	subject := pd.cur.Subject
+	if p.expect != nil {
+		if want := p.expect(subject); want != "" && r.ack.Stream != want {
+			return
+		}
+	}
+	delete(p.inflight, pd.seq)
+	p.dropRetry(pd)
+	pd.ack = r.ack
+	p.obs.Published(subject, pd.ack.Duplicate, time.Since(pd.first))
+	p.settle(pd, Result{Ack: pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
+}
+
+// dropRetry removes pd from the retries waiting for their backoff.
+func (p *Publisher) dropRetry(pd *pending) {
+	for i, q := range p.retries {
+		if q == pd {
+			copy(p.retries[i:], p.retries[i+1:])
+			p.retries[len(p.retries)-1] = nil
+			p.retries = p.retries[:len(p.retries)-1]
+			return
+		}
+	}
+}
+
 // fail handles a failed attempt: dead-letter a permanent rejection, retry
 // anything else after a backoff.
 func (p *Publisher) fail(pd *pending, perr *PublishError) {
 	if errors.Is(perr, ErrRejected) && pd.reason == nil && pd.m.DeadLetter != nil {
 		pd.reason = perr
 		pd.cur = pd.m.DeadLetter(perr)
+		p.forgetLate(pd) // their answers would be for the message, not its record
 		pd.noResp = 0
 		// Count the dead-letter record's attempts afresh, so its first
 		// failure (a missing dead-letter stream) is logged at once.
@@ -490,6 +560,7 @@ func (p *Publisher) backoff(attempts int) time.Duration {
 // still inside PublishMsg.
 func (p *Publisher) settle(pd *pending, res Result) {
 	key := pd.m.Key
+	p.forgetLate(pd)
 	if done := pd.m.Done; done != nil {
 		done(res)
 	}
@@ -540,6 +611,7 @@ func (p *Publisher) tick(ctx context.Context) {
 				break
 			}
 			delete(p.inflight, a.seq)
+			p.timedOut(pd, a.seq)
 			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: ClassTimeout, Err: fmt.Errorf("%w: no ack within %s", ErrTransient, p.cfg.AckTimeout)})
 		}
 		p.attHead++

@@ -217,7 +217,15 @@ func (g *pubGuard) filled(ctx context.Context, wal replication.LSN) error {
 		return err
 	}
 	if g.undecodable {
-		if err := g.watch.AdvanceSlot(ctx, wal); err != nil {
+		err := g.watch.AdvanceSlot(ctx, wal)
+		var pgErr *pgconn.PgError
+		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse:
+			// Another session streams the slot (this relay stands by): it
+			// got past the stretch, or fails on it, lets go, and the relay
+			// that takes the slot over advances it then.
+			g.log.Info("publication gap filled; the slot is streamed by another session, which gets past the WAL it cannot decode", zap.Error(err))
+		case err != nil:
 			return err
 		}
 	}

@@ -146,29 +146,38 @@ func (w *PublicationWatch) SettleCommits(ctx context.Context) error {
 // AdvanceSlot moves the slot's confirmed position to lsn without decoding
 // the WAL before it through the output plugin: the way past a stretch
 // pgoutput cannot decode (a publication dropped and created again). The
-// caller vouches that everything committed before lsn is relayed. It
-// retries while the slot is still held by a session that is ending, until
-// ctx ends.
+// caller vouches that everything committed before lsn is relayed. While
+// the slot is held by a session (one that is ending, or another relay's)
+// it retries for up to advanceRetry, then fails with the server's
+// ObjectInUse error.
 func (w *PublicationWatch) AdvanceSlot(ctx context.Context, lsn LSN) error {
 	if err := w.connect(ctx); err != nil {
 		return err
 	}
+	giveUp := time.Now().Add(advanceRetry)
 	for {
 		_, err := w.conn.Exec(ctx, "SELECT pg_replication_slot_advance($1, $2::pg_lsn)", w.cfg.Slot, lsn.String())
 		var pgErr *pgconn.PgError
-		if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.ObjectInUse {
-			if err != nil {
-				return w.after(fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err))
-			}
+		inUse := errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse
+		switch {
+		case err == nil:
 			return nil
+		case !inUse:
+			return w.after(fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err))
+		case time.Now().After(giveUp):
+			return fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err)
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("advance slot %q to %s: %w (%v)", w.cfg.Slot, lsn, ctx.Err(), err)
+			return fmt.Errorf("advance slot %q to %s: %w: %w", w.cfg.Slot, lsn, ctx.Err(), err)
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
 }
+
+// advanceRetry is how long AdvanceSlot waits for the slot's session to end:
+// the relay's own, just closed, ends within milliseconds.
+const advanceRetry = 3 * time.Second
 
 func probePublication(ctx context.Context, conn *pgx.Conn, cfg Config) (PublicationProbe, error) {
 	var p PublicationProbe
@@ -181,13 +190,33 @@ func probePublication(ctx context.Context, conn *pgx.Conn, cfg Config) (Publicat
 		return p, err
 	}
 	p.WAL = lsn
-	if err := checkPublication(ctx, conn, cfg); err != nil {
-		if !IsPublicationProblem(err) {
+	// The check and the identity are separate statements: read the
+	// identity before and after the check, so that a change committed in
+	// between (the check seeing the old definition, the identity the new)
+	// is checked again rather than taken for a right publication that was
+	// redefined.
+	for attempt := 0; ; attempt++ {
+		before, err := readIdentity(ctx, conn, cfg)
+		if err != nil {
 			return p, err
 		}
-		p.Problem = err
-		return p, nil
+		p.Problem = checkPublication(ctx, conn, cfg)
+		if p.Problem != nil && !IsPublicationProblem(p.Problem) {
+			return p, p.Problem
+		}
+		if p.Problem != nil {
+			return p, nil
+		}
+		p.Identity, err = readIdentity(ctx, conn, cfg)
+		if err != nil || p.Identity == before || attempt == 2 {
+			return p, err
+		}
 	}
+}
+
+// readIdentity reads the publication's identity (PublicationProbe.Identity);
+// "" when it does not exist.
+func readIdentity(ctx context.Context, conn *pgx.Conn, cfg Config) (string, error) {
 	tables := make([]string, len(cfg.Tables))
 	for i, t := range cfg.Tables {
 		tables[i] = splitQualified(t).Sanitize()
@@ -197,19 +226,23 @@ func probePublication(ctx context.Context, conn *pgx.Conn, cfg Config) (Publicat
 	schemas := "''"
 	var version int
 	if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
-		return p, fmt.Errorf("read server version: %w", err)
+		return "", fmt.Errorf("read server version: %w", err)
 	}
 	if version >= 150000 {
 		schemas = "coalesce((SELECT string_agg(n.oid::text || '.' || n.xmin::text, ',' ORDER BY n.oid) FROM pg_publication_namespace n WHERE n.pnpubid = p.oid), '')"
 	}
-	err = conn.QueryRow(ctx, `SELECT p.oid::text || '.' || p.xmin::text || '|' ||
+	var ident string
+	err := conn.QueryRow(ctx, `SELECT p.oid::text || '.' || p.xmin::text || '|' ||
 	coalesce((SELECT string_agg(r.oid::text || '.' || r.xmin::text, ',' ORDER BY r.oid) FROM pg_publication_rel r
 		WHERE r.prpubid = p.oid AND r.prrelid IN (SELECT to_regclass(t) FROM unnest($2::text[]) t)), '') || '|' || `+schemas+`
-FROM pg_publication p WHERE p.pubname = $1`, cfg.Publication, tables).Scan(&p.Identity)
-	if err != nil {
-		return p, fmt.Errorf("read the definition of publication %q: %w", cfg.Publication, err)
+FROM pg_publication p WHERE p.pubname = $1`, cfg.Publication, tables).Scan(&ident)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", nil
 	}
-	return p, nil
+	if err != nil {
+		return "", fmt.Errorf("read the definition of publication %q: %w", cfg.Publication, err)
+	}
+	return ident, nil
 }
 
 // Close closes the watch's connection, if open.

@@ -1,4 +1,4 @@
-package consumer
+package group
 
 import (
 	"context"
@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/consumer/internal/observe"
 )
 
 // roster is a member's view of the live members of its group, kept by one
@@ -105,14 +107,14 @@ func (r *roster) notify(changed bool) {
 
 // watchRoster keeps g.roster until ctx ends, watching again after a watch
 // ends (the connection closed, the bucket was re-created).
-func (g *group) watchRoster(ctx context.Context) {
-	var failing loopHealth
+func (g *Member) watchRoster(ctx context.Context) {
+	var failing observe.LoopHealth
 	for ctx.Err() == nil {
 		err := g.watchOnce(ctx)
 		if ctx.Err() != nil {
 			return
 		}
-		failing.report(g.log, "watch group members", err)
+		failing.Report(g.log, "watch group members", err)
 		select {
 		case <-ctx.Done():
 			return
@@ -121,7 +123,7 @@ func (g *group) watchRoster(ctx context.Context) {
 	}
 }
 
-func (g *group) watchOnce(ctx context.Context) error {
+func (g *Member) watchOnce(ctx context.Context) error {
 	w, err := g.bucket().WatchAll(ctx)
 	if err != nil {
 		return err
@@ -149,7 +151,7 @@ func (g *group) watchOnce(ctx context.Context) error {
 // members returns the live members, once the roster has read the bucket.
 // It waits at most one member TTL, so that the coordinator loop keeps
 // checking its own heartbeat while the bucket cannot be watched.
-func (g *group) members(ctx context.Context) ([]memberInfo, error) {
+func (g *Member) members(ctx context.Context) ([]memberInfo, error) {
 	t := time.NewTimer(g.ttl)
 	defer t.Stop()
 	select {

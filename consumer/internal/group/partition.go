@@ -1,4 +1,4 @@
-package consumer
+package group
 
 import (
 	"context"
@@ -14,7 +14,7 @@ import (
 // moment the assignment gives it to this member until its hand-off is
 // done. Its goroutine (run) is owned by the group runner.
 //
-// It pulls through a feed (feed.go), which opens with a reset of the
+// It pulls through a Feed of the host (consumer/feed.go), which opens with a reset of the
 // durable to its ack floor: whatever the previous owner received and did
 // not settle, and whatever JetStream had queued for redelivery in whatever
 // order its timers expired, is delivered again in stream order, ahead of
@@ -26,24 +26,24 @@ import (
 // transaction and then finds the event applied (docs/consumer.md "Order
 // across rebalances").
 type partition struct {
-	g          *group
+	g          *Member
 	partitions int
 	p          int
 	durable    string
 	cons       jetstream.Consumer
-	f          *feed
+	f          Feed
 	handoff    chan struct{} // closed to ask for a hand-off
 	done       chan struct{} // closed when run has returned
 	once       sync.Once
 }
 
-func newPartition(g *group, partitions, p int, cons jetstream.Consumer) *partition {
-	c := g.c
-	name := PartitionDurable(c.cfg.Name, partitions, p)
+func newPartition(g *Member, partitions, p int, cons jetstream.Consumer) *partition {
+	cfg := &g.cfg
+	name := PartitionDurable(cfg.Name, partitions, p)
 	return &partition{
 		g: g, partitions: partitions, p: p, cons: cons, durable: name,
-		f: newFeed(c, cons, name, g.log, jetstream.PullPriorityGroup(priorityGroup(c.cfg.Name)),
-			jetstream.PullMaxMessages(min(partitionPending(c.cfg.MaxAckPending, partitions), 256)), jetstream.PullExpiry(groupPullExpiry)),
+		f: g.host.Feed(cons, name, jetstream.PullPriorityGroup(PriorityGroup(cfg.Name)),
+			jetstream.PullMaxMessages(min(partitionPending(cfg.MaxAckPending, partitions), 256)), jetstream.PullExpiry(PullExpiry)),
 		handoff: make(chan struct{}),
 		done:    make(chan struct{}),
 	}
@@ -57,7 +57,7 @@ func (pt *partition) release() { pt.once.Do(func() { close(pt.handoff) }) }
 // hand-off at shutdown still settles what is in flight.
 func (pt *partition) run(ctx context.Context) error {
 	defer close(pt.done)
-	defer pt.f.stop()
+	defer pt.f.Stop()
 	log := pt.g.log.With(zap.String("durable", pt.durable))
 	pt.unpin(ctx, log)
 	err := pt.pump(ctx)
@@ -80,14 +80,15 @@ func (pt *partition) run(ctx context.Context) error {
 func (pt *partition) unpin(ctx context.Context, log *zap.Logger) {
 	uctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	if err := pt.g.strm.UnpinConsumer(uctx, pt.durable, priorityGroup(pt.g.c.cfg.Name)); err != nil && !isGone(err) {
+	if err := pt.g.strm.UnpinConsumer(uctx, pt.durable, PriorityGroup(pt.g.cfg.Name)); err != nil && !isGone(err) {
 		log.Debug("unpin the previous owner failed; its pin expires after PinnedTTL", zap.Error(err))
 	}
 }
 
-// hookHandOffUnpin, set by tests, runs between the hand-off's consumer info
-// read and its unpin.
-var hookHandOffUnpin func(pt *partition)
+// HookHandOffUnpin, set by tests, runs between the hand-off's consumer info
+// read and its unpin, with the member, the partition durable and the pin id
+// of the member's last delivery.
+var HookHandOffUnpin func(member, durable, pin string)
 
 var errHandedOff = errors.New("partition handed off")
 
@@ -102,18 +103,11 @@ func (pt *partition) pump(ctx context.Context) error {
 		case <-hctx.Done():
 		}
 	}()
-	for {
-		msg, err := pt.f.recv(hctx)
-		if err == nil {
-			err = pt.f.forward(hctx, msg)
-		}
-		if err != nil {
-			if ctx.Err() == nil && isClosed(pt.handoff) {
-				return errHandedOff
-			}
-			return err
-		}
+	err := pt.f.Pump(hctx)
+	if ctx.Err() == nil && isClosed(pt.handoff) {
+		return errHandedOff
 	}
+	return err
 }
 
 // handOff settles the partition before it moves: the subscription is
@@ -124,25 +118,25 @@ func (pt *partition) pump(ctx context.Context) error {
 // waiting spares it duplicates and keeps the two members from working on
 // one partition at once. DrainTimeout bounds the wait.
 func (pt *partition) handOff(ctx context.Context, log *zap.Logger) {
-	c := pt.g.c
+	cfg := &pt.g.cfg
 	start := time.Now()
-	pt.f.stop()
-	dctx, cancel := context.WithTimeout(ctx, c.cfg.Group.DrainTimeout)
-	err := pt.f.settle(dctx)
+	pt.f.Stop()
+	dctx, cancel := context.WithTimeout(ctx, cfg.DrainTimeout)
+	err := pt.f.Settle(dctx)
 	cancel()
 	if err != nil && ctx.Err() == nil {
 		log.Warn("hand-off timed out with messages in flight; the next owner's reset and the dedup row keep their order",
-			zap.Int("unsettled", pt.f.unsettled()), zap.Duration("drain_timeout", c.cfg.Group.DrainTimeout))
+			zap.Int("unsettled", pt.f.Unsettled()), zap.Duration("drain_timeout", cfg.DrainTimeout))
 	}
 	// Unpin unless the next owner already holds the pin (it unpins its
 	// predecessor itself): taking its pin would only make it pull again.
 	ictx, icancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	info, err := pt.cons.Info(ictx)
 	icancel()
-	if hookHandOffUnpin != nil {
-		hookHandOffUnpin(pt)
+	if HookHandOffUnpin != nil {
+		HookHandOffUnpin(pt.g.cfg.Member, pt.durable, pt.f.Pin())
 	}
-	if err != nil || pt.f.pin == "" || pinnedTo(info, pt.f.pin) {
+	if err != nil || pt.f.Pin() == "" || pinnedTo(info, pt.f.Pin()) {
 		pt.unpin(context.WithoutCancel(ctx), log)
 	}
 	log.Info("partition handed off", zap.Duration("took", time.Since(start)))

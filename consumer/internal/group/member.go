@@ -1,4 +1,4 @@
-package consumer
+package group
 
 import (
 	"context"
@@ -12,16 +12,22 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
-	"golang.org/x/sync/errgroup"
+
+	"github.com/outbox-relay/outbox-relay/consumer/internal/observe"
 
 	"github.com/outbox-relay/outbox-relay/contract"
 )
 
-// group is the member side of a consumer group during one Run: the
-// heartbeat, the assignment of partitions and the partitions pulled.
-type group struct {
-	c        *Consumer
+// Member is the member side of a consumer group during one Run of the
+// consumer: the heartbeat, the assignment of partitions and the partitions
+// pulled. Make it with [New]; the engine runs it as a source.
+type Member struct {
+	cfg      Config
+	js       jetstream.JetStream
+	reg      prometheus.Registerer // for the member's metrics
+	host     Host                  // set by Run: whose workers the partitions feed
 	strm     jetstream.Stream
 	ttl      time.Duration // the bucket's member TTL
 	replicas int           // of the bucket, when it must be created again
@@ -34,11 +40,10 @@ type group struct {
 	kv      jetstream.KeyValue
 	rewatch chan struct{}
 
-	id      identity
 	source  string // the stream subject the partition transform applies to
 	current int    // the stream's partition count, as last read
 	log     *zap.Logger
-	met     *groupMetrics
+	met     *metrics
 
 	parts    map[string]*partition // by durable, owned by the coordinator loop
 	wg       sync.WaitGroup        // partition goroutines
@@ -68,45 +73,25 @@ type memberInfo struct {
 	partitions int
 }
 
-// runGroup is Run for a group member: it checks the stream, joins the
-// group, creates the partition durables, and until ctx ends keeps pulling
-// the partitions assigned to it. On shutdown it hands its partitions off
-// (settling what is in flight) before the workers stop, and leaves the
-// group at once rather than after the member TTL.
-func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
-	info, err := strm.Info(ctx)
-	if err != nil {
-		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
-	}
-	source, partitions, err := c.checkGroupStream(info)
-	if err != nil {
-		return err
-	}
-	id, err := c.identity(ctx)
-	if err != nil {
-		return err
-	}
-	met, err := newGroupMetrics(c.reg, c.cfg.Name)
-	if err != nil {
-		return err
-	}
-	g := &group{
-		c: c, strm: strm, id: id, source: source, met: met, current: partitions,
-		log:       c.log.With(zap.String("member", c.cfg.Group.Member)),
-		parts:     map[string]*partition{},
-		errs:      make(chan error, 1),
-		lastOwner: map[string]time.Time{},
-		infos:     map[string]*jetstream.ConsumerInfo{},
-		roster:    newRoster(),
-		rewatch:   make(chan struct{}, 1),
-		replicas:  max(info.Config.Replicas, 1),
-	}
-	g.beatCount.Store(int64(partitions))
-	if err := g.openBucket(ctx); err != nil {
+// New returns a member of the group cfg.Name, consuming strm through js;
+// log is the consumer's logger, reg the registerer of its metrics
+// ([RegisterMetrics] must have accepted it). It starts nothing.
+func New(cfg Config, js jetstream.JetStream, strm jetstream.Stream, log *zap.Logger, reg prometheus.Registerer) *Member {
+	return &Member{cfg: cfg, js: js, strm: strm, log: log.With(zap.String("member", cfg.Member)), reg: reg}
+}
+
+// Run checks the stream, joins the group, creates the partition durables,
+// and until ctx ends keeps pulling the partitions assigned to it into
+// host's feeds. On shutdown it leaves the group at once rather than after
+// the member TTL, and hands its partitions off: the host's workers, on
+// settleCtx, which outlives ctx, settle what is in flight. Run returns
+// after every goroutine it started has returned.
+func (g *Member) Run(ctx, settleCtx context.Context, host Host) error {
+	if err := g.setUp(ctx, host); err != nil {
 		return err
 	}
 	// The roster is read by the join's agreement check and by every step
-	// until Run returns.
+	// until run returns.
 	rctx, stopRoster := context.WithCancel(ctx)
 	var rosterWG sync.WaitGroup
 	rosterWG.Go(func() { g.watchRoster(rctx) })
@@ -115,69 +100,65 @@ func (c *Consumer) runGroup(ctx context.Context, strm jetstream.Stream) error {
 	if err := g.join(ctx); err != nil {
 		return err
 	}
-	if err := g.ensureGeneration(ctx, partitions, true); err != nil {
+	if err := g.ensureGeneration(ctx, g.current, true); err != nil {
 		return err
 	}
-	c.grp = g
-	defer func() { c.grp = nil }()
-	c.log.Info("consuming as a group member", zap.String("stream", c.cfg.Stream), zap.String("member", c.cfg.Group.Member),
-		zap.Int("partitions", partitions), zap.Duration("pinned_ttl", c.cfg.Group.PinnedTTL),
-		zap.Duration("member_ttl", g.ttl), zap.Bool("version_check", c.cfg.VersionCheck))
-
-	c.workers = make([]*worker, c.cfg.Workers)
-	for i := range c.workers {
-		c.workers[i] = newWorker(c, i)
-	}
-	// The workers outlive ctx: the hand-off at shutdown needs them to
-	// settle what is in flight. They stop once the partitions are done.
-	wctx, wcancel := context.WithCancel(context.WithoutCancel(ctx))
-	defer wcancel()
-	wg, wgctx := errgroup.WithContext(wctx)
-	for _, w := range c.workers {
-		wg.Go(func() error { return w.run(wgctx) })
-	}
-	lg, lctx := errgroup.WithContext(ctx)
-	lg.Go(func() error { return c.replayLoop(lctx) })
-	lg.Go(func() error { return c.statsLoop(lctx) })
-	lg.Go(func() error {
-		err := g.coordinate(lctx, wgctx)
-		g.shutdown()
-		return err
-	})
-	lg.Go(func() error { // a worker that fails ends the member
-		select {
-		case <-wgctx.Done():
-			return errors.New("a worker stopped")
-		case <-lctx.Done():
-			return nil
-		}
-	})
-	err = lg.Wait()
-	wcancel()
-	g.wg.Wait()
-	if werr := wg.Wait(); werr != nil || ctx.Err() != nil {
-		return werr // the cause, when a worker ended the member; nil on shutdown
-	}
+	cfg := &g.cfg
+	g.log.Info("consuming as a group member", zap.String("stream", cfg.Stream),
+		zap.Int("partitions", g.current), zap.Duration("pinned_ttl", cfg.PinnedTTL),
+		zap.Duration("member_ttl", g.ttl), zap.Bool("version_check", cfg.VersionCheck))
+	// The partitions pull on the workers' context, so that the hand-off at
+	// shutdown can settle; they stop with Run.
+	pctx, stopParts := context.WithCancel(settleCtx)
+	defer g.wg.Wait()
+	defer stopParts()
+	err := g.coordinate(ctx, pctx)
+	g.shutdown()
 	return err
+}
+
+// setUp reads the stream's partitioning and opens the member bucket.
+func (g *Member) setUp(ctx context.Context, host Host) error {
+	cfg := &g.cfg
+	info, err := g.strm.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("stream %s info: %w", cfg.Stream, err)
+	}
+	if g.source, g.current, err = cfg.checkStream(info); err != nil {
+		return err
+	}
+	if g.met, err = newMetricsOf(g.reg, cfg.Name); err != nil {
+		return err
+	}
+	g.host = host
+	g.parts = map[string]*partition{}
+	g.errs = make(chan error, 1)
+	g.lastOwner = map[string]time.Time{}
+	g.infos = map[string]*jetstream.ConsumerInfo{}
+	g.roster = newRoster()
+	g.rewatch = make(chan struct{}, 1)
+	g.replicas = max(info.Config.Replicas, 1)
+	g.beatCount.Store(int64(g.current))
+	return g.openBucket(ctx)
 }
 
 // openBucket opens (creating it if needed) the group's member bucket. It
 // is file storage, so that the members survive a restart of a single NATS
 // server; a bucket created by an earlier version (memory) is used as it is,
 // and created again as file storage when a restart lost it.
-func (g *group) openBucket(ctx context.Context) error {
-	c := g.c
-	bucket := GroupBucket(c.cfg.Name)
-	kv, err := c.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+func (g *Member) openBucket(ctx context.Context) error {
+	cfg := &g.cfg
+	bucket := Bucket(cfg.Name)
+	kv, err := g.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
 		Bucket:      bucket,
 		Description: "outbox-relay consumer group members (heartbeats)",
-		TTL:         c.cfg.Group.MemberTTL,
+		TTL:         cfg.MemberTTL,
 		History:     1,
 		Storage:     jetstream.FileStorage,
 		Replicas:    g.replicas,
 	})
 	if errors.Is(err, jetstream.ErrBucketExists) {
-		kv, err = c.js.KeyValue(ctx, bucket)
+		kv, err = g.js.KeyValue(ctx, bucket)
 	}
 	if err != nil {
 		return fmt.Errorf("open group bucket %s: %w", bucket, err)
@@ -187,7 +168,7 @@ func (g *group) openBucket(ctx context.Context) error {
 		return fmt.Errorf("group bucket %s status: %w", bucket, err)
 	}
 	if st.TTL() <= 0 {
-		return fmt.Errorf("%w: group bucket %s has no TTL, so dead members would never leave; delete the bucket (nats kv del %s) and restart the members", ErrGroupMismatch, bucket, bucket)
+		return fmt.Errorf("%w: group bucket %s has no TTL, so dead members would never leave; delete the bucket (nats kv del %s) and restart the members", ErrMismatch, bucket, bucket)
 	}
 	g.kvMu.Lock()
 	reopened := g.kv != nil
@@ -206,7 +187,7 @@ func (g *group) openBucket(ctx context.Context) error {
 }
 
 // bucket is the member bucket as last opened.
-func (g *group) bucket() jetstream.KeyValue {
+func (g *Member) bucket() jetstream.KeyValue {
 	g.kvMu.Lock()
 	defer g.kvMu.Unlock()
 	return g.kv
@@ -214,7 +195,7 @@ func (g *group) bucket() jetstream.KeyValue {
 
 // join checks that the live members agree on the partition count, then
 // heartbeats once.
-func (g *group) join(ctx context.Context) error {
+func (g *Member) join(ctx context.Context) error {
 	// Members that read the stream before a partition-count change still
 	// report the old count for up to one step: give them the member TTL.
 	deadline := time.Now().Add(g.ttl)
@@ -236,18 +217,18 @@ func (g *group) join(ctx context.Context) error {
 }
 
 // agree checks that the live members use this member's partition count.
-func (g *group) agree(ctx context.Context) error {
-	c := g.c
+func (g *Member) agree(ctx context.Context) error {
+	cfg := &g.cfg
 	members, err := g.members(ctx)
 	if err != nil {
 		return err
 	}
 	for _, m := range members {
-		if m.partitions != c.cfg.Group.Partitions {
+		if m.partitions != cfg.Partitions {
 			return fmt.Errorf("%w: member %s of group %s runs with %d partitions, this one with Group.Partitions %d: two groups cannot share the name %s; give one another Name, or make them agree with the stream",
-				ErrGroupMismatch, m.id, c.cfg.Name, m.partitions, c.cfg.Group.Partitions, c.cfg.Name)
+				ErrMismatch, m.id, cfg.Name, m.partitions, cfg.Partitions, cfg.Name)
 		}
-		if m.id == c.cfg.Group.Member {
+		if m.id == cfg.Member {
 			// Most likely this member's previous process, crashed within
 			// the TTL. Were it alive, the pins still keep each partition
 			// with one of the two.
@@ -257,16 +238,16 @@ func (g *group) agree(ctx context.Context) error {
 	return nil
 }
 
-func (g *group) heartbeat(ctx context.Context) error {
+func (g *Member) heartbeat(ctx context.Context) error {
 	// The stream's count, not the configured one: after a partition-count
 	// change, members started with the new count must not be refused.
 	value := []byte(strconv.FormatInt(g.beatCount.Load(), 10))
-	_, err := g.bucket().Put(ctx, g.c.cfg.Group.Member, value)
+	_, err := g.bucket().Put(ctx, g.cfg.Member, value)
 	if err != nil && ctx.Err() == nil {
 		// The bucket may be gone (a NATS restart lost a memory bucket, or
 		// an operator deleted it): open it again, creating it, and rejoin.
 		if oerr := g.openBucket(ctx); oerr == nil {
-			_, err = g.bucket().Put(ctx, g.c.cfg.Group.Member, value)
+			_, err = g.bucket().Put(ctx, g.cfg.Member, value)
 		}
 	}
 	if err != nil {
@@ -280,7 +261,7 @@ func (g *group) heartbeat(ctx context.Context) error {
 }
 
 // beat heartbeats every interval until ctx ends.
-func (g *group) beat(ctx context.Context, interval time.Duration) {
+func (g *Member) beat(ctx context.Context, interval time.Duration) {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	for {
@@ -293,21 +274,21 @@ func (g *group) beat(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// durableConfig is partition p's durable consumer.
-func (g *group) durableConfig(partitions, p int) jetstream.ConsumerConfig {
-	c := g.c
-	cfg := c.consumerConfig()
-	cfg.Durable = PartitionDurable(c.cfg.Name, partitions, p)
-	cfg.Description = fmt.Sprintf("outbox-relay consumer group %s, partition %d of %d", c.cfg.Name, p, partitions)
+// durableConfig is partition p's durable consumer. The host adds the
+// consumer's identity (database, filter) to its metadata.
+func (g *Member) durableConfig(partitions, p int) jetstream.ConsumerConfig {
+	gc := &g.cfg
+	cfg := gc.Durable
+	cfg.Durable = PartitionDurable(gc.Name, partitions, p)
+	cfg.Description = fmt.Sprintf("outbox-relay consumer group %s, partition %d of %d", gc.Name, p, partitions)
 	cfg.FilterSubjects = nil
 	cfg.FilterSubject = contract.PartitionFilter(g.source, partitions, p)
 	cfg.PriorityPolicy = jetstream.PriorityPolicyPinned
-	cfg.PriorityGroups = []string{priorityGroup(c.cfg.Name)}
-	cfg.PinnedTTL = c.cfg.Group.PinnedTTL
-	cfg.MaxAckPending = partitionPending(c.cfg.MaxAckPending, partitions)
+	cfg.PriorityGroups = []string{PriorityGroup(gc.Name)}
+	cfg.PinnedTTL = gc.PinnedTTL
+	cfg.MaxAckPending = partitionPending(gc.MaxAckPending, partitions)
 	cfg.Metadata = map[string]string{
-		metaDatabase: g.id.database(), metaFilter: cfg.FilterSubject,
-		metaGroup: c.cfg.Name, metaPartitions: strconv.Itoa(partitions), metaPartition: strconv.Itoa(p),
+		metaGroup: gc.Name, metaPartitions: strconv.Itoa(partitions), metaPartition: strconv.Itoa(p),
 	}
 	return cfg
 }
@@ -325,14 +306,11 @@ func partitionPending(maxAckPending, partitions int) int {
 // creates at the same moment) are this group's (same database and
 // filter); with update it also brings existing ones to this member's
 // settings.
-func (g *group) ensureGeneration(ctx context.Context, partitions int, update bool) error {
-	c := g.c
+func (g *Member) ensureGeneration(ctx context.Context, partitions int, update bool) error {
 	for p := range partitions {
 		cfg := g.durableConfig(partitions, p)
-		id := g.id
-		id.filter = cfg.FilterSubject
-		if _, err := c.ensureDurable(ctx, cfg, id, update); err != nil {
-			return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, c.cfg.Stream, err)
+		if _, err := g.host.EnsureDurable(ctx, cfg, update); err != nil {
+			return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, g.cfg.Stream, err)
 		}
 	}
 	return nil
@@ -348,8 +326,8 @@ type generation struct {
 
 // coordinate is the member loop: heartbeat, read the stream's partition
 // count and the group's durables, assign, start and hand off partitions.
-func (g *group) coordinate(ctx, pullCtx context.Context) error {
-	c := g.c
+func (g *Member) coordinate(ctx, pullCtx context.Context) error {
+	cfg := &g.cfg
 	beat := max(g.ttl/3, 100*time.Millisecond)
 	bctx, stopBeat := context.WithCancel(ctx)
 	var beating sync.WaitGroup
@@ -367,13 +345,13 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 	}
 	tick := time.NewTicker(beat)
 	defer tick.Stop()
-	var failing loopHealth
+	var failing observe.LoopHealth
 	for {
 		err := g.step(ctx, pullCtx)
 		if ctx.Err() != nil {
 			return nil
 		}
-		failing.report(g.log, "consumer group step", err)
+		failing.Report(g.log, "consumer group step", err)
 		var expired <-chan time.Time // a member runs out of TTL: reassign then
 		if at := g.roster.nextExpiry(time.Now()); !at.IsZero() {
 			expired = time.After(time.Until(at) + time.Millisecond)
@@ -382,7 +360,7 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case err := <-g.errs:
-			return fmt.Errorf("consume group %s from stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
+			return fmt.Errorf("consume group %s from stream %s: %w", cfg.Name, cfg.Stream, err)
 		case <-g.roster.changed: // a member joined or left: reassign now
 		case <-expired:
 		case <-tick.C:
@@ -390,12 +368,12 @@ func (g *group) coordinate(ctx, pullCtx context.Context) error {
 	}
 }
 
-func (g *group) step(ctx, pullCtx context.Context) error {
-	c := g.c
+func (g *Member) step(ctx, pullCtx context.Context) error {
+	cfg := &g.cfg
 	g.reap()
 	info, err := g.strm.Info(ctx)
 	if err != nil {
-		return fmt.Errorf("stream %s info: %w", c.cfg.Stream, err)
+		return fmt.Errorf("stream %s info: %w", cfg.Stream, err)
 	}
 	_, current, err := StreamPartitions(info.Config)
 	if err != nil {
@@ -416,7 +394,7 @@ func (g *group) step(ctx, pullCtx context.Context) error {
 		g.assign(pullCtx, nil, nil)
 	}
 	gens, active, err := g.activeGeneration(ctx, current)
-	if errors.Is(err, ErrGroupMismatch) {
+	if errors.Is(err, ErrMismatch) {
 		g.assign(pullCtx, nil, nil)
 		g.observe(gens, 0)
 		return err
@@ -447,7 +425,7 @@ func (g *group) step(ctx, pullCtx context.Context) error {
 // creating the current one's missing durables and removing drained older
 // ones, and returns the partition count to consume: the oldest generation
 // not drained yet, else the current one.
-func (g *group) activeGeneration(ctx context.Context, current int) (map[int]*generation, int, error) {
+func (g *Member) activeGeneration(ctx context.Context, current int) (map[int]*generation, int, error) {
 	gens, err := g.generations(ctx)
 	if err != nil {
 		return nil, 0, err
@@ -476,7 +454,7 @@ func (g *group) activeGeneration(ctx context.Context, current int) (map[int]*gen
 			// before it and after it, so neither can go first in order.
 			g.reportDraining(gen)
 			return gens, 0, fmt.Errorf("%w: the stream's partition count went back to %d while the %d-partition durables of group %s still hold events: consuming either generation now would apply some aggregates' events out of order, so nothing is consumed; set nats.partitions to %d again and run `outbox-relay setup`, and change the count only once the %d-partition durables are gone (docs/consumer.md \"Changing the number of partitions\")",
-				ErrGroupMismatch, current, gen.partitions, g.c.cfg.Name, gen.partitions, gen.partitions)
+				ErrMismatch, current, gen.partitions, g.cfg.Name, gen.partitions, gen.partitions)
 		}
 		if !gen.drained && len(gen.durables) < gen.partitions {
 			// A removal that stopped part-way (an API timeout, a member
@@ -508,7 +486,7 @@ func (g *group) activeGeneration(ctx context.Context, current int) (map[int]*gen
 
 // missingGone reports whether the durables present of gen have nothing
 // pending or unacknowledged and the missing ones do not exist.
-func (g *group) missingGone(ctx context.Context, gen *generation) bool {
+func (g *Member) missingGone(ctx context.Context, gen *generation) bool {
 	for p := range gen.partitions {
 		ci, ok := gen.durables[p]
 		if ok {
@@ -517,7 +495,7 @@ func (g *group) missingGone(ctx context.Context, gen *generation) bool {
 			}
 			continue
 		}
-		_, err := g.strm.Consumer(ctx, PartitionDurable(g.c.cfg.Name, gen.partitions, p))
+		_, err := g.strm.Consumer(ctx, PartitionDurable(g.cfg.Name, gen.partitions, p))
 		if !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			return false
 		}
@@ -528,7 +506,7 @@ func (g *group) missingGone(ctx context.Context, gen *generation) bool {
 // reportDraining names, at most once a minute, the partitions of an older
 // generation that keep the group from moving to the current one: a
 // message retried without limit there blocks every new partition.
-func (g *group) reportDraining(gen *generation) {
+func (g *Member) reportDraining(gen *generation) {
 	if g.drainSince.IsZero() {
 		g.drainSince = time.Now()
 	}
@@ -549,14 +527,14 @@ func (g *group) reportDraining(gen *generation) {
 }
 
 // generations lists the group's partition durables by partition count.
-func (g *group) generations(ctx context.Context) (map[int]*generation, error) {
+func (g *Member) generations(ctx context.Context) (map[int]*generation, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	l := g.strm.ListConsumers(ctx)
 	gens := map[int]*generation{}
 	infos := map[string]*jetstream.ConsumerInfo{}
 	for ci := range l.Info() {
-		n, p, err := g.c.durableGeneration(ci)
+		n, p, err := g.cfg.durableGeneration(ci)
 		if err != nil {
 			continue
 		}
@@ -575,7 +553,7 @@ func (g *group) generations(ctx context.Context) (map[int]*generation, error) {
 		infos[ci.Name] = ci
 	}
 	if err := l.Err(); err != nil {
-		return nil, fmt.Errorf("list consumers of stream %s: %w", g.c.cfg.Stream, err)
+		return nil, fmt.Errorf("list consumers of stream %s: %w", g.cfg.Stream, err)
 	}
 	for _, gen := range gens {
 		if len(gen.durables) < gen.partitions {
@@ -593,11 +571,11 @@ func (g *group) generations(ctx context.Context) (map[int]*generation, error) {
 // count into every subject since the change. Each delete is tried (one
 // that fails does not stop the others), and a generation left incomplete
 // is taken up again at the next step (activeGeneration).
-func (g *group) removeGeneration(ctx context.Context, gen *generation) error {
+func (g *Member) removeGeneration(ctx context.Context, gen *generation) error {
 	var errs []error
 	for p := range gen.durables {
-		name := PartitionDurable(g.c.cfg.Name, gen.partitions, p)
-		if err := deleteDurable(ctx, g.strm, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		name := PartitionDurable(g.cfg.Name, gen.partitions, p)
+		if err := DeleteDurable(ctx, g.strm, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			errs = append(errs, fmt.Errorf("delete drained partition durable %s: %w", name, err))
 		}
 	}
@@ -608,8 +586,8 @@ func (g *group) removeGeneration(ctx context.Context, gen *generation) error {
 	return nil
 }
 
-// deleteDurable deletes a partition durable; tests make it fail.
-var deleteDurable = func(ctx context.Context, strm jetstream.Stream, name string) error {
+// DeleteDurable deletes a partition durable; tests make it fail.
+var DeleteDurable = func(ctx context.Context, strm jetstream.Stream, name string) error {
 	return strm.DeleteConsumer(ctx, name)
 }
 
@@ -629,13 +607,13 @@ func assignment(members []string, member string, partitions int) []int {
 
 // assign starts the partitions of gen this member now owns and hands off
 // the others.
-func (g *group) assign(pullCtx context.Context, members []string, gen *generation) {
+func (g *Member) assign(pullCtx context.Context, members []string, gen *generation) {
 	var mine []int
 	want := map[string]bool{}
 	if gen != nil {
-		mine = assignment(members, g.c.cfg.Group.Member, gen.partitions)
+		mine = assignment(members, g.cfg.Member, gen.partitions)
 		for _, p := range mine {
-			want[PartitionDurable(g.c.cfg.Name, gen.partitions, p)] = true
+			want[PartitionDurable(g.cfg.Name, gen.partitions, p)] = true
 		}
 	}
 	if !slices.Equal(mine, g.assigned) {
@@ -651,7 +629,7 @@ func (g *group) assign(pullCtx context.Context, members []string, gen *generatio
 		}
 	}
 	for _, p := range mine {
-		name := PartitionDurable(g.c.cfg.Name, gen.partitions, p)
+		name := PartitionDurable(g.cfg.Name, gen.partitions, p)
 		if _, running := g.parts[name]; running {
 			continue // running, or still handing off: started again after
 		}
@@ -683,7 +661,7 @@ func (g *group) assign(pullCtx context.Context, members []string, gen *generatio
 }
 
 // reap forgets partitions whose goroutine has returned.
-func (g *group) reap() {
+func (g *Member) reap() {
 	for name, pt := range g.parts {
 		if isClosed(pt.done) {
 			delete(g.parts, name)
@@ -696,10 +674,10 @@ func (g *group) reap() {
 // over at once: their reset to the ack floor keeps the order while this
 // member's workers settle what they hold (the dedup row makes the overlap
 // duplicates, not reorderings).
-func (g *group) shutdown() {
+func (g *Member) shutdown() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if err := g.bucket().Delete(ctx, g.c.cfg.Group.Member); err != nil {
+	if err := g.bucket().Delete(ctx, g.cfg.Member); err != nil {
 		g.log.Debug("leave group: the member entry expires by itself", zap.Error(err))
 	}
 	for _, pt := range g.parts {
@@ -709,15 +687,17 @@ func (g *group) shutdown() {
 	go func() { g.wg.Wait(); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(g.c.cfg.Group.DrainTimeout + 5*time.Second):
+	case <-time.After(g.cfg.DrainTimeout + 5*time.Second):
 		g.log.Warn("partitions still handing off at shutdown")
 	}
 }
 
-// gone is Consumer.gone for a group: a sequence is gone when it left the
-// stream or is at or below its own partition durable's ack floor.
-func (g *group) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
-	ctx, cancel := context.WithTimeout(ctx, min(g.c.cfg.AckWait/3, 5*time.Second))
+// Gone reports which stream sequences need no further processing by the
+// group: a sequence is gone when it left the stream or is at or below its
+// own partition durable's ack floor. One whose state cannot be learnt is
+// not gone.
+func (g *Member) Gone(ctx context.Context, seqs []uint64) map[uint64]bool {
+	ctx, cancel := context.WithTimeout(ctx, min(g.cfg.AckWait/3, 5*time.Second))
 	defer cancel()
 	gone := make(map[uint64]bool, len(seqs))
 	for _, seq := range seqs {
@@ -733,7 +713,7 @@ func (g *group) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
 		if !ok {
 			continue
 		}
-		ci, err := g.strm.Consumer(ctx, PartitionDurable(g.c.cfg.Name, n, p))
+		ci, err := g.strm.Consumer(ctx, PartitionDurable(g.cfg.Name, n, p))
 		if errors.Is(err, jetstream.ErrConsumerNotFound) {
 			gone[seq] = true // its generation was drained and removed
 			continue

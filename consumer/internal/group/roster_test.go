@@ -1,4 +1,4 @@
-package consumer
+package group
 
 import (
 	"context"
@@ -27,7 +27,7 @@ func TestRosterKeepsMembersThatHeartbeat(t *testing.T) {
 	kv, err := f.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: bucket, TTL: 6 * time.Second, History: 1, Storage: jetstream.MemoryStorage})
 	testenv.Must(t, err, "bucket")
 	t.Cleanup(func() { _ = f.js.DeleteKeyValue(context.Background(), bucket) })
-	g := &group{kv: kv, ttl: 6 * time.Second, log: zap.NewNop(), roster: newRoster()}
+	g := &Member{kv: kv, ttl: 6 * time.Second, log: zap.NewNop(), roster: newRoster()}
 	ids := []string{"a", "b", "c"}
 	for _, id := range ids {
 		_, err := kv.Put(ctx, id, []byte("4"))
@@ -113,7 +113,7 @@ func (e entry) Operation() jetstream.KeyValueOp { return e.op }
 // While the bucket cannot be watched, members gives up after the member
 // TTL instead of holding the coordinator loop.
 func TestMembersWaitsAtMostTheTTL(t *testing.T) {
-	g := &group{ttl: 50 * time.Millisecond, roster: newRoster()}
+	g := &Member{ttl: 50 * time.Millisecond, roster: newRoster()}
 	start := time.Now()
 	if _, err := g.members(context.Background()); err != errRosterNotReady {
 		t.Fatalf("members = %v, want errRosterNotReady", err)

@@ -1,0 +1,79 @@
+package consumer
+
+import (
+	"context"
+	"maps"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
+)
+
+// groupSource is the source of a consumer group member: the partitions the
+// member (consumer/internal/group) owns, each pulled through a feed of the
+// engine. The member knows the engine only as a group.Host.
+type groupSource struct {
+	c *Consumer
+	m *group.Member
+}
+
+func (c *Consumer) newGroupSource(strm jetstream.Stream) *groupSource {
+	g := c.cfg.Group
+	cfg := group.Config{
+		Name: c.cfg.Name, Stream: c.cfg.Stream, Member: g.Member, Partitions: g.Partitions,
+		MemberTTL: g.MemberTTL, PinnedTTL: g.PinnedTTL, DrainTimeout: g.DrainTimeout,
+		AckWait: c.cfg.AckWait, MaxAckPending: c.cfg.MaxAckPending, VersionCheck: c.cfg.VersionCheck,
+		Durable: c.consumerConfig(),
+	}
+	return &groupSource{c: c, m: group.New(cfg, c.js, strm, c.log, c.reg)}
+}
+
+func (s *groupSource) run(ctx, settleCtx context.Context, e *engine) error {
+	id, err := s.c.identity(ctx)
+	if err != nil {
+		return err
+	}
+	h := &groupHost{e: e, id: id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member))}
+	return s.m.Run(ctx, settleCtx, h)
+}
+
+func (s *groupSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
+	return s.m.Gone(ctx, seqs)
+}
+
+// groupHost is the engine as a group member sees it.
+type groupHost struct {
+	e   *engine
+	id  identity // of this consumer: its database; the filter is per partition
+	log *zap.Logger
+}
+
+func (h *groupHost) Feed(cons jetstream.Consumer, name string, opts ...jetstream.PullMessagesOpt) group.Feed {
+	return &partitionFeed{e: h.e, f: newFeed(h.e, cons, name, h.log, opts...)}
+}
+
+// EnsureDurable records this consumer's identity in the partition
+// durable's metadata and checks it on one that exists (ensureDurable).
+func (h *groupHost) EnsureDurable(ctx context.Context, cfg jetstream.ConsumerConfig, update bool) (jetstream.Consumer, error) {
+	id := h.id
+	id.filter = cfg.FilterSubject
+	cfg.Metadata = maps.Clone(cfg.Metadata)
+	if cfg.Metadata == nil {
+		cfg.Metadata = map[string]string{}
+	}
+	cfg.Metadata[metaDatabase], cfg.Metadata[metaFilter] = id.database(), id.filter
+	return h.e.c.ensureDurable(ctx, cfg, id, update)
+}
+
+// partitionFeed is a feed as a group.Feed.
+type partitionFeed struct {
+	e *engine
+	f *feed
+}
+
+func (p *partitionFeed) Pump(ctx context.Context) error   { return p.e.pump(ctx, p.f) }
+func (p *partitionFeed) Stop()                            { p.f.stop() }
+func (p *partitionFeed) Settle(ctx context.Context) error { return p.f.settle(ctx) }
+func (p *partitionFeed) Unsettled() int                   { return p.f.unsettled() }
+func (p *partitionFeed) Pin() string                      { return p.f.pin }
