@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"time"
 
@@ -31,14 +32,14 @@ func StartNATS(opts ...NATSOption) (*NATS, error) {
 	if err != nil {
 		return nil, err
 	}
-	port, err := FreePort()
-	if err != nil {
-		return nil, err
-	}
+	// The server picks its port when it binds (a port FreePort found may
+	// be taken by the time the server binds it, with every package's
+	// servers and connections drawing from the same range); a restart
+	// binds the same one again.
 	o := &server.Options{
 		ServerName: "outbox-relay-test",
 		Host:       "127.0.0.1",
-		Port:       port,
+		Port:       server.RANDOM_PORT,
 		JetStream:  true,
 		StoreDir:   dir,
 		NoLog:      true,
@@ -50,11 +51,15 @@ func StartNATS(opts ...NATSOption) (*NATS, error) {
 	for _, opt := range opts {
 		opt(o)
 	}
-	n := &NATS{opts: o, storeDir: dir, URL: fmt.Sprintf("nats://127.0.0.1:%d", o.Port)}
+	n := &NATS{opts: o, storeDir: dir}
 	if err := n.Start(); err != nil {
 		_ = os.RemoveAll(dir)
 		return nil, err
 	}
+	if addr, ok := n.srv.Addr().(*net.TCPAddr); ok {
+		n.opts.Port = addr.Port
+	}
+	n.URL = fmt.Sprintf("nats://127.0.0.1:%d", n.opts.Port)
 	return n, nil
 }
 

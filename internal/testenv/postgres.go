@@ -3,6 +3,7 @@ package testenv
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -106,7 +107,7 @@ func StartPostgres(opts ...PostgresOption) (*Postgres, error) {
 		_ = os.RemoveAll(base)
 		return nil, err
 	}
-	port, err := FreePort()
+	port, err := freePort()
 	if err != nil {
 		return nil, err
 	}
@@ -148,12 +149,37 @@ func StartPostgres(opts ...PostgresOption) (*Postgres, error) {
 	if err := p.chown(p.dataDir); err != nil {
 		return nil, err
 	}
-	p.AdminURL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
-	if err := p.Start(); err != nil {
+	if err := p.startOnFreePort(); err != nil {
 		p.Close()
 		return nil, err
 	}
 	return p, nil
+}
+
+// freePort is FreePort, replaced by a test that hands out a taken port.
+var freePort = FreePort
+
+// startOnFreePort starts the new cluster, on another free port when its
+// port was taken between FreePort and the server's bind: the port is free
+// only when FreePort looks, and the parallel test packages' servers and
+// outgoing connections draw from the same range ("could not bind IPv4
+// address: Address already in use" failed a CI run).
+func (p *Postgres) startOnFreePort() error {
+	var err error
+	for attempt := 1; ; attempt++ {
+		p.AdminURL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", p.port)
+		if err = p.Start(); err == nil || attempt == 3 {
+			return err
+		}
+		port, perr := freePort()
+		if perr != nil {
+			return errors.Join(err, perr)
+		}
+		p.port = port // the last port line of postgresql.conf counts
+		if aerr := appendFile(filepath.Join(p.dataDir, "postgresql.conf"), confLines(map[string]string{"port": strconv.Itoa(port)})); aerr != nil {
+			return errors.Join(err, aerr)
+		}
+	}
 }
 
 func externalPostgres(url string) *Postgres {
