@@ -451,16 +451,29 @@ func (p *Publisher) answer(r ackReply) {
 		return
 	}
 	pd.ack = r.ack
-	if p.expect != nil {
-		if want := p.expect(subject); want != "" && pd.ack.Stream != want {
-			p.log.Warn("bad ack: the answer names another stream than the one meant to store the message; retrying (is something other than JetStream answering on the subject?)",
-				zap.String("subject", subject), zap.String("want_stream", want), zap.String("acked_by_stream", pd.ack.Stream),
-				zap.Uint64("acked_seq", pd.ack.Sequence), zap.String("acked_domain", pd.ack.Domain), zap.Int("attempts", pd.attempts))
-			p.fail(pd, &PublishError{Subject: subject, Class: ClassBadAck, Err: fmt.Errorf("%w: ack from stream %q, want %q", ErrTransient, pd.ack.Stream, want)})
-			return
-		}
+	if want, ok := p.expectedStream(subject, pd.ack.Stream); !ok {
+		p.log.Warn("bad ack: the answer names another stream than the one meant to store the message; retrying (is something other than JetStream answering on the subject?)",
+			zap.String("subject", subject), zap.String("want_stream", want), zap.String("acked_by_stream", pd.ack.Stream),
+			zap.Uint64("acked_seq", pd.ack.Sequence), zap.String("acked_domain", pd.ack.Domain), zap.Int("attempts", pd.attempts))
+		p.fail(pd, &PublishError{Subject: subject, Class: ClassBadAck, Err: fmt.Errorf("%w: ack from stream %q, want %q", ErrTransient, pd.ack.Stream, want)})
+		return
 	}
-	p.obs.Published(subject, pd.ack.Duplicate, time.Since(pd.first))
+	p.stored(pd)
+}
+
+// expectedStream reports whether stream is the one meant to store subject
+// (true when the publisher was not told), and that one.
+func (p *Publisher) expectedStream(subject, stream string) (want string, ok bool) {
+	if p.expect == nil {
+		return "", true
+	}
+	want = p.expect(subject)
+	return want, want == "" || stream == want
+}
+
+// stored settles pd, whose ack (pd.ack) says the stream holds it.
+func (p *Publisher) stored(pd *pending) {
+	p.obs.Published(pd.cur.Subject, pd.ack.Duplicate, time.Since(pd.first))
 	p.settle(pd, Result{Ack: pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
 }
 
@@ -501,17 +514,13 @@ func (p *Publisher) answerLate(r ackReply) {
 	if !ok || r.noResponders || r.bad != nil || r.api != nil || p.checking[pd] {
 		return
 	}
-	subject := pd.cur.Subject
-	if p.expect != nil {
-		if want := p.expect(subject); want != "" && r.ack.Stream != want {
-			return
-		}
+	if _, ok := p.expectedStream(pd.cur.Subject, r.ack.Stream); !ok {
+		return
 	}
 	delete(p.inflight, pd.seq)
 	p.dropRetry(pd)
 	pd.ack = r.ack
-	p.obs.Published(subject, pd.ack.Duplicate, time.Since(pd.first))
-	p.settle(pd, Result{Ack: pd.ack, DeadLettered: pd.reason != nil, Reason: pd.reason, Attempts: pd.attempts})
+	p.stored(pd)
 }
 
 // dropRetry removes pd from the retries waiting for their backoff.
