@@ -82,6 +82,9 @@ type feed struct {
 	// stream sequence: a repetition of one (a reset) stands in for it.
 	out  map[uint64]*trackedMsg
 	done doneSet // stream sequences acknowledged or terminated lately
+	// doneLimit bounds done: four times max_ack_pending as seen at the
+	// last open, read there rather than per acknowledgement.
+	doneLimit int
 	// returning holds the stream sequences naked back to the broker, still
 	// counted in inflight until they are delivered again.
 	returning map[uint64]string
@@ -178,6 +181,10 @@ func (f *feed) open(ctx context.Context) error {
 	}
 	f.iter, f.next, f.shared = iter, 1, time.Time{}
 	f.beginRun()
+	limit := max(4*f.maxAckPending(), 1024)
+	f.mu.Lock()
+	f.doneLimit = limit
+	f.mu.Unlock()
 	return nil
 }
 
@@ -379,7 +386,7 @@ func (f *feed) settledBefore(seq uint64, msg jetstream.Msg) bool {
 // finished records that the delivery of seq was acknowledged or terminated.
 func (f *feed) finished(seq uint64) {
 	f.mu.Lock()
-	f.done.add(seq, max(4*f.maxAckPending(), 1024))
+	f.done.add(seq, max(f.doneLimit, 1024))
 	f.mu.Unlock()
 }
 
