@@ -99,13 +99,10 @@ func (g *BackfillGuard) Start(ctx context.Context) error {
 		return fmt.Errorf("look up %s: %w", table, err)
 	}
 	if !exists {
-		if _, err := g.conn.Exec(ctx, create); err != nil {
-			return backfillStateError(err, "create "+table, create+"; GRANT SELECT ON "+table+" TO PUBLIC")
-		}
 		// Streaming roles read it to refuse a slot whose backfill did not
 		// finish; it holds slot names and positions only.
-		if _, err := g.conn.Exec(ctx, "GRANT SELECT ON "+table+" TO PUBLIC"); err != nil {
-			return fmt.Errorf("grant SELECT on %s: %w", table, err)
+		if err := createStateTable(ctx, g.conn, table, create); err != nil {
+			return err
 		}
 	}
 	_, err := g.conn.Exec(ctx, "INSERT INTO "+table+` (slot_name, started_at) VALUES ($1, now())
@@ -115,6 +112,19 @@ ON CONFLICT (slot_name) DO UPDATE SET started_at = now(), consistent_point = NUL
 		_ = g.conn.QueryRow(ctx, "SELECT current_user").Scan(&user)
 		return backfillStateError(err, fmt.Sprintf("record the backfill of slot %q", g.cfg.Slot),
 			"GRANT SELECT, INSERT, UPDATE, DELETE ON "+table+" TO "+pgx.Identifier{user}.Sanitize())
+	}
+	return nil
+}
+
+// createStateTable creates a relay state table (table, sanitized) with the
+// statement create, readable by every role: it holds slot names and
+// positions only, and every relay, whatever its role, must read it.
+func createStateTable(ctx context.Context, conn *pgx.Conn, table, create string) error {
+	if _, err := conn.Exec(ctx, create); err != nil {
+		return backfillStateError(err, "create "+table, create+"; GRANT SELECT ON "+table+" TO PUBLIC")
+	}
+	if _, err := conn.Exec(ctx, "GRANT SELECT ON "+table+" TO PUBLIC"); err != nil {
+		return fmt.Errorf("grant SELECT on %s: %w", table, err)
 	}
 	return nil
 }

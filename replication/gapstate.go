@@ -74,11 +74,8 @@ ON CONFLICT (slot_name) DO UPDATE SET since_lsn = least(` + table + `.since_lsn,
 	undecodable boolean NOT NULL DEFAULT false,
 	noticed_at timestamptz NOT NULL
 )`
-		if _, err := conn.Exec(ctx, create); err != nil {
-			return backfillStateError(err, "create "+table, create+"; GRANT SELECT ON "+table+" TO PUBLIC")
-		}
-		if _, err := conn.Exec(ctx, "GRANT SELECT ON "+table+" TO PUBLIC"); err != nil {
-			return fmt.Errorf("grant SELECT on %s: %w", table, err)
+		if err := createStateTable(ctx, conn, table, create); err != nil {
+			return err
 		}
 		_, err = conn.Exec(ctx, upsert, cfg.Slot, g.Since.String(), g.Undecodable)
 	}
