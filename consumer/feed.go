@@ -65,6 +65,10 @@ type feed struct {
 	pullOpt   []jetstream.PullMessagesOpt
 	log       *zap.Logger
 	shareable bool // a plain durable: other processes may pull it too
+	// admitSeq, when set (a group's partition), is asked about each
+	// delivery's stream sequence before it is handed on; its error ends
+	// the pump, the delivery not handed on.
+	admitSeq func(streamSeq uint64) error
 
 	iter   jetstream.MessagesContext // nil until open
 	next   uint64                    // the consumer sequence expected next
@@ -217,6 +221,11 @@ func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
 			var md *jetstream.MsgMetadata
 			if md, err = msg.Metadata(); err == nil {
 				err = f.admit(ctx, md.Sequence.Consumer)
+			}
+			if err == nil && f.admitSeq != nil {
+				if err = f.admitSeq(md.Sequence.Stream); err != nil {
+					return nil, err
+				}
 			}
 			if err == nil {
 				if pin := msg.Headers().Get(pinHeader); pin != "" {

@@ -49,8 +49,10 @@ type groupHost struct {
 	log *zap.Logger
 }
 
-func (h *groupHost) Feed(cons jetstream.Consumer, name string, opts ...jetstream.PullMessagesOpt) group.Feed {
-	return &partitionFeed{e: h.e, f: newFeed(h.e, cons, name, h.log, opts...)}
+func (h *groupHost) Feed(cons jetstream.Consumer, name string, admit func(streamSeq uint64) error, opts ...jetstream.PullMessagesOpt) group.Feed {
+	f := newFeed(h.e, cons, name, h.log, opts...)
+	f.admitSeq = admit
+	return &partitionFeed{e: h.e, f: f}
 }
 
 // EnsureDurable records this consumer's identity in the partition
