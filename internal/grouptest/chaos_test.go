@@ -220,7 +220,11 @@ func TestGroupTakeoverDefaults(t *testing.T) {
 		moved := func(id string, before []*jetstream.ConsumerInfo) time.Duration {
 			start := time.Now()
 			mine := ownedBy(slices.Clone(ids), id, partitions)
-			if !waitEvery(2*time.Minute, 250*time.Millisecond, func() bool { return s.consumedSince(mine, partitions, id, start) }) {
+			var stored time.Time
+			if !waitEvery(2*time.Minute, 250*time.Millisecond, func() (ok bool) {
+				stored, ok = s.consumedSince(mine, partitions, id, start)
+				return ok
+			}) {
 				s.dumpPartitions(partitions)
 				t.Fatalf("partitions %v of %s not consumed by the others within 2m", mine, id)
 			}
@@ -229,8 +233,8 @@ func TestGroupTakeoverDefaults(t *testing.T) {
 				s.dumpPartitions(partitions)
 				t.Fatalf("partitions %v of %s not taken over within 2m", mine, id)
 			}
-			t.Logf("partitions %v of %s: reassigned by a live member %.1fs, consumed again %.1fs, pinned %.1fs after the signal",
-				mine, id, s.reassignedAt(id, start).Sub(start).Seconds(), consumed.Seconds(), time.Since(start).Seconds())
+			t.Logf("partitions %v of %s: reassigned by a live member %.1fs, consumed again %.1fs (%s), pinned %.1fs after the signal",
+				mine, id, s.reassignedAt(id, start).Sub(start).Seconds(), consumed.Seconds(), arrived(stored, start), time.Since(start).Seconds())
 			return consumed
 		}
 		before := s.infos(partitions)

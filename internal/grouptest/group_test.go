@@ -80,7 +80,7 @@ func newScenario(t *testing.T, partitions int) *scenario {
 	exec1(t, f, `CREATE TABLE applied (
 		consumer text NOT NULL, event_id text NOT NULL, aggregate_id text NOT NULL,
 		version bigint NOT NULL, member text NOT NULL, subject text NOT NULL, seq bigint NOT NULL,
-		deliveries bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), n bigserial PRIMARY KEY)`)
+		deliveries bigint NOT NULL, stored timestamptz NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), n bigserial PRIMARY KEY)`)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -370,7 +370,11 @@ func testKillAndJoin(t *testing.T, noVersion bool) {
 	before := s.pins(partitions)
 	s.kill("m1")
 	killed := time.Now()
-	if !waitEvery(2*time.Minute, 250*time.Millisecond, func() bool { return s.consumedSince(victim, partitions, "m1", killed) }) {
+	var stored time.Time
+	if !waitEvery(2*time.Minute, 250*time.Millisecond, func() (ok bool) {
+		stored, ok = s.consumedSince(victim, partitions, "m1", killed)
+		return ok
+	}) {
 		t.Fatalf("m1's partitions %v not consumed by the others within 2m", victim)
 	}
 	consumed := time.Since(killed)
@@ -386,8 +390,8 @@ func testKillAndJoin(t *testing.T, noVersion bool) {
 		t.Fatalf("m1's partitions %v not taken over within 2m: pins %v (before %v)", victim, s.pins(partitions), before)
 	}
 	takeover := time.Since(killed)
-	t.Logf("TAKEOVER: partitions %v of the SIGKILLed member: reassigned by a live member %.1fs, consumed again %.1fs, re-pinned %.1fs after the kill (member TTL 3s)",
-		victim, s.reassignedAt("m1", killed).Sub(killed).Seconds(), consumed.Seconds(), takeover.Seconds())
+	t.Logf("TAKEOVER: partitions %v of the SIGKILLed member: reassigned by a live member %.1fs, consumed again %.1fs (%s), re-pinned %.1fs after the kill (member TTL 3s)",
+		victim, s.reassignedAt("m1", killed).Sub(killed).Seconds(), consumed.Seconds(), arrived(stored, killed), takeover.Seconds())
 	s.start("m1", "") // restarted
 	s.waitProgress("events applied", int64(l.Events*3/5), 2*time.Minute, s.applied)
 	s.start("m4", "") // joins late

@@ -3,6 +3,7 @@ package grouptest
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"time"
@@ -28,33 +29,54 @@ func waitEvery(timeout, interval time.Duration, cond func() bool) bool {
 
 // consumedSince reports whether each partition of ps (of partitions) has
 // had an event applied by a member other than gone since t: the partition
-// is consumed again, whatever its pin shows.
-func (s *scenario) consumedSince(ps []int, partitions int, gone string, t time.Time) bool {
+// is consumed again, whatever its pin shows. It returns the store time of
+// the event that came last of those first applications (a partition can
+// be applied only once an event is there).
+func (s *scenario) consumedSince(ps []int, partitions int, gone string, t time.Time) (stored time.Time, ok bool) {
 	s.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	rows, err := s.f.DB.Pool.Query(ctx, `SELECT DISTINCT subject FROM applied WHERE member <> $1 AND at > $2`, gone, t)
+	rows, err := s.f.DB.Pool.Query(ctx, `SELECT DISTINCT ON (subject) subject, at, stored FROM applied WHERE member <> $1 AND at > $2 ORDER BY subject, at`, gone, t)
 	if err != nil {
-		return false
+		return time.Time{}, false
 	}
 	defer rows.Close()
-	seen := map[int]bool{}
+	type first struct{ at, stored time.Time }
+	seen := map[int]first{}
 	source := s.f.Prefix + ".*.*"
 	for rows.Next() {
 		var subject string
-		if rows.Scan(&subject) != nil {
-			return false
+		var f first
+		if rows.Scan(&subject, &f.at, &f.stored) != nil {
+			return time.Time{}, false
 		}
 		if n, p, ok := contract.SubjectPartition(source, subject); ok && n == partitions {
-			seen[p] = true
+			if have, ok := seen[p]; !ok || f.at.Before(have.at) {
+				seen[p] = f
+			}
 		}
 	}
+	var last first
 	for _, p := range ps {
-		if !seen[p] {
-			return false
+		f, ok := seen[p]
+		if !ok {
+			return time.Time{}, false
+		}
+		if f.at.After(last.at) {
+			last = f
 		}
 	}
-	return rows.Err() == nil
+	return last.stored, rows.Err() == nil
+}
+
+// arrived describes when the event that ended a takeover measurement was
+// stored, relative to the signal: a figure whose last event arrived after
+// the signal is bounded by the load, not by the takeover.
+func arrived(stored, signal time.Time) string {
+	if d := stored.Sub(signal); d > 0 {
+		return fmt.Sprintf("its event stored %.1fs after the signal", d.Seconds())
+	}
+	return "a backlog"
 }
 
 // reassignedAt is when the first live member logged an assignment whose
