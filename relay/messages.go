@@ -18,6 +18,11 @@ const MessageSchema = router.MessageSchema
 const (
 	ClassNonTransactional = "non_transactional"
 	ClassInvalidEnvelope  = "invalid_envelope"
+	// ClassStretchUnread counts a stretch of WAL the slot was advanced
+	// past (a publication dropped and created again) whose logical
+	// messages could not be read: the message publication did not cover
+	// it.
+	ClassStretchUnread = "stretch_unread"
 )
 
 // messageError is why a logical message was dead-lettered.
