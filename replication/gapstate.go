@@ -80,7 +80,7 @@ ON CONFLICT (slot_name) DO UPDATE SET since_lsn = least(` + table + `.since_lsn,
 		_, err = conn.Exec(ctx, upsert, cfg.Slot, g.Since.String(), g.Undecodable)
 	}
 	if err != nil {
-		return backfillStateError(err, fmt.Sprintf("record the publication gap of slot %q", cfg.Slot), "GRANT SELECT, INSERT, UPDATE, DELETE ON "+table+" TO <the relay's role>")
+		return gapStateError(ctx, conn, err, fmt.Sprintf("record the publication gap of slot %q in %s", cfg.Slot, table), table)
 	}
 	return nil
 }
@@ -100,7 +100,17 @@ func clearGap(ctx context.Context, conn *pgx.Conn, cfg Config) error {
 		return nil
 	}
 	if err != nil {
-		return backfillStateError(err, fmt.Sprintf("clear the publication gap of slot %q", cfg.Slot), "GRANT SELECT, INSERT, UPDATE, DELETE ON "+table+" TO <the relay's role>")
+		return gapStateError(ctx, conn, err, fmt.Sprintf("clear the publication gap of slot %q in %s", cfg.Slot, table), table)
 	}
 	return nil
+}
+
+// gapStateError explains a refused write to GapTable, naming the grant
+// for the role the relay runs as.
+func gapStateError(ctx context.Context, conn *pgx.Conn, err error, what, table string) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.InsufficientPrivilege {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	return stateError(err, what, "a publication gap is recorded so that a relay that stops before filling it leaves it to the next one instead of streaming past the withheld rows", grantState(ctx, conn, table))
 }
