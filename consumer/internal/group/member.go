@@ -282,19 +282,14 @@ func (g *Member) durableConfig(partitions, p int) jetstream.ConsumerConfig {
 	cfg.PriorityPolicy = jetstream.PriorityPolicyPinned
 	cfg.PriorityGroups = []string{PriorityGroup(gc.Name)}
 	cfg.PinnedTTL = gc.PinnedTTL
-	cfg.MaxAckPending = partitionPending(gc.MaxAckPending, partitions)
+	// The whole of MaxAckPending, so that one busy partition may use all
+	// of it: the host's feeds share it across the partitions the member
+	// owns (consumer/budget.go), which bounds the member.
+	cfg.MaxAckPending = gc.MaxAckPending
 	cfg.Metadata = map[string]string{
 		metaGroup: gc.Name, metaPartitions: strconv.Itoa(partitions), metaPartition: strconv.Itoa(p),
 	}
 	return cfg
-}
-
-// partitionPending is a partition durable's max_ack_pending: its share of
-// the member's MaxAckPending, so that a member holds at most MaxAckPending
-// messages (delivered and unacknowledged, in its pull buffers and workers)
-// however many partitions it owns.
-func partitionPending(maxAckPending, partitions int) int {
-	return max(1, maxAckPending/partitions)
 }
 
 // ensureGeneration creates the durables of a partition count that are
