@@ -53,7 +53,9 @@ var ErrBatchDisabled = errors.New("stream does not allow batched publishing")
 // retries, classifies and dead-letters them as it does any message. Once
 // they settle the next batch starts behind them; messages the failed
 // batch did store after all are reported as duplicates by the stream
-// (Nats-Msg-Id) and skipped. Across keys, the stream's order then follows
+// (Nats-Msg-Id) and skipped. The failed batch's final answer, should it
+// still come (answers slower than AckTimeout), settles what it counts,
+// sent alone or not. Across keys, the stream's order then follows
 // the lone publishes' answers: order holds per key. The per-key publisher also carries the
 // messages of other streams (dead-letter records).
 type Batch struct {
@@ -114,7 +116,12 @@ type batchState struct {
 	// lone counts the messages from head that go alone after a failure;
 	// loneHanded of them are with the per-key publisher.
 	lone, loneHanded int
-	failures         int // consecutive failed batches, for logging
+	// lateID is the failed batch whose unconfirmed messages go alone, and
+	// lateSent how many messages it sent: its final answer, should it come
+	// after the batch ended, still settles what it counts (lateAnswer).
+	lateID   string
+	lateSent uint64
+	failures int // consecutive failed batches, for logging
 	// sends counts messages sent; idleAt is its value when the idle timer
 	// was armed, so a timer that fires after more sends waits again.
 	sends     uint64
@@ -143,6 +150,13 @@ type bpending struct {
 	alone    Message
 	loneDone bool
 	res      Result
+	// lateSeq is the message's sequence in the failed batch lateID, 0 if
+	// it was not sent in it. handed is set while the per-key publisher
+	// holds alone; settled marks a message settled while handed (by its
+	// batch's late answer), whose pending is reused only once the per-key
+	// publisher's result is back.
+	lateSeq         uint64
+	handed, settled bool
 }
 
 // loneResult is the per-key publisher's result for a message gone alone.
@@ -515,7 +529,8 @@ func (b *Batch) onReply(msg *nats.Msg) {
 // answer acts on the server's answer to the current batch.
 func (b *Batch) answer(a batchAnswer) {
 	if a.id != b.id || (b.state != batchOpen && b.state != batchEnding) {
-		return // an earlier batch's late answer
+		b.lateAnswer(a)
+		return
 	}
 	r, seq := a.r, a.seq
 	switch {
@@ -637,6 +652,16 @@ func (b *Batch) settle(pd *bpending, res Result) {
 		done(res)
 	}
 	b.release(pd.size)
+	if pd.handed {
+		// The per-key publisher still holds its copy and will report it.
+		pd.settled = true
+		return
+	}
+	b.recycle(pd)
+}
+
+// recycle keeps a settled pending for reuse.
+func (b *Batch) recycle(pd *bpending) {
 	if len(b.free) < b.cfg.MaxInFlight {
 		*pd = bpending{}
 		b.free = append(b.free, pd)
@@ -666,13 +691,16 @@ func (b *Batch) finish(n uint64) {
 	b.ack(n)
 	lone := max(1, b.sent)
 	for i := b.head; i < b.head+b.sent; i++ {
-		b.queue[i].bseq = 0
+		pd := b.queue[i]
+		pd.lateSeq, pd.bseq = pd.bseq, 0
 	}
 	b.sent = 0
+	b.lateID, b.lateSent = b.id, b.seq
 	b.id = ""
 	if b.failed == nil {
 		b.failures = 0
 		b.state = batchIdle
+		b.lateID = ""
 		return
 	}
 	b.failures++
@@ -683,6 +711,7 @@ func (b *Batch) finish(n uint64) {
 	b.obs.Retried(failureClass(b.failed))
 	if b.head == len(b.queue) {
 		b.state = batchIdle
+		b.lateID = ""
 		return
 	}
 	b.state = batchIsolating
@@ -712,6 +741,7 @@ func (b *Batch) sendIsolated() {
 		if !ok {
 			return
 		}
+		pd.handed = true
 		b.loneHanded++
 	}
 }
@@ -720,19 +750,65 @@ func (b *Batch) sendIsolated() {
 // head as far as the messages gone alone are settled; once all are, the
 // next batch may start.
 func (b *Batch) isolatedSettled(r loneResult) {
-	r.pd.loneDone, r.pd.res = true, r.res
+	pd := r.pd
+	pd.handed = false
+	if pd.settled {
+		// Its batch's late answer settled it already.
+		b.recycle(pd)
+		return
+	}
+	if !pd.loneDone {
+		pd.loneDone, pd.res = true, r.res
+	}
+	b.settleLone()
+}
+
+// settleLone settles the queue's head as far as the messages gone alone
+// are settled; once all are, the next batch may start.
+func (b *Batch) settleLone() {
 	for b.lone > 0 && b.queue[b.head].loneDone {
 		pd := b.queue[b.head]
 		b.queue[b.head] = nil
 		b.head++
 		b.lone--
-		b.loneHanded--
+		if b.loneHanded > 0 {
+			b.loneHanded-- // handed from the front: the head was
+		}
 		b.settle(pd, pd.res)
 	}
 	b.queue, b.head = compactFront(b.queue, b.head)
 	if b.lone == 0 {
 		b.state = batchIdle
+		b.lateID = ""
 	}
+}
+
+// lateAnswer acts on an answer for a batch that has already ended. The
+// final answer of the failed batch whose messages are going alone, if it
+// names the stream and that batch and counts no more than it sent, says
+// its first Count messages are stored, in order: they settle now, whether
+// they still wait to go alone or are with the per-key publisher (whose
+// re-send the stream then reports as a duplicate). Without this, on a link
+// or broker slower than AckTimeout every batch ended unanswered and every
+// message waited for its lone publish, one round trip per message of a
+// key: a backlog offered faster than that never drained. Anything else
+// late (flow acks, failures of a batch already failed) means nothing.
+func (b *Batch) lateAnswer(a batchAnswer) {
+	r := a.r
+	if b.state != batchIsolating || b.lateID == "" || a.id != b.lateID || a.noResponders ||
+		r.Type != "" || r.Error != nil || r.Batch != b.lateID || r.Stream != b.stream || r.Count > b.lateSent {
+		return
+	}
+	for i := b.head; i < b.head+b.lone; i++ {
+		pd := b.queue[i]
+		if pd.lateSeq == 0 || pd.lateSeq > r.Count {
+			break
+		}
+		if !pd.loneDone {
+			pd.loneDone, pd.res = true, Result{Ack: b.pubAck, Attempts: 1}
+		}
+	}
+	b.settleLone()
 }
 
 // tick fails a batch whose answers are overdue.

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -68,6 +69,11 @@ func (r *Relay) fillGap(ctx context.Context, wal replication.LSN) error {
 		sctx, cancel := context.WithTimeout(ctx, r.probeTimeout())
 		err := r.guard.settle(sctx)
 		cancel()
+		var blocked *replication.SettleBlockedError
+		if errors.As(err, &blocked) {
+			r.log.Warn("publication gap: waiting for transactions that wrote the outbox to end before filling the gap; streaming resumes after they commit or roll back",
+				zap.Stringers("transactions", blocked.Writers))
+		}
 		if err != nil {
 			return fmt.Errorf("%w: %v", ErrPublicationGap, err)
 		}

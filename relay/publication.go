@@ -197,8 +197,8 @@ func (g *pubGuard) fillState() (undecodable bool) {
 	return g.undecodable
 }
 
-// settle waits until the transactions running now are visible
-// (replication.PublicationWatch.SettleCommits).
+// settle waits until the outbox writers that may be committing now are
+// visible (replication.PublicationWatch.SettleCommits).
 func (g *pubGuard) settle(ctx context.Context) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()

@@ -111,38 +111,6 @@ func (w *PublicationWatch) ClearGap(ctx context.Context) error {
 	return w.after(clearGap(ctx, w.conn, w.cfg))
 }
 
-// SettleCommits waits until every transaction running now has left the
-// server's list of running transactions. A commit record is written
-// before its transaction becomes visible: a WAL position read before this
-// call may be past the commit of a transaction that a snapshot taken now
-// would not see yet. After it, a snapshot sees every transaction that
-// committed before that position.
-func (w *PublicationWatch) SettleCommits(ctx context.Context) error {
-	if err := w.connect(ctx); err != nil {
-		return err
-	}
-	var snap string
-	if err := w.conn.QueryRow(ctx, "SELECT pg_current_snapshot()::text").Scan(&snap); err != nil {
-		return w.after(fmt.Errorf("read the running transactions: %w", err))
-	}
-	for {
-		var running bool
-		err := w.conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_snapshot_xip($1::pg_snapshot) x
-	WHERE x IN (SELECT pg_snapshot_xip(pg_current_snapshot())))`, snap).Scan(&running)
-		if err != nil {
-			return w.after(fmt.Errorf("wait for the running transactions to end: %w", err))
-		}
-		if !running {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("wait for the running transactions to end: %w", ctx.Err())
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
-
 // AdvanceSlot moves the slot's confirmed position to lsn without decoding
 // the WAL before it through the output plugin: the way past a stretch
 // pgoutput cannot decode (a publication dropped and created again). The
