@@ -112,7 +112,8 @@ func (c *Consumer) Config() Config { return c.cfg }
 
 // Run checks the schema, creates or updates the durable consumer and applies
 // messages until ctx is cancelled (it then returns nil) or the durable
-// consumer can no longer be used. It returns only after every goroutine it
+// consumer can no longer be used. A ctx cancelled before that set-up is
+// done makes Run return an error wrapping ctx's. It returns only after every goroutine it
 // started has returned. A Consumer runs at most once at a time.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.running.CompareAndSwap(false, true) {

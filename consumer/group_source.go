@@ -14,8 +14,9 @@ import (
 // member (consumer/internal/group) owns, each pulled through a feed of the
 // engine. The member knows the engine only as a group.Host.
 type groupSource struct {
-	c *Consumer
-	m *group.Member
+	c  *Consumer
+	m  *group.Member
+	id identity // set by setUp
 }
 
 func (c *Consumer) newGroupSource(strm jetstream.Stream) *groupSource {
@@ -29,12 +30,16 @@ func (c *Consumer) newGroupSource(strm jetstream.Stream) *groupSource {
 	return &groupSource{c: c, m: group.New(cfg, c.js, strm, c.log, c.reg)}
 }
 
-func (s *groupSource) run(ctx, settleCtx context.Context, e *engine) error {
+// setUp reads the identity the member records in its partition durables;
+// the member sets itself up in run (group.Member.Run).
+func (s *groupSource) setUp(ctx context.Context) error {
 	id, err := s.c.identity(ctx)
-	if err != nil {
-		return err
-	}
-	h := &groupHost{e: e, id: id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member)),
+	s.id = id
+	return err
+}
+
+func (s *groupSource) run(ctx, settleCtx context.Context, e *engine) error {
+	h := &groupHost{e: e, id: s.id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member)),
 		budget: newBudget(s.c.cfg.MaxAckPending)}
 	return s.m.Run(ctx, settleCtx, h)
 }
