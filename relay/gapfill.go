@@ -175,10 +175,9 @@ func (r *Relay) fillMessages(ctx context.Context, wal replication.LSN) error {
 	var pgErr *pgconn.PgError
 	switch {
 	case errors.Is(err, replication.ErrStretchUnreadable):
-		r.obs.Unroutable(ClassStretchUnread)
-		r.log.Error("logical messages of the WAL the slot cannot decode are lost: advancing past them; outbox rows are published from the table (run `outbox-relay setup` to create the message publication, so that a later recreation loses none)",
+		r.log.Error("logical messages of the WAL the slot cannot decode are lost: advancing past them, a dead-letter record per message prefix names the stretch; outbox rows are published from the table (run `outbox-relay setup` to create the message publication, so that a later recreation loses none)",
 			zap.Stringer("to_lsn", wal), zap.Error(err))
-		return nil
+		return r.deadLetterStretch(ctx, wal, err)
 	case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse:
 		return nil // another session streams the slot: it reads them (filled)
 	case err != nil:
@@ -186,6 +185,25 @@ func (r *Relay) fillMessages(ctx context.Context, wal replication.LSN) error {
 	}
 	if relayed+dead > 0 {
 		r.log.Warn("published the logical messages of the WAL the slot cannot decode", zap.Int("published", relayed), zap.Int("dead_lettered", dead), zap.Stringer("to_lsn", wal))
+	}
+	return nil
+}
+
+// deadLetterStretch records, for each message prefix, that the logical
+// messages of the stretch up to wal could not be read: the loss is in the
+// dead-letter stream, at the stretch's end LSN (so a fill repeated over
+// the same stretch records it once), and counted as ClassStretchUnread.
+func (r *Relay) deadLetterStretch(ctx context.Context, wal replication.LSN, cause error) error {
+	commit := router.CommitInfo{LSN: wal, Time: time.Now()}
+	for _, prefix := range r.cfg.Router.MessagePrefixes() {
+		reason := &messageError{class: ClassStretchUnread, reason: fmt.Sprintf(
+			"logical messages with prefix %q written while publication %q was dropped and created again, up to %s, could not be read and are lost: %v; find them in the producers' records",
+			prefix, r.cfg.Replication.Publication, wal, cause)}
+		r.obs.Unroutable(ClassStretchUnread)
+		dl := r.router.DeadLetterLogical(&replication.Message{Transactional: true, Prefix: prefix, LSN: wal}, nil, commit, reason)
+		if err := r.pub.Publish(ctx, &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}); err != nil {
+			return fmt.Errorf("dead-letter the unread logical messages of the stretch: %w", err)
+		}
 	}
 	return nil
 }

@@ -105,9 +105,9 @@ func TestRelayPublicationRecreatedLogicalMessages(t *testing.T) {
 // Without the message publication (a deployment set up before it
 // existed, or whose owner did not create it) the logical messages of the
 // stretch cannot be read: the relay advances past them all the same, and
-// says so (an error log naming the fix, and the unroutable metric's
-// stretch_unread class), rather than stopping for good; m3, after the
-// stretch, is relayed.
+// says so (an error log naming the fix, a dead-letter record naming the
+// stretch, reason class stretch_unread), rather than stopping for good;
+// m3, after the stretch, is relayed.
 func TestRelayPublicationRecreatedLogicalMessagesUnreadable(t *testing.T) {
 	t.Parallel()
 	recreatedLogicalMessages(t, false, true)
@@ -191,6 +191,9 @@ func recreatedLogicalMessages(t *testing.T, afterRight, noMessagePublication boo
 		}
 		if n := obs.count(relay.ClassStretchUnread); n == 0 {
 			t.Fatalf("the unread stretch was not counted (%s)", relay.ClassStretchUnread)
+		}
+		if !testenv.WaitFor(10*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.DLQ) >= 1 }) {
+			t.Fatal("the unread stretch has no dead-letter record")
 		}
 		return
 	}
