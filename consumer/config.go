@@ -60,9 +60,10 @@ type Config struct {
 	// hold back (see the package doc). Default Workers times the larger of
 	// DefaultPendingPerWorker and 2*BatchSize (a batch in flight and one
 	// queued per worker). In a group it bounds the member whatever it
-	// owns: each partition durable's max_ack_pending is MaxAckPending /
-	// Group.Partitions (at least 1), so a member owning every partition
-	// holds MaxAckPending messages at most.
+	// owns: each partition durable's max_ack_pending is MaxAckPending, and
+	// the partitions a member owns share MaxAckPending for the messages in
+	// its workers; their pull buffers hold up to MaxAckPending more
+	// (docs/consumer.md "Consumer groups").
 	MaxAckPending int
 	// AckWait is the durable consumer's ack_wait. Messages waiting in a
 	// worker's queue are kept alive with progress acks every AckWait/3, so

@@ -3,7 +3,7 @@ package consumer
 import (
 	"context"
 	"fmt"
-	"hash/fnv"
+	"hash/maphash"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -112,7 +112,8 @@ func (c *Consumer) Config() Config { return c.cfg }
 
 // Run checks the schema, creates or updates the durable consumer and applies
 // messages until ctx is cancelled (it then returns nil) or the durable
-// consumer can no longer be used. It returns only after every goroutine it
+// consumer can no longer be used. A ctx cancelled before that set-up is
+// done makes Run return an error wrapping ctx's. It returns only after every goroutine it
 // started has returned. A Consumer runs at most once at a time.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.running.CompareAndSwap(false, true) {
@@ -214,10 +215,16 @@ func storableIdentity(ev *contract.Event) error {
 	return nil
 }
 
+// workerSeed seeds the hash that picks an aggregate's worker: any fixed
+// seed keeps an aggregate on one worker for the life of the process.
+var workerSeed = maphash.MakeSeed()
+
+// workerIndex is the worker owning key's aggregate. Not FNV: a stream's
+// partition transform hashes the same fields with FNV-1a, whose low bits
+// then repeat in the worker's, and a partition's aggregates went to a
+// quarter of 8 workers (TestWorkerIndexSpreadsPartitions).
 func (c *Consumer) workerIndex(key string) int {
-	h := fnv.New64a()
-	h.Write([]byte(key))
-	return int(h.Sum64() % uint64(c.cfg.Workers))
+	return int(maphash.String(workerSeed, key) % uint64(c.cfg.Workers))
 }
 
 // statsLoop refreshes the open dead-letter gauges.

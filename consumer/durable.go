@@ -129,18 +129,23 @@ func (c *Consumer) checkIdentity(id identity, have jetstream.ConsumerConfig) err
 type durableSource struct {
 	c    *Consumer
 	strm jetstream.Stream
-	cons jetstream.Consumer // set by run before the first delivery
+	cons jetstream.Consumer // set by setUp
 }
 
-// run creates or checks the durable consumer and feeds its deliveries to
-// the engine until ctx ends.
-func (s *durableSource) run(ctx, _ context.Context, e *engine) error {
+// setUp creates or checks the durable consumer.
+func (s *durableSource) setUp(ctx context.Context) error {
 	c := s.c
 	cons, err := c.durable(ctx)
 	if err != nil {
 		return fmt.Errorf("create durable consumer %s on stream %s: %w", c.cfg.Name, c.cfg.Stream, err)
 	}
 	s.cons = cons
+	return nil
+}
+
+// run feeds the durable consumer's deliveries to the engine until ctx ends.
+func (s *durableSource) run(ctx, _ context.Context, e *engine) error {
+	c, cons := s.c, s.cons
 	c.log.Info("consuming", zap.String("stream", c.cfg.Stream), zap.Strings("filter_subjects", c.cfg.FilterSubjects),
 		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
 		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
@@ -151,7 +156,7 @@ func (s *durableSource) run(ctx, _ context.Context, e *engine) error {
 	// gaps that splitting an aggregate between processes makes.
 	f.shareable = !c.cfg.VersionCheck
 	defer f.stop()
-	err = e.pump(ctx, f)
+	err := e.pump(ctx, f)
 	if ctx.Err() != nil {
 		return nil
 	}

@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -26,9 +27,12 @@ type engine struct {
 // (feed.go), which keep each JetStream consumer's deliveries in stream
 // order.
 type source interface {
-	// run sets the source up (creates or checks its durable consumers) and
-	// feeds the engine until ctx ends (then it returns nil) or the source
-	// cannot go on. settleCtx is the workers' context, which outlives ctx:
+	// setUp creates or checks what the source reads before the engine
+	// starts its workers: the durable consumer, or the identity a group
+	// member records in its partitions' durables.
+	setUp(ctx context.Context) error
+	// run feeds the engine until ctx ends (then it returns nil) or the
+	// source cannot go on. settleCtx is the workers' context, which outlives ctx:
 	// a source may hand off at shutdown, letting the workers settle what it
 	// handed out. run returns only after every goroutine it started has.
 	run(ctx, settleCtx context.Context, e *engine) error
@@ -41,12 +45,19 @@ type source interface {
 // errWorkerStopped ends a run whose worker returned early.
 var errWorkerStopped = errors.New("a worker stopped")
 
-// run runs the workers, the source and the replay and statistics loops
-// until ctx ends or one of them fails. The workers stop last: they settle
-// what the source handed them while it stops, and then give back what they
-// still hold (worker.release).
+// run sets the source up, then runs the workers, the source and the
+// replay and statistics loops until ctx ends or one of them fails. The
+// workers stop last: they settle what the source handed them while it
+// stops, and then give back what they still hold (worker.release). A ctx
+// that ends during the set-up is an error, not a shutdown: nothing ran.
 func (e *engine) run(ctx context.Context) error {
 	c := e.c
+	if err := e.src.setUp(ctx); err != nil {
+		if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
+			err = fmt.Errorf("%w: %w", cerr, err)
+		}
+		return err
+	}
 	e.workers = make([]*worker, c.cfg.Workers)
 	for i := range e.workers {
 		e.workers[i] = newWorker(c, e.src, i)

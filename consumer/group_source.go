@@ -14,8 +14,9 @@ import (
 // member (consumer/internal/group) owns, each pulled through a feed of the
 // engine. The member knows the engine only as a group.Host.
 type groupSource struct {
-	c *Consumer
-	m *group.Member
+	c  *Consumer
+	m  *group.Member
+	id identity // set by setUp
 }
 
 func (c *Consumer) newGroupSource(strm jetstream.Stream) *groupSource {
@@ -29,12 +30,17 @@ func (c *Consumer) newGroupSource(strm jetstream.Stream) *groupSource {
 	return &groupSource{c: c, m: group.New(cfg, c.js, strm, c.log, c.reg)}
 }
 
-func (s *groupSource) run(ctx, settleCtx context.Context, e *engine) error {
+// setUp reads the identity the member records in its partition durables;
+// the member sets itself up in run (group.Member.Run).
+func (s *groupSource) setUp(ctx context.Context) error {
 	id, err := s.c.identity(ctx)
-	if err != nil {
-		return err
-	}
-	h := &groupHost{e: e, id: id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member))}
+	s.id = id
+	return err
+}
+
+func (s *groupSource) run(ctx, settleCtx context.Context, e *engine) error {
+	h := &groupHost{e: e, id: s.id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member)),
+		budget: newBudget(s.c.cfg.MaxAckPending)}
 	return s.m.Run(ctx, settleCtx, h)
 }
 
@@ -44,14 +50,19 @@ func (s *groupSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
 
 // groupHost is the engine as a group member sees it.
 type groupHost struct {
-	e   *engine
-	id  identity // of this consumer: its database; the filter is per partition
-	log *zap.Logger
+	e      *engine
+	id     identity // of this consumer: its database; the filter is per partition
+	log    *zap.Logger
+	budget *budget // MaxAckPending, shared by the member's partitions
 }
 
+// Feed opens a feed on a partition durable, sharing the member's budget;
+// admit is asked about each delivery's stream sequence before it is handed on.
 func (h *groupHost) Feed(cons jetstream.Consumer, name string, admit func(streamSeq uint64) error, opts ...jetstream.PullMessagesOpt) group.Feed {
 	f := newFeed(h.e, cons, name, h.log, opts...)
+	f.budget = h.budget
 	f.admitSeq = admit
+	h.budget.join(f)
 	return &partitionFeed{e: h.e, f: f}
 }
 
@@ -76,6 +87,7 @@ type partitionFeed struct {
 
 func (p *partitionFeed) Pump(ctx context.Context) error   { return p.e.pump(ctx, p.f) }
 func (p *partitionFeed) Stop()                            { p.f.stop() }
+func (p *partitionFeed) Close()                           { p.f.close() }
 func (p *partitionFeed) Settle(ctx context.Context) error { return p.f.settle(ctx) }
 func (p *partitionFeed) Unsettled() int                   { return p.f.unsettled() }
 func (p *partitionFeed) Pin() string                      { return p.f.pin }

@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // resultKind is what happened to one message.
@@ -141,22 +139,65 @@ const (
 	commitAbsent                     // it is not: the transaction did not commit
 )
 
-// wasCommitted looks, in a new transaction, for the dedup row of it with
-// its hash: whether a transaction that wrote it and whose commit returned an
-// error went through after all.
+// wasCommitted asks the database whether the transaction that wrote the
+// dedup row of it, and whose commit returned an error, went through. A
+// read on another connection is not enough: after a lost connection the
+// old backend may still be committing (waiting for its WAL flush, or in a
+// deferred trigger), and its row is invisible until it has. The probe
+// writes the dedup row again, in a transaction it rolls back: that insert
+// waits for a transaction holding the same key uncommitted, so "absent" is
+// read after the old transaction ended. A probe that cannot reach the
+// database is tried again until HandlerTimeout; then the state is unknown.
 func (c *Consumer) wasCommitted(ctx context.Context, it *item) (commitState, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
+	for attempt := 1; ; attempt++ {
+		state, err := c.probeCommit(ctx, it)
+		if state != commitUnknown {
+			return state, nil
+		}
+		t := time.NewTimer(backoff(attempt, probeRetryBase, probeRetryMax, jitter))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return commitUnknown, err
+		case <-t.C:
+		}
+	}
+}
+
+// The pauses between commit probes: short, since the message's aggregate
+// waits meanwhile, and capped well below any HandlerTimeout.
+const (
+	probeRetryBase = 50 * time.Millisecond
+	probeRetryMax  = time.Second
+)
+
+// probeCommit is one attempt of wasCommitted.
+func (c *Consumer) probeCommit(ctx context.Context, it *item) (commitState, error) {
+	tx, err := c.db.Begin(ctx)
+	if err != nil {
+		return commitUnknown, fmt.Errorf("begin commit probe: %w", err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }() // the probe leaves nothing behind
+	written, err := c.insertOne(ctx, tx, it, nil)
+	if err != nil {
+		return commitUnknown, fmt.Errorf("probe dedup row: %w", err)
+	}
+	if written {
+		return commitAbsent, nil // no transaction holds the key: the old one rolled back
+	}
 	var hash []byte
-	err := c.db.QueryRow(ctx, `SELECT content_hash FROM consumed_message WHERE consumer = $1 AND event_id = $2`,
+	err = tx.QueryRow(ctx, `SELECT content_hash FROM consumed_message WHERE consumer = $1 AND event_id = $2`,
 		c.cfg.Name, it.m.ID).Scan(&hash)
 	switch {
 	case err == nil && bytes.Equal(hash, it.hash):
 		return commitDone, nil
-	case err == nil, errors.Is(err, pgx.ErrNoRows):
+	case err == nil:
 		return commitAbsent, nil // a row with other content is another message's
 	}
-	return commitUnknown, err
+	// ErrNoRows: pruned between the two statements; the next probe tells.
+	return commitUnknown, fmt.Errorf("read dedup row: %w", err)
 }
 
 // committed runs what follows a successful commit and precedes the ack.

@@ -18,7 +18,9 @@ import (
 // transaction that inserted into commit_fuse: mode 'kill' terminates the
 // committing backend before its commit record (the transaction rolls back,
 // the client sees the connection end), mode 'sleep' holds the commit for
-// two seconds and then lets it commit.
+// two seconds and then lets it commit, and mode 'stubborn' does so through
+// cancel requests, as a commit waiting for its WAL flush does (pgx sends
+// one when it loses a connection).
 func (f *fixture) fuse() {
 	f.t.Helper()
 	mustExec(f.t, f.pool, `CREATE TABLE commit_fuse (mode text NOT NULL)`)
@@ -27,6 +29,16 @@ func (f *fixture) fuse() {
 			IF NEW.mode = 'kill' THEN
 				PERFORM pg_terminate_backend(pg_backend_pid());
 				PERFORM pg_sleep(10); -- the termination lands here
+			ELSIF NEW.mode = 'stubborn' THEN
+				DECLARE until timestamptz := clock_timestamp() + interval '2 seconds';
+				BEGIN
+					WHILE clock_timestamp() < until LOOP
+						BEGIN
+							PERFORM pg_sleep(EXTRACT(EPOCH FROM until - clock_timestamp()));
+						EXCEPTION WHEN query_canceled THEN NULL;
+						END;
+					END LOOP;
+				END;
 			ELSE
 				PERFORM pg_sleep(2);
 			END IF;
@@ -217,35 +229,14 @@ func (f *fixture) proxiedPool() (*pgxpool.Pool, *testenv.Proxy) {
 func TestCommitNobodyCanConfirmIsRetriedNotDeadLettered(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t)
-	f.fuse()
-	pool, proxy := f.proxiedPool()
-	h := &fusedHandler{recorder: newRecorder("indoubt"), fuses: map[string]string{"id-1": "sleep"}}
-	cfg := f.baseConfig("indoubt")
-	cfg.AckWait, cfg.HandlerTimeout = 10*time.Second, 4*time.Second // longer than the fuse
-	cfg.TransientAttempts, cfg.MaxAttempts = 1, 1
-	c, err := New(pool, f.js, cfg, h, WithRegisterer(f.reg))
-	testenv.Must(t, err, "new consumer")
-	f.publish(event{ID: "id-1", AggID: "a", Version: 1})
-	jc := f.durable(cfg.Name, 5*time.Second)
-	its := f.fetch(c, jc, 1, 5*time.Second)
+	c, h, proxy, jc, its := f.fusedCommit("indoubt", "id-1", "sleep")
 
 	// While the commit waits in the fuse, the network to the database
 	// fails: the connection is reset and new ones carry nothing.
-	cut := make(chan bool, 1)
-	go func() {
-		if testenv.WaitFor(10*time.Second, func() bool {
-			var n int
-			err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-				WHERE wait_event = 'PgSleep' AND datname = current_database()`).Scan(&n)
-			return err == nil && n > 0
-		}) {
-			proxy.Stall(testenv.Both)
-			proxy.Cut()
-			cut <- true
-			return
-		}
-		cut <- false
-	}()
+	cut := f.cutInFuse(func() {
+		proxy.Stall(testenv.Both)
+		proxy.Cut()
+	})
 	w := newWorker(c, nil, 0)
 	ctx := context.Background()
 	out := c.processItems(ctx, its)
@@ -271,5 +262,75 @@ func TestCommitNobodyCanConfirmIsRetriedNotDeadLettered(t *testing.T) {
 	}
 	if n := h.callCount("id-1"); n != 1 {
 		t.Fatalf("the handler ran %d times for an event applied at once", n)
+	}
+}
+
+// fusedCommit is a consumer name on the database through a proxy, with one
+// transient or unknown attempt per message, and the delivery of one event
+// id whose commit blows the fuse in mode.
+func (f *fixture) fusedCommit(name, id, mode string) (*Consumer, *fusedHandler, *testenv.Proxy, jetstream.Consumer, []*item) {
+	f.t.Helper()
+	f.fuse()
+	pool, proxy := f.proxiedPool()
+	h := &fusedHandler{recorder: newRecorder(name), fuses: map[string]string{id: mode}}
+	cfg := f.baseConfig(name)
+	cfg.AckWait, cfg.HandlerTimeout = 10*time.Second, 4*time.Second // longer than the fuse
+	cfg.TransientAttempts, cfg.MaxAttempts = 1, 1
+	c, err := New(pool, f.js, cfg, h, WithRegisterer(f.reg))
+	testenv.Must(f.t, err, "new consumer")
+	f.publish(event{ID: id, AggID: "a", Version: 1})
+	jc := f.durable(cfg.Name, 5*time.Second)
+	return c, h, proxy, jc, f.fetch(c, jc, 1, 5*time.Second)
+}
+
+// cutInFuse runs cut once a commit waits in the fuse's sleep, and reports
+// on the channel whether it saw one within 10 s.
+func (f *fixture) cutInFuse(cut func()) <-chan bool {
+	done := make(chan bool, 1)
+	go func() {
+		seen := testenv.WaitFor(10*time.Second, func() bool {
+			var n int
+			err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+				WHERE wait_event = 'PgSleep' AND datname = current_database()`).Scan(&n)
+			return err == nil && n > 0
+		})
+		if seen {
+			cut()
+		}
+		done <- seen
+	}()
+	return done
+}
+
+// The client loses its connection while the server is still committing
+// (the fuse holds the commit for two seconds, through the cancel request
+// pgx sends when it loses the connection), and the database is
+// reachable at once on a new connection. A read there does not see the
+// dedup row yet: answering "not committed" from it charges an attempt of
+// an event that is about to be applied, and with one transient attempt
+// allowed dead-letters it. The commit probe waits for the old transaction
+// and finds it committed.
+func TestCommitStillRunningIsNotJudgedAbsent(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	c, _, proxy, jc, its := f.fusedCommit("stillcommitting", "sc-1", "stubborn")
+	cut := f.cutInFuse(proxy.Cut) // new connections are served
+	ctx := context.Background()
+	out := c.processItems(ctx, its)
+	if !<-cut {
+		t.Fatalf("the commit was not seen waiting behind the fuse: %+v", out.res)
+	}
+	if out.res[0].kind != resApplied {
+		t.Errorf("result %v (%v), want applied: the commit went through", out.res[0].kind, out.res[0].err)
+	}
+	newWorker(c, nil, 0).finishAll(ctx, its, out)
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = 'stillcommitting'`); n != 0 {
+		t.Fatalf("an event whose commit was still running was dead-lettered")
+	}
+	if !f.acked(jc, its[0].m.StreamSeq) {
+		t.Fatalf("the applied message was not acknowledged")
+	}
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'stillcommitting'`); n != 1 {
+		t.Fatalf("applied %d times", n)
 	}
 }

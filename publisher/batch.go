@@ -53,7 +53,9 @@ var ErrBatchDisabled = errors.New("stream does not allow batched publishing")
 // retries, classifies and dead-letters them as it does any message. Once
 // they settle the next batch starts behind them; messages the failed
 // batch did store after all are reported as duplicates by the stream
-// (Nats-Msg-Id) and skipped. Across keys, the stream's order then follows
+// (Nats-Msg-Id) and skipped. The failed batch's final answer, should it
+// still come (answers slower than AckTimeout), settles what it counts,
+// sent alone or not. Across keys, the stream's order then follows
 // the lone publishes' answers: order holds per key. The per-key publisher also carries the
 // messages of other streams (dead-letter records).
 type Batch struct {
@@ -73,11 +75,11 @@ type Batch struct {
 	window
 
 	// Hand-over to Run. in holds admitted messages only, so it never
-	// fills; replies blocks the reply subscription while Run catches up;
-	// isoDone holds the results of the messages gone alone (at most the
-	// window's, so the per-key publisher never blocks on it).
+	// fills; replies is the reply subscription's own channel (see
+	// NewBatch); isoDone holds the results of the messages gone alone (at
+	// most the window's, so the per-key publisher never blocks on it).
 	in      chan admitted
-	replies chan batchAnswer
+	replies chan *nats.Msg
 	isoDone chan loneResult
 	oldestQ chan stuckQuery
 	stopped chan struct{} // closed when Run returns
@@ -114,7 +116,12 @@ type batchState struct {
 	// lone counts the messages from head that go alone after a failure;
 	// loneHanded of them are with the per-key publisher.
 	lone, loneHanded int
-	failures         int // consecutive failed batches, for logging
+	// lateID is the failed batch whose unconfirmed messages go alone, and
+	// lateSent how many messages it sent: its final answer, should it come
+	// after the batch ended, still settles what it counts (lateAnswer).
+	lateID   string
+	lateSent uint64
+	failures int // consecutive failed batches, for logging
 	// sends counts messages sent; idleAt is its value when the idle timer
 	// was armed, so a timer that fires after more sends waits again.
 	sends     uint64
@@ -143,6 +150,13 @@ type bpending struct {
 	alone    Message
 	loneDone bool
 	res      Result
+	// lateSeq is the message's sequence in the failed batch lateID, 0 if
+	// it was not sent in it. handed is set while the per-key publisher
+	// holds alone; settled marks a message settled while handed (by its
+	// batch's late answer), whose pending is reused only once the per-key
+	// publisher's result is back.
+	lateSeq         uint64
+	handed, settled bool
 }
 
 // loneResult is the per-key publisher's result for a message gone alone.
@@ -208,14 +222,22 @@ func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opt
 		stream:  bcfg.Stream,
 		window:  newWindow(cfg),
 		in:      make(chan admitted, cfg.MaxInFlight),
-		replies: make(chan batchAnswer, replyQueue),
+		replies: make(chan *nats.Msg, cfg.MaxInFlight+replyQueue),
 		isoDone: make(chan loneResult, cfg.MaxInFlight),
 		oldestQ: make(chan stuckQuery),
 		stopped: make(chan struct{}),
 	}
 	b.pubAck = jetstream.PubAck{Stream: bcfg.Stream}
-	if b.prefix, b.sub, err = subscribeAcks(nc, ">", b.onReply); err != nil {
-		return nil, err
+	// The connection's reader hands answers straight to Run's channel: an
+	// asynchronous subscription's goroutine in between woke once more per
+	// answer, which at moderate rates is once more per event. The server
+	// sends at most one answer per message sent (a flow ack, a failure or
+	// the final count), so the channel, sized by the window, holds every
+	// answer Run has yet to read; one it could not hold would be dropped as
+	// a slow consumer, costing a batch timeout, never a wrong settle.
+	b.prefix = nc.NewInbox() + "."
+	if b.sub, err = nc.ChanSubscribe(b.prefix+">", b.replies); err != nil {
+		return nil, fmt.Errorf("subscribe to acks: %w", err)
 	}
 	// Batch ids must be unique across processes and restarts: the server
 	// keys batches by id within a stream, and keeps a batch whose publisher
@@ -243,29 +265,29 @@ func (b *Batch) TryPublish(m *Message) (bool, error) {
 // handles timeouts and failures until ctx ends or the publisher closes. It
 // returns the reason the publisher closed, or ctx's error. It may be called
 // once.
+//
+// While a batch waits for its final answer (or its messages go alone) Run
+// does not take handed-over messages: nothing could be sent before that
+// answer, and taking each would wake Run once per message for nothing.
+// They wait in the hand-over channel and form the next batch, all taken at
+// once when the answer comes.
 func (b *Batch) Run(ctx context.Context) error {
 	defer close(b.stopped)
-	tick := time.NewTicker(tickEvery)
-	defer tick.Stop()
+	check := newCheckTimer()
+	defer check.stop()
 	idle := time.NewTimer(time.Hour)
 	idle.Stop()
 	defer idle.Stop()
 	for {
+		in := b.in
+		if b.state == batchEnding || b.state == batchIsolating {
+			in = nil
+		}
 		select {
-		case a := <-b.in:
+		case a := <-in:
 			b.enqueue(a)
-			// Take what else was handed over, so that the next batch is
-			// sized by the whole queue.
-			for more := true; more; {
-				select {
-				case a := <-b.in:
-					b.enqueue(a)
-				default:
-					more = false
-				}
-			}
-		case a := <-b.replies:
-			b.answer(a)
+		case msg := <-b.replies:
+			b.onReply(msg)
 		case r := <-b.isoDone:
 			b.isolatedSettled(r)
 		case q := <-b.oldestQ:
@@ -274,19 +296,35 @@ func (b *Batch) Run(ctx context.Context) error {
 		case <-idle.C:
 			b.idleArmed = false
 			b.idleFired()
-		case <-tick.C:
+		case <-check.C():
+			check.fired()
 			b.tick()
 		case <-b.done:
 			return b.stopErr(ctx)
 		case <-ctx.Done():
 			return b.stopErr(ctx)
 		}
+		b.takeHandedOver()
 		b.step()
 		if !b.idleArmed && b.state == batchOpen && b.commitAt == 0 && b.seq > 0 {
 			// Only a batch left open needs the idle commit: one committed
 			// by its last message is answered anyway.
 			b.idleArmed, b.idleAt = true, b.sends
 			idle.Reset(b.idle)
+		}
+		check.arm(b.nextCheck())
+	}
+}
+
+// takeHandedOver queues what was handed over, when a batch may take it, so
+// that the next batch is sized by the whole queue.
+func (b *Batch) takeHandedOver() {
+	for b.state == batchIdle || b.state == batchOpen {
+		select {
+		case a := <-b.in:
+			b.enqueue(a)
+		default:
+			return
 		}
 	}
 }
@@ -461,8 +499,8 @@ type batchReply struct {
 	Error  *jetstream.APIError `json:"error"`
 }
 
-// batchAnswer is a decoded answer, handed from the reply subscription to
-// Run: the batch and sequence its subject names, and its body.
+// batchAnswer is a decoded answer: the batch and sequence its subject
+// names, and its body.
 type batchAnswer struct {
 	id           string
 	seq          uint64
@@ -492,8 +530,7 @@ func (b *Batch) parseReplySubject(subj string) (id string, seq uint64, ok bool) 
 	return parts[0], seq, true
 }
 
-// onReply decodes an answer on the reply subscription's goroutine and hands
-// it to Run.
+// onReply decodes an answer and acts on it.
 func (b *Batch) onReply(msg *nats.Msg) {
 	id, seq, ok := b.parseReplySubject(msg.Subject)
 	if !ok {
@@ -506,16 +543,14 @@ func (b *Batch) onReply(msg *nats.Msg) {
 			a.r = batchReply{Type: "err", Seq: seq, Error: &jetstream.APIError{Description: "unreadable answer: " + err.Error()}}
 		}
 	}
-	select {
-	case b.replies <- a:
-	case <-b.done:
-	}
+	b.answer(a)
 }
 
 // answer acts on the server's answer to the current batch.
 func (b *Batch) answer(a batchAnswer) {
 	if a.id != b.id || (b.state != batchOpen && b.state != batchEnding) {
-		return // an earlier batch's late answer
+		b.lateAnswer(a)
+		return
 	}
 	r, seq := a.r, a.seq
 	switch {
@@ -637,6 +672,16 @@ func (b *Batch) settle(pd *bpending, res Result) {
 		done(res)
 	}
 	b.release(pd.size)
+	if pd.handed {
+		// The per-key publisher still holds its copy and will report it.
+		pd.settled = true
+		return
+	}
+	b.recycle(pd)
+}
+
+// recycle keeps a settled pending for reuse.
+func (b *Batch) recycle(pd *bpending) {
 	if len(b.free) < b.cfg.MaxInFlight {
 		*pd = bpending{}
 		b.free = append(b.free, pd)
@@ -666,13 +711,16 @@ func (b *Batch) finish(n uint64) {
 	b.ack(n)
 	lone := max(1, b.sent)
 	for i := b.head; i < b.head+b.sent; i++ {
-		b.queue[i].bseq = 0
+		pd := b.queue[i]
+		pd.lateSeq, pd.bseq = pd.bseq, 0
 	}
 	b.sent = 0
+	b.lateID, b.lateSent = b.id, b.seq
 	b.id = ""
 	if b.failed == nil {
 		b.failures = 0
 		b.state = batchIdle
+		b.lateID = ""
 		return
 	}
 	b.failures++
@@ -683,6 +731,7 @@ func (b *Batch) finish(n uint64) {
 	b.obs.Retried(failureClass(b.failed))
 	if b.head == len(b.queue) {
 		b.state = batchIdle
+		b.lateID = ""
 		return
 	}
 	b.state = batchIsolating
@@ -712,6 +761,7 @@ func (b *Batch) sendIsolated() {
 		if !ok {
 			return
 		}
+		pd.handed = true
 		b.loneHanded++
 	}
 }
@@ -720,19 +770,84 @@ func (b *Batch) sendIsolated() {
 // head as far as the messages gone alone are settled; once all are, the
 // next batch may start.
 func (b *Batch) isolatedSettled(r loneResult) {
-	r.pd.loneDone, r.pd.res = true, r.res
+	pd := r.pd
+	pd.handed = false
+	if pd.settled {
+		// Its batch's late answer settled it already.
+		b.recycle(pd)
+		return
+	}
+	if !pd.loneDone {
+		pd.loneDone, pd.res = true, r.res
+	}
+	b.settleLone()
+}
+
+// settleLone settles the queue's head as far as the messages gone alone
+// are settled; once all are, the next batch may start.
+func (b *Batch) settleLone() {
 	for b.lone > 0 && b.queue[b.head].loneDone {
 		pd := b.queue[b.head]
 		b.queue[b.head] = nil
 		b.head++
 		b.lone--
-		b.loneHanded--
+		if b.loneHanded > 0 {
+			b.loneHanded-- // handed from the front: the head was
+		}
 		b.settle(pd, pd.res)
 	}
 	b.queue, b.head = compactFront(b.queue, b.head)
 	if b.lone == 0 {
 		b.state = batchIdle
+		b.lateID = ""
 	}
+}
+
+// lateAnswer acts on an answer for a batch that has already ended. The
+// final answer of the failed batch whose messages are going alone, if it
+// names the stream and that batch and counts no more than it sent, says
+// its first Count messages are stored, in order: they settle now, whether
+// they still wait to go alone or are with the per-key publisher (whose
+// re-send the stream then reports as a duplicate). Without this, on a link
+// or broker slower than AckTimeout every batch ended unanswered and every
+// message waited for its lone publish, one round trip per message of a
+// key: a backlog offered faster than that never drained. Anything else
+// late (flow acks, failures of a batch already failed) means nothing.
+func (b *Batch) lateAnswer(a batchAnswer) {
+	r := a.r
+	if b.state != batchIsolating || b.lateID == "" || a.id != b.lateID || a.noResponders ||
+		r.Type != "" || r.Error != nil || r.Batch != b.lateID || r.Stream != b.stream || r.Count > b.lateSent {
+		return
+	}
+	for i := b.head; i < b.head+b.lone; i++ {
+		pd := b.queue[i]
+		if pd.lateSeq == 0 || pd.lateSeq > r.Count {
+			break
+		}
+		if !pd.loneDone {
+			pd.loneDone, pd.res = true, Result{Ack: b.pubAck, Attempts: 1}
+		}
+	}
+	b.settleLone()
+}
+
+// nextCheck returns when tick has something to look at: the current
+// batch's answer deadline, or soon while messages wait to go alone (the
+// per-key publisher's window was full); zero when there is nothing.
+func (b *Batch) nextCheck() time.Time {
+	switch {
+	case b.state == batchOpen && b.sent > 0:
+		at := b.lastAck
+		if first := b.queue[b.head].first; first.After(at) {
+			at = first
+		}
+		return at.Add(b.cfg.AckTimeout)
+	case b.state == batchEnding:
+		return b.endBy
+	case b.state == batchIsolating && b.loneHanded < b.lone:
+		return time.Now()
+	}
+	return time.Time{}
 }
 
 // tick fails a batch whose answers are overdue.

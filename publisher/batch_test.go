@@ -3,6 +3,7 @@ package publisher_test
 import (
 	"context"
 	"errors"
+	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -55,7 +56,15 @@ func newBatchFixture(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Co
 func newBatchFixtureWith(t *testing.T, scfg jetstream.StreamConfig, cfg publisher.Config, bcfg publisher.BatchConfig, opts ...testenv.NATSOption) *batchFixture {
 	t.Helper()
 	nc := connectNATS(t, opts...)
-	js, err := jetstream.New(nc)
+	return newBatchFixtureOn(t, nc, nc, scfg, cfg, bcfg)
+}
+
+// newBatchFixtureOn is newBatchFixtureWith on given connections: the
+// publishers use pub, the fixture's streams and reads admin.
+func newBatchFixtureOn(t *testing.T, pub, admin *nats.Conn, scfg jetstream.StreamConfig, cfg publisher.Config, bcfg publisher.BatchConfig) *batchFixture {
+	t.Helper()
+	nc := pub
+	js, err := jetstream.New(admin)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -736,4 +745,51 @@ func TestBatchLoneResendsGoSideBySide(t *testing.T) {
 		t.Fatalf("at most %d lone publishes waited for an answer at once, want them side by side over %d keys", most, keys)
 	}
 	t.Logf("%d lone publishes, at most %d at once", lone, most)
+}
+
+// Regression (issue 25): a batch whose final answer came after the batch
+// had ended (answers slower than AckTimeout: a slow link, a loaded broker)
+// was ignored as an earlier batch's late answer, and every message it had
+// sent waited for its lone publish through the per-key publisher: one
+// round trip per message of a key, so a backlog offered faster than that
+// never drained. The late final answer, checked for the stream and the
+// batch like every other, now settles what it counts. Real JetStream
+// through a proxy that delays every chunk both ways: each answer arrives
+// about three AckTimeouts after its request. On the old code the 150
+// messages of one key went alone one round trip at a time: 49 settled in
+// 20 s (the fix: all in under a second).
+func TestBatchLateAnswerSettles(t *testing.T) {
+	srv := startNATS(t)
+	proxy, err := testenv.StartProxy(strings.TrimPrefix(srv.URL, "nats://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(proxy.Close)
+	admin := dialNATS(t, srv.URL)
+	slow := dialNATS(t, "nats://"+net.JoinHostPort("127.0.0.1", strconv.Itoa(proxy.Port())))
+	const ackTimeout = publisher.MinAckTimeout
+	f := newBatchFixtureOn(t, slow, admin, batchStream("B"),
+		publisher.Config{AckTimeout: ackTimeout, RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond}, publisher.BatchConfig{})
+	if err := slow.Flush(); err != nil { // the subscriptions are in place
+		t.Fatal(err)
+	}
+	proxy.SetLatency(3 * ackTimeout / 2) // a round trip of 3 × AckTimeout
+	const n = 150
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	start := time.Now()
+	for i := range n {
+		f.publish(ctx, i, "k", []byte("x"))
+	}
+	if err := f.b.Drain(ctx); err != nil {
+		t.Fatalf("%v: %d of %d settled in %s with every answer about %s after its request", err, n-f.b.InFlight(), n, time.Since(start).Round(time.Millisecond), 3*ackTimeout)
+	}
+	t.Logf("%d messages settled in %s", n, time.Since(start).Round(time.Millisecond))
+	proxy.SetLatency(0)
+	checkInOrder(t, f.stored(ctx, "B"), n, nil)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.results) != n {
+		t.Fatalf("%d settled, want %d", len(f.results), n)
+	}
 }

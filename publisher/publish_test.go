@@ -16,6 +16,12 @@ import (
 // connectNATS starts a NATS server of the test's own and connects to it.
 func connectNATS(t *testing.T, opts ...testenv.NATSOption) *nats.Conn {
 	t.Helper()
+	return dialNATS(t, startNATS(t, opts...).URL)
+}
+
+// startNATS starts a NATS server of the test's own.
+func startNATS(t *testing.T, opts ...testenv.NATSOption) *testenv.NATS {
+	t.Helper()
 	if testing.Short() {
 		t.Skip("needs a NATS server")
 	}
@@ -25,7 +31,13 @@ func connectNATS(t *testing.T, opts ...testenv.NATSOption) *nats.Conn {
 		t.Fatal(err)
 	}
 	t.Cleanup(srv.Close)
-	nc, err := nats.Connect(srv.URL)
+	return srv
+}
+
+// dialNATS connects to url until the test ends.
+func dialNATS(t *testing.T, url string) *nats.Conn {
+	t.Helper()
+	nc, err := nats.Connect(url)
 	if err != nil {
 		t.Fatal(err)
 	}

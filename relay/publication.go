@@ -197,8 +197,8 @@ func (g *pubGuard) fillState() (undecodable bool) {
 	return g.undecodable
 }
 
-// settle waits until the transactions running now are visible
-// (replication.PublicationWatch.SettleCommits).
+// settle waits until the outbox writers that may be committing now are
+// visible (replication.PublicationWatch.SettleCommits).
 func (g *pubGuard) settle(ctx context.Context) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -206,6 +206,28 @@ func (g *pubGuard) settle(ctx context.Context) error {
 		return err
 	}
 	return g.watch.SettleCommits(ctx)
+}
+
+// position reads the server's WAL position now
+// (replication.PublicationWatch.Position).
+func (g *pubGuard) position(ctx context.Context) (replication.LSN, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err := g.open(); err != nil {
+		return 0, err
+	}
+	return g.watch.Position(ctx)
+}
+
+// stretchMessages reads the logical messages the slot would skip if
+// advanced to upto (replication.PublicationWatch.StretchMessages).
+func (g *pubGuard) stretchMessages(ctx context.Context, upto replication.LSN, fn func(*replication.StretchMessage) error) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err := g.open(); err != nil {
+		return err
+	}
+	return g.watch.StretchMessages(ctx, upto, fn)
 }
 
 // filled records that the rows withheld before wal are published, first

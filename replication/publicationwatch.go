@@ -111,38 +111,6 @@ func (w *PublicationWatch) ClearGap(ctx context.Context) error {
 	return w.after(clearGap(ctx, w.conn, w.cfg))
 }
 
-// SettleCommits waits until every transaction running now has left the
-// server's list of running transactions. A commit record is written
-// before its transaction becomes visible: a WAL position read before this
-// call may be past the commit of a transaction that a snapshot taken now
-// would not see yet. After it, a snapshot sees every transaction that
-// committed before that position.
-func (w *PublicationWatch) SettleCommits(ctx context.Context) error {
-	if err := w.connect(ctx); err != nil {
-		return err
-	}
-	var snap string
-	if err := w.conn.QueryRow(ctx, "SELECT pg_current_snapshot()::text").Scan(&snap); err != nil {
-		return w.after(fmt.Errorf("read the running transactions: %w", err))
-	}
-	for {
-		var running bool
-		err := w.conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_snapshot_xip($1::pg_snapshot) x
-	WHERE x IN (SELECT pg_snapshot_xip(pg_current_snapshot())))`, snap).Scan(&running)
-		if err != nil {
-			return w.after(fmt.Errorf("wait for the running transactions to end: %w", err))
-		}
-		if !running {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("wait for the running transactions to end: %w", ctx.Err())
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
-
 // AdvanceSlot moves the slot's confirmed position to lsn without decoding
 // the WAL before it through the output plugin: the way past a stretch
 // pgoutput cannot decode (a publication dropped and created again). The
@@ -154,22 +122,38 @@ func (w *PublicationWatch) AdvanceSlot(ctx context.Context, lsn LSN) error {
 	if err := w.connect(ctx); err != nil {
 		return err
 	}
+	var reached string
+	err := retryInUse(ctx, func() error {
+		return w.conn.QueryRow(ctx, "SELECT end_lsn::text FROM pg_replication_slot_advance($1, $2::pg_lsn)", w.cfg.Slot, lsn.String()).Scan(&reached)
+	})
+	var pgErr *pgconn.PgError
+	if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse) && ctx.Err() == nil {
+		return w.after(fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err))
+	}
+	if err != nil {
+		return fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err)
+	}
+	// The server advances no further than its flushed WAL: short of lsn,
+	// the slot would fail on the stretch again.
+	if end, err := parseLSN(reached); err != nil || end < lsn {
+		return fmt.Errorf("advance slot %q to %s: it reached %s only (the WAL is not flushed that far yet)", w.cfg.Slot, lsn, reached)
+	}
+	return nil
+}
+
+// retryInUse runs use, a statement on the slot, until it does not fail
+// with ObjectInUse (the slot held by a session), for up to advanceRetry.
+func retryInUse(ctx context.Context, use func() error) error {
 	giveUp := time.Now().Add(advanceRetry)
 	for {
-		_, err := w.conn.Exec(ctx, "SELECT pg_replication_slot_advance($1, $2::pg_lsn)", w.cfg.Slot, lsn.String())
+		err := use()
 		var pgErr *pgconn.PgError
-		inUse := errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse
-		switch {
-		case err == nil:
-			return nil
-		case !inUse:
-			return w.after(fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err))
-		case time.Now().After(giveUp):
-			return fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err)
+		if err == nil || !(errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse) || time.Now().After(giveUp) {
+			return err
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("advance slot %q to %s: %w: %w", w.cfg.Slot, lsn, ctx.Err(), err)
+			return fmt.Errorf("%w: %w", ctx.Err(), err)
 		case <-time.After(100 * time.Millisecond):
 		}
 	}

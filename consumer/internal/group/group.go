@@ -37,7 +37,7 @@ type Config struct {
 	MemberTTL, PinnedTTL time.Duration
 	DrainTimeout         time.Duration
 	AckWait              time.Duration
-	MaxAckPending        int // shared by the partitions a member owns
+	MaxAckPending        int // each partition durable's; the host's feeds share it member-wide
 	VersionCheck         bool
 	// Durable is the consumer's durable configuration, which each partition
 	// durable starts from.
@@ -66,6 +66,10 @@ type Feed interface {
 	// Stop closes the pull subscription; what it buffered comes again to
 	// whoever resets the durable next.
 	Stop()
+	// Close stops the feed for good, once the partition is no longer
+	// pulled: what is naked for a retry no longer counts against the
+	// member's MaxAckPending (it comes back to the next owner).
+	Close()
 	// Settle waits until what was handed out is settled (except what is
 	// held behind a message naked for a retry), or ctx ends.
 	Settle(ctx context.Context) error

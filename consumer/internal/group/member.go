@@ -64,9 +64,6 @@ type Member struct {
 	drainSince  time.Time            // since an older generation blocks the current one
 
 	roster *roster // the live members, kept by watchRoster
-
-	infoMu sync.Mutex
-	infos  map[string]*jetstream.ConsumerInfo // last listing, for gone()
 }
 
 // memberInfo is a member's heartbeat value.
@@ -137,7 +134,6 @@ func (g *Member) setUp(ctx context.Context, host Host) error {
 	g.parts = map[string]*partition{}
 	g.errs = make(chan error, 1)
 	g.lastOwner = map[string]time.Time{}
-	g.infos = map[string]*jetstream.ConsumerInfo{}
 	g.roster = newRoster()
 	g.rewatch = make(chan struct{}, 1)
 	g.replicas = max(info.Config.Replicas, 1)
@@ -290,20 +286,15 @@ func (g *Member) durableConfig(partitions, p int, from uint64) jetstream.Consume
 	cfg.PriorityPolicy = jetstream.PriorityPolicyPinned
 	cfg.PriorityGroups = []string{PriorityGroup(gc.Name)}
 	cfg.PinnedTTL = gc.PinnedTTL
-	cfg.MaxAckPending = partitionPending(gc.MaxAckPending, partitions)
+	// The whole of MaxAckPending, so that one busy partition may use all
+	// of it: the host's feeds share it across the partitions the member
+	// owns (consumer/budget.go), which bounds the member.
+	cfg.MaxAckPending = gc.MaxAckPending
 	cfg.Metadata = map[string]string{
 		metaGroup: gc.Name, metaPartitions: strconv.Itoa(partitions), metaPartition: strconv.Itoa(p),
 		metaFrom: strconv.FormatUint(from, 10),
 	}
 	return cfg
-}
-
-// partitionPending is a partition durable's max_ack_pending: its share of
-// the member's MaxAckPending, so that a member holds at most MaxAckPending
-// messages (delivered and unacknowledged, in its pull buffers and workers)
-// however many partitions it owns.
-func partitionPending(maxAckPending, partitions int) int {
-	return max(1, maxAckPending/partitions)
 }
 
 // ensureGeneration creates the durables of a partition count that are
@@ -568,7 +559,6 @@ func (g *Member) generations(ctx context.Context) (map[int]*generation, error) {
 	defer cancel()
 	l := g.strm.ListConsumers(ctx)
 	gens := map[int]*generation{}
-	infos := map[string]*jetstream.ConsumerInfo{}
 	for ci := range l.Info() {
 		n, p, err := g.cfg.durableGeneration(ci)
 		if err != nil {
@@ -592,7 +582,6 @@ func (g *Member) generations(ctx context.Context) (map[int]*generation, error) {
 		if ci.NumPending > 0 || ci.NumAckPending > 0 {
 			gen.drained = false
 		}
-		infos[ci.Name] = ci
 	}
 	if err := l.Err(); err != nil {
 		return nil, fmt.Errorf("list consumers of stream %s: %w", g.cfg.Stream, err)
@@ -602,9 +591,6 @@ func (g *Member) generations(ctx context.Context) (map[int]*generation, error) {
 			gen.drained = false // an incomplete listing proves nothing
 		}
 	}
-	g.infoMu.Lock()
-	g.infos = infos
-	g.infoMu.Unlock()
 	return gens, nil
 }
 

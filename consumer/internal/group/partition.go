@@ -57,7 +57,7 @@ func newPartition(g *Member, partitions, p int, cons jetstream.Consumer, until u
 	}
 	pt.until.Store(until)
 	pt.f = g.host.Feed(cons, name, pt.admit, jetstream.PullPriorityGroup(PriorityGroup(cfg.Name)),
-		jetstream.PullMaxMessages(min(partitionPending(cfg.MaxAckPending, partitions), 256)), jetstream.PullExpiry(PullExpiry))
+		jetstream.PullMaxMessages(pullBatch(cfg.MaxAckPending, partitions)), jetstream.PullExpiry(PullExpiry))
 	return pt
 }
 
@@ -116,6 +116,14 @@ func (pt *partition) fenced(ctx context.Context, log *zap.Logger, err error) err
 	return nil
 }
 
+// pullBatch is how many deliveries a partition's pull requests and buffers
+// at most: the partitions' buffers together hold MaxAckPending at most,
+// whatever the member owns, beside the MaxAckPending its workers may hold
+// (the host's budget).
+func pullBatch(maxAckPending, partitions int) int {
+	return min(max(1, maxAckPending/partitions), 256)
+}
+
 // release asks for a hand-off; run returns once it is done.
 func (pt *partition) release() { pt.once.Do(func() { close(pt.handoff) }) }
 
@@ -124,7 +132,7 @@ func (pt *partition) release() { pt.once.Do(func() { close(pt.handoff) }) }
 // hand-off at shutdown still settles what is in flight.
 func (pt *partition) run(ctx context.Context) error {
 	defer close(pt.done)
-	defer pt.f.Stop()
+	defer pt.f.Close()
 	log := pt.g.log.With(zap.String("durable", pt.durable))
 	pt.unpin(ctx, log)
 	err := pt.pump(ctx)
