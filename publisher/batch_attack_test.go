@@ -267,3 +267,62 @@ func TestBatchAttackServerRestart(t *testing.T) {
 	f.checkSettledOnce(n)
 	checkKeyOrder(t, f.stored(ctx, "B"), n, nil, keyOf)
 }
+
+// TestBatchAttackLeaderChange: an R3 stream on three servers whose leader
+// steps down, and then is stopped, while batches wait for their answers,
+// producers publishing over several keys throughout.
+func TestBatchAttackLeaderChange(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs a NATS cluster")
+	}
+	t.Parallel()
+	cl, err := testenv.StartCluster(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cl.Close)
+	nc, err := nats.Connect(cl.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	scfg := batchStream("B")
+	scfg.Replicas = 3
+	f := newBatchFixtureOn(t, nc, nc, scfg, publisher.Config{AckTimeout: time.Second, MaxInFlight: 256, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond}, publisher.BatchConfig{})
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	const n, keys = 6000, 9
+	keyOf := func(i int) string { return "k" + strconv.Itoa(i%keys) }
+	wait := f.publishAsync(ctx, 0, n, keyOf)
+	settled := func() int { f.mu.Lock(); defer f.mu.Unlock(); return len(f.results) }
+	for round := 0; round < 3; round++ {
+		if !testenv.WaitFor(30*time.Second, func() bool { return settled() >= (round+1)*n/5 }) {
+			t.Fatalf("round %d: %d settled", round, settled())
+		}
+		if round < 2 {
+			if _, err := nc.Request("$JS.API.STREAM.LEADER.STEPDOWN.B", nil, 5*time.Second); err != nil {
+				t.Fatalf("step down: %v", err)
+			}
+			continue
+		}
+		leader, err := cl.StreamLeader(ctx, f.js, "B")
+		if err != nil {
+			t.Fatal(err)
+		}
+		cl.Nodes[leader].Stop()
+		defer func() {
+			if err := cl.Nodes[leader].Start(); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wait()
+	if err := f.b.Drain(ctx); err != nil {
+		t.Fatalf("%v: %d of %d settled after leader changes", err, n-f.b.InFlight(), n)
+	}
+	f.mu.Lock()
+	t.Logf("%d failed batches", f.retried)
+	f.mu.Unlock()
+	f.checkSettledOnce(n)
+	checkKeyOrder(t, f.stored(ctx, "B"), n, nil, keyOf)
+}
