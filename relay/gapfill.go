@@ -66,11 +66,8 @@ func (r *Relay) fillGap(ctx context.Context, wal replication.LSN) error {
 	}
 	begun := time.Now()
 	undecodable := r.guard.fillState()
-	if undecodable {
-		var err error
-		if wal, err = r.settleStretch(ctx); err != nil {
-			return fmt.Errorf("%w: %v", ErrPublicationGap, err)
-		}
+	if wal, err = r.settleStretch(ctx, wal, undecodable); err != nil {
+		return fmt.Errorf("%w: %v", ErrPublicationGap, err)
 	}
 	tx, closeTx, err := snapshotTx(ctx, r.cfg.Replication.URL, "")
 	if err != nil {
@@ -116,25 +113,30 @@ func (r *Relay) fillGap(ctx context.Context, wal replication.LSN) error {
 	return nil
 }
 
-// settleStretch returns the position the slot is advanced to past an
-// undecodable stretch, once every transaction that committed before it is
-// visible. It is read now, not before the check that found the
-// publication right: the check saw the new publication's creation, whose
-// commit record may lie after a position read before the check (with
-// synchronous_commit off, after the server's write position too), and a
-// slot advanced short of it fails on the stretch again.
-func (r *Relay) settleStretch(ctx context.Context) (replication.LSN, error) {
+// settleStretch waits until the outbox's writers that may hold rows of
+// the gap are visible to the fill's snapshot (SettleCommits), and returns
+// the position the fill vouches for: wal, or, when the slot is advanced
+// past an undecodable stretch, a position read now, not before the check
+// that found the publication right: the check saw the new publication's
+// creation, whose commit record may lie after a position read before the
+// check (with synchronous_commit off, after the server's write position
+// too), and a slot advanced short of it fails on the stretch again. While
+// a writer stays open the relay is not ready and says which.
+func (r *Relay) settleStretch(ctx context.Context, wal replication.LSN, undecodable bool) (replication.LSN, error) {
 	sctx, cancel := context.WithTimeout(ctx, r.probeTimeout())
 	defer cancel()
-	wal, err := r.guard.position(sctx)
-	if err != nil {
-		return 0, err
+	if undecodable {
+		var err error
+		if wal, err = r.guard.position(sctx); err != nil {
+			return 0, err
+		}
 	}
-	err = r.guard.settle(sctx)
+	err := r.guard.settle(sctx)
 	var blocked *replication.SettleBlockedError
 	if errors.As(err, &blocked) {
 		r.log.Warn("publication gap: waiting for transactions that wrote the outbox to end before filling the gap; streaming resumes after they commit or roll back",
 			zap.Stringers("transactions", blocked.Writers))
+		r.recordPublication(blocked, true)
 	}
 	return wal, err
 }
