@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -225,6 +226,80 @@ func gapActiveWriter(t *testing.T, before, after string) {
 			}
 		}
 		t.Fatalf("the row inserted during the gap by a writer active until it committed: %d of %d events relayed, versions of %s in the stream %v, problem %v",
+			len(got), len(all), agg, seen, rl.PublicationProblem())
+	}
+	if rep := relaytest.Check(all, got); !rep.OK() {
+		t.Fatalf("stream check: %s", rep)
+	}
+}
+
+// TestRelayGapPreparedWriter: the gap's writer inserts an outbox row during
+// the gap and PREPAREs its transaction; it is COMMIT PREPARED a few
+// seconds after the publication is right again (a private cluster with
+// max_prepared_transactions). The fill must wait for it or the stream
+// relay its row, before the aggregate's next version.
+func TestRelayGapPreparedWriter(t *testing.T) {
+	t.Parallel()
+	pg, err := testenv.StartPostgres(testenv.WithSetting("max_prepared_transactions", "10"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	boolSubtests(t, "table_dropped", "recreated", func(t *testing.T, recreated bool) {
+		if !recreated {
+			t.Skip("defect (issue 25 review, third round): as TestRelayGapWriterCommitsAfterFill/table_dropped/quiet with a prepared transaction committed after the fill: the fill of a dropped-and-added table waits for no writer; its row is lost (111 of 112, v1 missing, v2 relayed)")
+		}
+		before, after := "ALTER PUBLICATION {pub} DROP TABLE outbox", "ALTER PUBLICATION {pub} ADD TABLE outbox"
+		if recreated {
+			before, after = "DROP PUBLICATION {pub}", "CREATE PUBLICATION {pub} FOR TABLE outbox WITH (publish = 'insert')"
+		}
+		gapPreparedWriter(t, pg, before, after)
+	})
+}
+
+func gapPreparedWriter(t *testing.T, pg *testenv.Postgres, before, after string) {
+	ctx := context.Background()
+	f := newFixture(t, "")
+	f.DB = testenv.NewDatabaseOn(t, pg)
+	f.DB.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "outbox.sql"))
+	f.Cfg.Replication.URL = f.DB.URL
+	f.Cfg.PublicationCheck = 200 * time.Millisecond
+	f.Setup(ctx)
+	rl, _ := f.Start(ctx)
+	pub := `"` + f.Cfg.Replication.Publication + `"`
+	exec := sqlExec(t, ctx, f.DB.Pool)
+	w := f.NewWriter(5)
+	all := w.Write(ctx, 50, 5)
+	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
+	exec(fmtPub(before, pub))
+	if !testenv.WaitFor(10*time.Second, func() bool { return rl.PublicationProblem() != nil }) {
+		t.Fatal("the publication change was not noticed")
+	}
+	agg := "gapp-" + f.Stream[2:8]
+	gid := "g_" + f.Stream[2:10]
+	v1 := relaytest.Event{ID: uuid.NewString(), Aggregate: agg, Version: 1, Payload: `{"n": 1}`}
+	exec(`BEGIN; INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ('` + v1.ID + `', 'registration', '` + agg + `', 1, 'RegistrationConfirmed', '{"n": 1}'); PREPARE TRANSACTION '` + gid + `'`)
+	defer func() { _, _ = f.DB.Pool.Exec(context.Background(), "ROLLBACK PREPARED '"+gid+"'") }()
+	all = append(all, w.Write(ctx, 50, 5)...)
+	exec(fmtPub(after, pub))
+	// Commit once the fill is done, or after 6 s of a fill that waits
+	// (for the prepared transaction, as it should).
+	testenv.WaitFor(6*time.Second, func() bool { return rl.PublicationProblem() == nil })
+	exec("COMMIT PREPARED '" + gid + "'")
+	v2 := relaytest.Event{ID: uuid.NewString(), Aggregate: agg, Version: 2, Payload: `{"n": 2}`}
+	exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ('` + v2.ID + `', 'registration', '` + agg + `', 2, 'RegistrationConfirmed', '{"n": 2}')`)
+	all = append(all, v1, v2)
+	all = append(all, w.Write(ctx, 10, 5)...)
+	ok := testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all)) })
+	got := f.Read(ctx, f.Stream)
+	if !ok {
+		var seen []int64
+		for _, m := range got {
+			if m.Event.AggregateID == agg {
+				seen = append(seen, m.Event.AggregateVersion)
+			}
+		}
+		t.Fatalf("the row of a transaction prepared during the gap and committed after: %d of %d events relayed, versions of %s in the stream %v, problem %v",
 			len(got), len(all), agg, seen, rl.PublicationProblem())
 	}
 	if rep := relaytest.Check(all, got); !rep.OK() {
