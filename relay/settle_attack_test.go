@@ -14,6 +14,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/router"
 )
 
 // Adversarial review of issue 25 (third round, replication/settle.go): a
@@ -165,14 +166,34 @@ func TestRelayGapActiveWriter(t *testing.T) {
 		if recreated {
 			before, after = "DROP PUBLICATION {pub}", "CREATE PUBLICATION {pub} FOR TABLE outbox WITH (publish = 'insert')"
 		}
-		gapActiveWriter(t, before, after)
+		gapActiveWriter(t, before, after, "outbox", nil)
 	})
 }
 
-func gapActiveWriter(t *testing.T, before, after string) {
+// TestRelayGapActiveWriterOtherSchema: TestRelayGapActiveWriter/recreated
+// with the writer in the second outbox table of the config, "Billing".outbox
+// (a schema whose name needs quoting).
+func TestRelayGapActiveWriterOtherSchema(t *testing.T) {
+	t.Parallel()
+	gapActiveWriter(t, "DROP PUBLICATION {pub}", `CREATE PUBLICATION {pub} FOR TABLE public.outbox, "Billing".outbox WITH (publish = 'insert')`,
+		`"Billing".outbox`, func(f *fixture) {
+			exec := sqlExec(t, context.Background(), f.DB.Pool)
+			exec(`CREATE SCHEMA "Billing"`)
+			exec(`CREATE TABLE "Billing".outbox (LIKE public.outbox INCLUDING ALL)`)
+			f.Cfg.Replication.Tables = append(f.Cfg.Replication.Tables, "Billing.outbox")
+			f.Cfg.Router.Tables = append(f.Cfg.Router.Tables, router.TableConfig{Table: "Billing.outbox", Subject: f.Prefix + ".billing.{aggregate_type}.{aggregate_id}"})
+		})
+}
+
+// gapActiveWriter runs the scenario with the writer inserting into table
+// (setup, if any, prepares the fixture before the relay starts).
+func gapActiveWriter(t *testing.T, before, after, table string, setup func(*fixture)) {
 	ctx := context.Background()
 	f := newFixture(t, "")
 	f.Cfg.PublicationCheck = 200 * time.Millisecond
+	if setup != nil {
+		setup(f)
+	}
 	f.Setup(ctx)
 	rl, _ := f.Start(ctx)
 	pub := `"` + f.Cfg.Replication.Publication + `"`
@@ -197,12 +218,12 @@ func gapActiveWriter(t *testing.T, before, after string) {
 	}
 	done := make(chan error, 1)
 	go func() {
-		_, err := conn.Exec(ctx, `BEGIN; INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ('`+v1.ID+`', 'registration', '`+agg+`', 1, 'RegistrationConfirmed', '{"n": 1}'); SELECT pg_sleep(4); COMMIT`)
+		_, err := conn.Exec(ctx, `BEGIN; INSERT INTO `+table+` (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ('`+v1.ID+`', 'registration', '`+agg+`', 1, 'RegistrationConfirmed', '{"n": 1}'); SELECT pg_sleep(4); COMMIT`)
 		done <- err
 	}()
 	if !testenv.WaitFor(10*time.Second, func() bool {
 		var n int
-		_ = f.DB.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE pid = $1 AND relation = 'outbox'::regclass AND mode = 'RowExclusiveLock'", pid).Scan(&n)
+		_ = f.DB.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE pid = $1 AND relation = to_regclass($2) AND mode = 'RowExclusiveLock'", pid, table).Scan(&n)
 		return n > 0
 	}) {
 		t.Fatal("the writer did not insert")
@@ -213,7 +234,7 @@ func gapActiveWriter(t *testing.T, before, after string) {
 		t.Fatal(err)
 	}
 	v2 := relaytest.Event{ID: uuid.NewString(), Aggregate: agg, Version: 2, Payload: `{"n": 2}`}
-	exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ('` + v2.ID + `', 'registration', '` + agg + `', 2, 'RegistrationConfirmed', '{"n": 2}')`)
+	exec(`INSERT INTO ` + table + ` (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, payload) VALUES ('` + v2.ID + `', 'registration', '` + agg + `', 2, 'RegistrationConfirmed', '{"n": 2}')`)
 	all = append(all, v1, v2)
 	all = append(all, w.Write(ctx, 10, 5)...)
 	ok := testenv.WaitFor(30*time.Second, func() bool { return relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all)) })
@@ -225,7 +246,7 @@ func gapActiveWriter(t *testing.T, before, after string) {
 				seen = append(seen, m.Event.AggregateVersion)
 			}
 		}
-		t.Fatalf("the row inserted during the gap by a writer active until it committed: %d of %d events relayed, versions of %s in the stream %v, problem %v",
+		t.Fatalf("the row inserted into "+table+" during the gap by a writer active until it committed: %d of %d events relayed, versions of %s in the stream %v, problem %v",
 			len(got), len(all), agg, seen, rl.PublicationProblem())
 	}
 	if rep := relaytest.Check(all, got); !rep.OK() {
