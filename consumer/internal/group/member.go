@@ -307,10 +307,15 @@ func (g *Member) ensureGeneration(ctx context.Context, partitions int, from uint
 	for p := range partitions {
 		cfg := g.durableConfig(partitions, p, from)
 		if update {
-			if cons, err := g.strm.Consumer(ctx, cfg.Durable); err == nil {
+			cons, err := g.strm.Consumer(ctx, cfg.Durable)
+			switch {
+			case err == nil:
 				if have, ok := cons.CachedInfo().Config.Metadata[metaFrom]; ok {
 					cfg.Metadata[metaFrom] = have
 				}
+			case !errors.Is(err, jetstream.ErrConsumerNotFound):
+				// Updating without its from would replace it by a later one.
+				return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, g.cfg.Stream, err)
 			}
 		}
 		if _, err := g.host.EnsureDurable(ctx, cfg, update); err != nil {
