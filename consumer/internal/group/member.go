@@ -99,7 +99,9 @@ func (g *Member) Run(ctx, settleCtx context.Context, host Host) error {
 	if err := g.join(ctx); err != nil {
 		return err
 	}
-	if err := g.ensureGeneration(ctx, g.current, g.startSeq, true); err != nil {
+	if err := g.retryTimeouts(ctx, "create the partition durables", func() error {
+		return g.ensureGeneration(ctx, g.current, g.startSeq, true)
+	}); err != nil {
 		return err
 	}
 	cfg := &g.cfg
@@ -318,7 +320,7 @@ func (g *Member) ensureGeneration(ctx context.Context, partitions int, from uint
 				return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, g.cfg.Stream, err)
 			}
 		}
-		if _, err := g.host.EnsureDurable(ctx, cfg, update); err != nil {
+		if _, err := EnsureDurable(ctx, g.host, cfg, update); err != nil {
 			return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, g.cfg.Stream, err)
 		}
 	}
