@@ -169,3 +169,36 @@ func TestGroupPartitionCountBack(t *testing.T) {
 		t.Errorf("%d applications out of version order", n)
 	}
 }
+
+// TestGroupMemberStartsDespiteTimeouts: the first requests that create or
+// check a member's partition durables at its start time out (a loaded
+// server: a late-joining member of TestGroupProcessesKillAndJoin exited
+// with "partition durable grp-8-7 ...: context deadline exceeded" beside
+// six busy loops). The member must retry and consume, not exit.
+func TestGroupMemberStartsDespiteTimeouts(t *testing.T) {
+	f := newFixture(t)
+	f.partitionedStream(4)
+	cfg := groupConfig(f, 4)
+	var calls atomic.Int32
+	group.EnsureDurable = func(ctx context.Context, host group.Host, c jetstream.ConsumerConfig, update bool) (jetstream.Consumer, error) {
+		if update && calls.Add(1) <= 2 {
+			return nil, fmt.Errorf("partition durable %s: %w", c.Durable, context.DeadlineExceeded)
+		}
+		return host.EnsureDurable(ctx, c, update)
+	}
+	t.Cleanup(func() {
+		group.EnsureDurable = func(ctx context.Context, host group.Host, c jetstream.ConsumerConfig, update bool) (jetstream.Consumer, error) {
+			return host.EnsureDurable(ctx, c, update)
+		}
+	})
+	rec := newRecorder("grp")
+	f.start(cfg, rec)
+	const aggs = 8
+	f.publishVersions(aggs, 1, 3)
+	f.waitFor("every event applied", 60*time.Second, func() bool {
+		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= aggs*3
+	})
+	if calls.Load() < 3 {
+		t.Errorf("%d start-up durable calls, want the 2 failed ones retried", calls.Load())
+	}
+}

@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/consumer/internal/observe"
 )
 
 // fence sets the until of gen, the oldest generation not drained, which
@@ -35,4 +38,32 @@ func (g *Member) fence(ctx context.Context, gens map[int]*generation, gen *gener
 	}
 	return fmt.Errorf("%w: the stream's partition count went back to %d while the %d-partition durables of group %s were draining: %s (stream sequence %d) was stored after events of a newer count that are not consumed yet, so nothing is consumed; set nats.partitions to the count the stream had before, run `outbox-relay setup`, and change the count only once the %d-partition durables are gone (docs/consumer.md \"Changing the number of partitions\")",
 		ErrMismatch, gen.partitions, gen.partitions, g.cfg.Name, msg.Subject, msg.Sequence, gen.partitions)
+}
+
+// EnsureDurable creates or checks a partition durable through the host;
+// tests make it fail.
+var EnsureDurable = func(ctx context.Context, host Host, cfg jetstream.ConsumerConfig, update bool) (jetstream.Consumer, error) {
+	return host.EnsureDurable(ctx, cfg, update)
+}
+
+// retryTimeouts runs f until it succeeds, fails otherwise than by a
+// JetStream request timing out (a loaded or restarting server answers
+// late; a member must not exit for that), or ctx ends.
+func (g *Member) retryTimeouts(ctx context.Context, what string, f func() error) error {
+	var failing observe.LoopHealth
+	for {
+		err := f()
+		if err == nil || ctx.Err() != nil || !(errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout)) {
+			if err == nil {
+				failing.Report(g.log, what, nil)
+			}
+			return err
+		}
+		failing.Report(g.log, what, err)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
 }

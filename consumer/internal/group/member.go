@@ -99,7 +99,9 @@ func (g *Member) Run(ctx, settleCtx context.Context, host Host) error {
 	if err := g.join(ctx); err != nil {
 		return err
 	}
-	if err := g.ensureGeneration(ctx, g.current, g.startSeq, true); err != nil {
+	if err := g.retryTimeouts(ctx, "create the partition durables", func() error {
+		return g.ensureGeneration(ctx, g.current, g.startSeq, true)
+	}); err != nil {
 		return err
 	}
 	cfg := &g.cfg
@@ -307,13 +309,18 @@ func (g *Member) ensureGeneration(ctx context.Context, partitions int, from uint
 	for p := range partitions {
 		cfg := g.durableConfig(partitions, p, from)
 		if update {
-			if cons, err := g.strm.Consumer(ctx, cfg.Durable); err == nil {
+			cons, err := g.strm.Consumer(ctx, cfg.Durable)
+			switch {
+			case err == nil:
 				if have, ok := cons.CachedInfo().Config.Metadata[metaFrom]; ok {
 					cfg.Metadata[metaFrom] = have
 				}
+			case !errors.Is(err, jetstream.ErrConsumerNotFound):
+				// Updating without its from would replace it by a later one.
+				return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, g.cfg.Stream, err)
 			}
 		}
-		if _, err := g.host.EnsureDurable(ctx, cfg, update); err != nil {
+		if _, err := EnsureDurable(ctx, g.host, cfg, update); err != nil {
 			return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, g.cfg.Stream, err)
 		}
 	}
