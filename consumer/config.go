@@ -62,9 +62,10 @@ type Config struct {
 	// queued per worker: with one, the acknowledgements of a batch and the
 	// deliveries that refill the queue race the next take, and batches run
 	// short). In a group it bounds the member whatever it
-	// owns: each partition durable's max_ack_pending is MaxAckPending /
-	// Group.Partitions (at least 1), so a member owning every partition
-	// holds MaxAckPending messages at most.
+	// owns: each partition durable's max_ack_pending is MaxAckPending, and
+	// the partitions a member owns share MaxAckPending for the messages in
+	// its workers; their pull buffers hold up to MaxAckPending more
+	// (docs/consumer.md "Consumer groups").
 	MaxAckPending int
 	// AckWait is the durable consumer's ack_wait. Messages waiting in a
 	// worker's queue are kept alive with progress acks every AckWait/3, so

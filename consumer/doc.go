@@ -77,8 +77,8 @@
 //     takes one over resets it before it pulls, and the dedup row's unique
 //     key serializes a previous owner still applying against it.
 //   - Everything a worker holds is a delivered, unacknowledged message, so
-//     MaxAckPending bounds it: a group member's partition durables share
-//     it (MaxAckPending / partitions each), whatever the member owns.
+//     MaxAckPending bounds it: a group member's partitions share it as one
+//     budget (budget.go), whatever the member owns.
 //
 // JetStream pull consumers: https://docs.nats.io/nats-concepts/jetstream/consumers;
 // PostgreSQL INSERT … ON CONFLICT: https://www.postgresql.org/docs/current/sql-insert.html.

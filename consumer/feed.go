@@ -64,7 +64,12 @@ type feed struct {
 	name      string // the consumer's name
 	pullOpt   []jetstream.PullMessagesOpt
 	log       *zap.Logger
-	shareable bool // a plain durable: other processes may pull it too
+	shareable bool    // a plain durable: other processes may pull it too
+	budget    *budget // a group member's, shared with its other feeds; nil for a plain durable
+	// admitSeq, when set (a group's partition), is asked about each
+	// delivery's stream sequence before it is handed on; its error ends
+	// the pump, the delivery not handed on.
+	admitSeq func(streamSeq uint64) error
 
 	iter   jetstream.MessagesContext // nil until open
 	next   uint64                    // the consumer sequence expected next
@@ -88,6 +93,7 @@ type feed struct {
 	// returning holds the stream sequences naked back to the broker, still
 	// counted in inflight until they are delivered again.
 	returning map[uint64]string
+	closed    bool          // close was called: nothing naked comes back here
 	changed   chan struct{} // receives (non-blocking) on each settle
 }
 
@@ -217,6 +223,11 @@ func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
 			var md *jetstream.MsgMetadata
 			if md, err = msg.Metadata(); err == nil {
 				err = f.admit(ctx, md.Sequence.Consumer)
+			}
+			if err == nil && f.admitSeq != nil {
+				if err = f.admitSeq(md.Sequence.Stream); err != nil {
+					return nil, err
+				}
 			}
 			if err == nil {
 				if pin := msg.Headers().Get(pinHeader); pin != "" {
@@ -355,7 +366,11 @@ func (f *feed) forward(ctx context.Context, msg jetstream.Msg) error {
 		}
 	}
 	it := f.c.newItem(msg)
-	f.returned(it.m.StreamSeq)
+	if !f.returned(it.m.StreamSeq) {
+		if err := f.budget.take(ctx); err != nil {
+			return err
+		}
+	}
 	tm := &trackedMsg{Msg: msg, cur: msg, f: f, key: it.key, seq: it.m.StreamSeq}
 	f.track(tm)
 	it.msg = tm
@@ -443,36 +458,74 @@ func (f *feed) drop(tm *trackedMsg) {
 	f.mu.Unlock()
 }
 
+// settleOne settles a delivery of key and gives its budget slot back.
 func (f *feed) settleOne(key string) {
 	f.mu.Lock()
-	if f.inflight[key]--; f.inflight[key] <= 0 {
-		delete(f.inflight, key)
-	}
-	f.n--
+	f.uncount(key)
 	f.mu.Unlock()
+	f.budget.give(1)
 	select {
 	case f.changed <- struct{}{}:
 	default:
 	}
 }
 
-// awaitReturn keeps a naked message counted until it comes back.
+// uncount drops a delivery of key from the counts; f.mu is held.
+func (f *feed) uncount(key string) {
+	if f.inflight[key]--; f.inflight[key] <= 0 {
+		delete(f.inflight, key)
+	}
+	f.n--
+}
+
+// awaitReturn keeps a naked message counted, with its budget slot, until
+// it comes back; after close it cannot come back here, and is settled.
 func (f *feed) awaitReturn(m *trackedMsg) {
 	m.once.Do(func() {
 		f.mu.Lock()
-		f.returning[m.seq] = m.key
+		closed := f.closed
+		if !closed {
+			f.returning[m.seq] = m.key
+		}
 		f.mu.Unlock()
+		if closed {
+			f.settleOne(m.key)
+		}
 	})
 }
 
-// returned settles the earlier delivery of seq, now delivered again.
-func (f *feed) returned(seq uint64) {
+// returned reports whether seq is the redelivery of a naked message, and
+// if so settles the naked delivery, whose budget slot passes to the
+// redelivery: asking for a new one could wait for the very message that
+// would free one (budget).
+func (f *feed) returned(seq uint64) bool {
 	f.mu.Lock()
+	defer f.mu.Unlock()
 	key, ok := f.returning[seq]
-	delete(f.returning, seq)
-	f.mu.Unlock()
 	if ok {
-		f.settleOne(key)
+		delete(f.returning, seq)
+		f.uncount(key)
+	}
+	return ok
+}
+
+// close stops the feed for good (its partition was handed off or removed):
+// the messages naked for a retry come back to whoever pulls the durable
+// next, so their budget slots are given back now. Deliveries still in the
+// workers give theirs back as they settle.
+func (f *feed) close() {
+	f.stop()
+	f.mu.Lock()
+	f.closed = true
+	naked := f.returning
+	f.returning = map[uint64]string{}
+	for _, key := range naked {
+		f.uncount(key)
+	}
+	f.mu.Unlock()
+	f.budget.give(len(naked))
+	if f.budget != nil {
+		f.budget.leave(f)
 	}
 }
 

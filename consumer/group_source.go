@@ -39,7 +39,8 @@ func (s *groupSource) setUp(ctx context.Context) error {
 }
 
 func (s *groupSource) run(ctx, settleCtx context.Context, e *engine) error {
-	h := &groupHost{e: e, id: s.id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member))}
+	h := &groupHost{e: e, id: s.id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member)),
+		budget: newBudget(s.c.cfg.MaxAckPending)}
 	return s.m.Run(ctx, settleCtx, h)
 }
 
@@ -49,13 +50,20 @@ func (s *groupSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
 
 // groupHost is the engine as a group member sees it.
 type groupHost struct {
-	e   *engine
-	id  identity // of this consumer: its database; the filter is per partition
-	log *zap.Logger
+	e      *engine
+	id     identity // of this consumer: its database; the filter is per partition
+	log    *zap.Logger
+	budget *budget // MaxAckPending, shared by the member's partitions
 }
 
-func (h *groupHost) Feed(cons jetstream.Consumer, name string, opts ...jetstream.PullMessagesOpt) group.Feed {
-	return &partitionFeed{e: h.e, f: newFeed(h.e, cons, name, h.log, opts...)}
+// Feed opens a feed on a partition durable, sharing the member's budget;
+// admit is asked about each delivery's stream sequence before it is handed on.
+func (h *groupHost) Feed(cons jetstream.Consumer, name string, admit func(streamSeq uint64) error, opts ...jetstream.PullMessagesOpt) group.Feed {
+	f := newFeed(h.e, cons, name, h.log, opts...)
+	f.budget = h.budget
+	f.admitSeq = admit
+	h.budget.join(f)
+	return &partitionFeed{e: h.e, f: f}
 }
 
 // EnsureDurable records this consumer's identity in the partition
@@ -79,6 +87,7 @@ type partitionFeed struct {
 
 func (p *partitionFeed) Pump(ctx context.Context) error   { return p.e.pump(ctx, p.f) }
 func (p *partitionFeed) Stop()                            { p.f.stop() }
+func (p *partitionFeed) Close()                           { p.f.close() }
 func (p *partitionFeed) Settle(ctx context.Context) error { return p.f.settle(ctx) }
 func (p *partitionFeed) Unsettled() int                   { return p.f.unsettled() }
 func (p *partitionFeed) Pin() string                      { return p.f.pin }

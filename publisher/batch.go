@@ -75,11 +75,11 @@ type Batch struct {
 	window
 
 	// Hand-over to Run. in holds admitted messages only, so it never
-	// fills; replies blocks the reply subscription while Run catches up;
-	// isoDone holds the results of the messages gone alone (at most the
-	// window's, so the per-key publisher never blocks on it).
+	// fills; replies is the reply subscription's own channel (see
+	// NewBatch); isoDone holds the results of the messages gone alone (at
+	// most the window's, so the per-key publisher never blocks on it).
 	in      chan admitted
-	replies chan batchAnswer
+	replies chan *nats.Msg
 	isoDone chan loneResult
 	oldestQ chan stuckQuery
 	stopped chan struct{} // closed when Run returns
@@ -222,14 +222,22 @@ func NewBatch(nc *nats.Conn, keyed *Publisher, cfg Config, bcfg BatchConfig, opt
 		stream:  bcfg.Stream,
 		window:  newWindow(cfg),
 		in:      make(chan admitted, cfg.MaxInFlight),
-		replies: make(chan batchAnswer, replyQueue),
+		replies: make(chan *nats.Msg, cfg.MaxInFlight+replyQueue),
 		isoDone: make(chan loneResult, cfg.MaxInFlight),
 		oldestQ: make(chan stuckQuery),
 		stopped: make(chan struct{}),
 	}
 	b.pubAck = jetstream.PubAck{Stream: bcfg.Stream}
-	if b.prefix, b.sub, err = subscribeAcks(nc, ">", b.onReply); err != nil {
-		return nil, err
+	// The connection's reader hands answers straight to Run's channel: an
+	// asynchronous subscription's goroutine in between woke once more per
+	// answer, which at moderate rates is once more per event. The server
+	// sends at most one answer per message sent (a flow ack, a failure or
+	// the final count), so the channel, sized by the window, holds every
+	// answer Run has yet to read; one it could not hold would be dropped as
+	// a slow consumer, costing a batch timeout, never a wrong settle.
+	b.prefix = nc.NewInbox() + "."
+	if b.sub, err = nc.ChanSubscribe(b.prefix+">", b.replies); err != nil {
+		return nil, fmt.Errorf("subscribe to acks: %w", err)
 	}
 	// Batch ids must be unique across processes and restarts: the server
 	// keys batches by id within a stream, and keeps a batch whose publisher
@@ -257,29 +265,29 @@ func (b *Batch) TryPublish(m *Message) (bool, error) {
 // handles timeouts and failures until ctx ends or the publisher closes. It
 // returns the reason the publisher closed, or ctx's error. It may be called
 // once.
+//
+// While a batch waits for its final answer (or its messages go alone) Run
+// does not take handed-over messages: nothing could be sent before that
+// answer, and taking each would wake Run once per message for nothing.
+// They wait in the hand-over channel and form the next batch, all taken at
+// once when the answer comes.
 func (b *Batch) Run(ctx context.Context) error {
 	defer close(b.stopped)
-	tick := time.NewTicker(tickEvery)
-	defer tick.Stop()
+	check := newCheckTimer()
+	defer check.stop()
 	idle := time.NewTimer(time.Hour)
 	idle.Stop()
 	defer idle.Stop()
 	for {
+		in := b.in
+		if b.state == batchEnding || b.state == batchIsolating {
+			in = nil
+		}
 		select {
-		case a := <-b.in:
+		case a := <-in:
 			b.enqueue(a)
-			// Take what else was handed over, so that the next batch is
-			// sized by the whole queue.
-			for more := true; more; {
-				select {
-				case a := <-b.in:
-					b.enqueue(a)
-				default:
-					more = false
-				}
-			}
-		case a := <-b.replies:
-			b.answer(a)
+		case msg := <-b.replies:
+			b.onReply(msg)
 		case r := <-b.isoDone:
 			b.isolatedSettled(r)
 		case q := <-b.oldestQ:
@@ -288,19 +296,35 @@ func (b *Batch) Run(ctx context.Context) error {
 		case <-idle.C:
 			b.idleArmed = false
 			b.idleFired()
-		case <-tick.C:
+		case <-check.C():
+			check.fired()
 			b.tick()
 		case <-b.done:
 			return b.stopErr(ctx)
 		case <-ctx.Done():
 			return b.stopErr(ctx)
 		}
+		b.takeHandedOver()
 		b.step()
 		if !b.idleArmed && b.state == batchOpen && b.commitAt == 0 && b.seq > 0 {
 			// Only a batch left open needs the idle commit: one committed
 			// by its last message is answered anyway.
 			b.idleArmed, b.idleAt = true, b.sends
 			idle.Reset(b.idle)
+		}
+		check.arm(b.nextCheck())
+	}
+}
+
+// takeHandedOver queues what was handed over, when a batch may take it, so
+// that the next batch is sized by the whole queue.
+func (b *Batch) takeHandedOver() {
+	for b.state == batchIdle || b.state == batchOpen {
+		select {
+		case a := <-b.in:
+			b.enqueue(a)
+		default:
+			return
 		}
 	}
 }
@@ -475,8 +499,8 @@ type batchReply struct {
 	Error  *jetstream.APIError `json:"error"`
 }
 
-// batchAnswer is a decoded answer, handed from the reply subscription to
-// Run: the batch and sequence its subject names, and its body.
+// batchAnswer is a decoded answer: the batch and sequence its subject
+// names, and its body.
 type batchAnswer struct {
 	id           string
 	seq          uint64
@@ -506,8 +530,7 @@ func (b *Batch) parseReplySubject(subj string) (id string, seq uint64, ok bool) 
 	return parts[0], seq, true
 }
 
-// onReply decodes an answer on the reply subscription's goroutine and hands
-// it to Run.
+// onReply decodes an answer and acts on it.
 func (b *Batch) onReply(msg *nats.Msg) {
 	id, seq, ok := b.parseReplySubject(msg.Subject)
 	if !ok {
@@ -520,10 +543,7 @@ func (b *Batch) onReply(msg *nats.Msg) {
 			a.r = batchReply{Type: "err", Seq: seq, Error: &jetstream.APIError{Description: "unreadable answer: " + err.Error()}}
 		}
 	}
-	select {
-	case b.replies <- a:
-	case <-b.done:
-	}
+	b.answer(a)
 }
 
 // answer acts on the server's answer to the current batch.
@@ -809,6 +829,25 @@ func (b *Batch) lateAnswer(a batchAnswer) {
 		}
 	}
 	b.settleLone()
+}
+
+// nextCheck returns when tick has something to look at: the current
+// batch's answer deadline, or soon while messages wait to go alone (the
+// per-key publisher's window was full); zero when there is nothing.
+func (b *Batch) nextCheck() time.Time {
+	switch {
+	case b.state == batchOpen && b.sent > 0:
+		at := b.lastAck
+		if first := b.queue[b.head].first; first.After(at) {
+			at = first
+		}
+		return at.Add(b.cfg.AckTimeout)
+	case b.state == batchEnding:
+		return b.endBy
+	case b.state == batchIsolating && b.loneHanded < b.lone:
+		return time.Now()
+	}
+	return time.Time{}
 }
 
 // tick fails a batch whose answers are overdue.

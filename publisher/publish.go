@@ -279,8 +279,8 @@ func (p *Publisher) Run(ctx context.Context) error {
 	lctx, cancel := context.WithCancel(ctx)
 	defer p.lookups.Wait()
 	defer cancel()
-	t := time.NewTicker(tickEvery)
-	defer t.Stop()
+	check := newCheckTimer()
+	defer check.stop()
 	for {
 		select {
 		case a := <-p.in:
@@ -292,7 +292,8 @@ func (p *Publisher) Run(ctx context.Context) error {
 		case q := <-p.oldestQ:
 			s, ok := p.oldest()
 			q <- stuckAnswer{s, ok}
-		case <-t.C:
+		case <-check.C():
+			check.fired()
 			p.tick(lctx)
 		case <-p.done:
 			return p.stopErr(ctx)
@@ -300,7 +301,24 @@ func (p *Publisher) Run(ctx context.Context) error {
 			return p.stopErr(ctx)
 		}
 		p.takeReady()
+		check.arm(p.nextCheck())
 	}
+}
+
+// nextCheck returns when tick has something to look at: the oldest
+// attempt's ack deadline or the first retry's time, zero when nothing is
+// in flight or waiting.
+func (p *Publisher) nextCheck() time.Time {
+	var at time.Time
+	if p.attHead < len(p.attempts) {
+		at = p.attempts[p.attHead].deadline
+	}
+	for _, pd := range p.retries {
+		if !p.checking[pd] && (at.IsZero() || pd.retryAt.Before(at)) {
+			at = pd.retryAt
+		}
+	}
+	return at
 }
 
 // readyBurst bounds how many messages and answers Run takes in a row
@@ -437,6 +455,7 @@ func (p *Publisher) answer(r ackReply) {
 		return
 	}
 	delete(p.inflight, r.seq)
+	p.trimAttempts()
 	subject := pd.cur.Subject
 	switch {
 	case r.noResponders:
@@ -521,6 +540,19 @@ func (p *Publisher) answerLate(r ackReply) {
 	p.dropRetry(pd)
 	pd.ack = r.ack
 	p.stored(pd)
+}
+
+// trimAttempts drops answered attempts from the front of the ack-timeout
+// scan, so that it holds no more than the attempts since the oldest
+// unanswered one, and its front is the next deadline.
+func (p *Publisher) trimAttempts() {
+	for p.attHead < len(p.attempts) {
+		if _, ok := p.inflight[p.attempts[p.attHead].seq]; ok {
+			break
+		}
+		p.attHead++
+	}
+	p.attempts, p.attHead = compactFront(p.attempts, p.attHead)
 }
 
 // dropRetry removes pd from the retries waiting for their backoff.
@@ -611,7 +643,7 @@ const noStreamCheckAfter = 3
 // that are due.
 func (p *Publisher) tick(ctx context.Context) {
 	now := time.Now()
-	// Attempts answered since the last tick are dropped from the front;
+	// Attempts answered since the last look are dropped from the front;
 	// the first unanswered one that has not expired ends the scan.
 	for p.attHead < len(p.attempts) {
 		a := p.attempts[p.attHead]

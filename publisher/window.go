@@ -128,8 +128,49 @@ func (w *window) stopErr(ctx context.Context) error {
 	return ctx.Err()
 }
 
-// tickEvery is how often Run looks for ack timeouts and due retries.
+// tickEvery is the least time between two of Run's looks for ack timeouts
+// and due retries: a deadline is acted on at most that late.
 const tickEvery = 20 * time.Millisecond
+
+// checkTimer wakes a Run loop when its earliest deadline is due, and not at
+// all while it has none: a ticker woke an idle relay 50 times a second per
+// publisher, and a loaded one as often for nothing. Run owns it.
+type checkTimer struct {
+	t     *time.Timer
+	at    time.Time // when the armed timer fires
+	armed bool
+}
+
+func newCheckTimer() *checkTimer {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return &checkTimer{t: t}
+}
+
+// C is the timer's channel; after a receive, call fired.
+func (c *checkTimer) C() <-chan time.Time { return c.t.C }
+
+func (c *checkTimer) fired() { c.armed = false }
+
+// arm makes the timer fire by at (zero: no deadline), never sooner than
+// tickEvery from now. An armed timer that fires sooner is kept: the look
+// it causes finds nothing due and arms the timer again.
+func (c *checkTimer) arm(at time.Time) {
+	if at.IsZero() || (c.armed && !at.Before(c.at)) {
+		return
+	}
+	now := time.Now()
+	if floor := now.Add(tickEvery); at.Before(floor) {
+		at = floor
+	}
+	if c.armed && !at.Before(c.at) {
+		return
+	}
+	c.at, c.armed = at, true
+	c.t.Reset(at.Sub(now))
+}
+
+func (c *checkTimer) stop() { c.t.Stop() }
 
 // compactFront drops s[:head], a consumed front whose entries the caller
 // has already cleared: an empty slice is reset, and a front of more than

@@ -108,10 +108,7 @@ func (g *BackfillGuard) Start(ctx context.Context) error {
 	_, err := g.conn.Exec(ctx, "INSERT INTO "+table+` (slot_name, started_at) VALUES ($1, now())
 ON CONFLICT (slot_name) DO UPDATE SET started_at = now(), consistent_point = NULL, finished_at = NULL`, g.cfg.Slot)
 	if err != nil {
-		var user string
-		_ = g.conn.QueryRow(ctx, "SELECT current_user").Scan(&user)
-		return backfillStateError(err, fmt.Sprintf("record the backfill of slot %q", g.cfg.Slot),
-			"GRANT SELECT, INSERT, UPDATE, DELETE ON "+table+" TO "+pgx.Identifier{user}.Sanitize())
+		return backfillStateError(err, fmt.Sprintf("record the backfill of slot %q", g.cfg.Slot), grantState(ctx, g.conn, table))
 	}
 	return nil
 }
@@ -133,11 +130,30 @@ func createStateTable(ctx context.Context, conn *pgx.Conn, table, create string)
 // that backfills must be able to record it, or the backfill cannot be
 // guarded.
 func backfillStateError(err error, what, fix string) error {
+	return stateError(err, what, "a backfill is recorded so that an interrupted one is never streamed past", fix)
+}
+
+// stateError explains a refused write to a relay state table: why it is
+// recorded, and the statement the outbox's owner runs (fix).
+func stateError(err error, what, why, fix string) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
-		return fmt.Errorf("%s: %w (a backfill is recorded so that an interrupted one is never streamed past: as the outbox's owner run %s — docs/faults.md, \"Least privilege: PostgreSQL\", lists every statement the owner runs — then run setup again)", what, err, fix)
+		return fmt.Errorf("%s: %w (%s: as the outbox's owner run %s — docs/faults.md, \"Least privilege: PostgreSQL\", lists every statement the owner runs — then run setup again)", what, err, why, fix)
 	}
 	return fmt.Errorf("%s: %w", what, err)
+}
+
+// grantState is the statement granting the connection's role what it
+// needs of the state table (sanitized): the role is read from the server,
+// so that the fix names the role the relay runs as.
+func grantState(ctx context.Context, conn *pgx.Conn, table string) string {
+	var user string
+	if err := conn.QueryRow(ctx, "SELECT current_user").Scan(&user); err != nil || user == "" {
+		user = "the relay's role (the user of replication.url)"
+	} else {
+		user = pgx.Identifier{user}.Sanitize()
+	}
+	return "GRANT SELECT, INSERT, UPDATE, DELETE ON " + table + " TO " + user
 }
 
 // Created records the new slot's consistent point.

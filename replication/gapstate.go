@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
@@ -36,6 +37,22 @@ type Gap struct {
 	// publication was dropped and created again): once the gap is filled
 	// the slot must be advanced past it.
 	Undecodable bool
+	// NoticedAt is when a relay first found it.
+	NoticedAt time.Time
+}
+
+// ReadGap reads the slot's recorded publication gap (GapTable) over a
+// connection of its own: for status and reconcile.
+func ReadGap(ctx context.Context, cfg Config) (Gap, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return Gap{}, err
+	}
+	conn, err := connectSQL(ctx, cfg.URL)
+	if err != nil {
+		return Gap{}, err
+	}
+	defer conn.Close(context.Background())
+	return readGap(ctx, conn, cfg)
 }
 
 func gapTable(cfg Config) pgx.Identifier {
@@ -46,7 +63,7 @@ func gapTable(cfg Config) pgx.Identifier {
 func readGap(ctx context.Context, conn *pgx.Conn, cfg Config) (Gap, error) {
 	var g Gap
 	var since string
-	err := conn.QueryRow(ctx, "SELECT since_lsn::text, undecodable FROM "+gapTable(cfg).Sanitize()+" WHERE slot_name = $1", cfg.Slot).Scan(&since, &g.Undecodable)
+	err := conn.QueryRow(ctx, "SELECT since_lsn::text, undecodable, noticed_at FROM "+gapTable(cfg).Sanitize()+" WHERE slot_name = $1", cfg.Slot).Scan(&since, &g.Undecodable, &g.NoticedAt)
 	var pgErr *pgconn.PgError
 	switch {
 	case errors.Is(err, pgx.ErrNoRows), errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable:
@@ -80,7 +97,7 @@ ON CONFLICT (slot_name) DO UPDATE SET since_lsn = least(` + table + `.since_lsn,
 		_, err = conn.Exec(ctx, upsert, cfg.Slot, g.Since.String(), g.Undecodable)
 	}
 	if err != nil {
-		return backfillStateError(err, fmt.Sprintf("record the publication gap of slot %q", cfg.Slot), "GRANT SELECT, INSERT, UPDATE, DELETE ON "+table+" TO <the relay's role>")
+		return gapStateError(ctx, conn, err, fmt.Sprintf("record the publication gap of slot %q in %s", cfg.Slot, table), table)
 	}
 	return nil
 }
@@ -100,7 +117,17 @@ func clearGap(ctx context.Context, conn *pgx.Conn, cfg Config) error {
 		return nil
 	}
 	if err != nil {
-		return backfillStateError(err, fmt.Sprintf("clear the publication gap of slot %q", cfg.Slot), "GRANT SELECT, INSERT, UPDATE, DELETE ON "+table+" TO <the relay's role>")
+		return gapStateError(ctx, conn, err, fmt.Sprintf("clear the publication gap of slot %q in %s", cfg.Slot, table), table)
 	}
 	return nil
+}
+
+// gapStateError explains a refused write to GapTable, naming the grant
+// for the role the relay runs as.
+func gapStateError(ctx context.Context, conn *pgx.Conn, err error, what, table string) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.InsufficientPrivilege {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	return stateError(err, what, "a publication gap is recorded so that a relay that stops before filling it leaves it to the next one instead of streaming past the withheld rows", grantState(ctx, conn, table))
 }
