@@ -88,3 +88,30 @@ func BenchmarkRouteEnvelope(b *testing.B) {
 		}
 	})
 }
+
+// TestRouteAllocs pins the allocations per routed row: the message and its
+// header values are one, the header map the others (bench/README.md, issue
+// 28: allocation per event is a drain cost).
+func TestRouteAllocs(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		max  float64
+	}{
+		{"seed", seedConfig(), 7},
+		{"extra_headers", Config{Tables: []TableConfig{{Table: "outbox", Headers: map[string]string{"publish_state": ""}}}}, 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := mustNew(t, tc.cfg)
+			ins := newInsert(newRelation(1, "public", "outbox", seedColumns...), seedRow())
+			var err error
+			got := testing.AllocsPerRun(200, func() { _, err = r.Route(ins, testCommit) })
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got > tc.max {
+				t.Errorf("Route: %.0f allocations per row, want ≤ %.0f", got, tc.max)
+			}
+		})
+	}
+}

@@ -501,9 +501,14 @@ func (r *Router) build(rule *tableRule, ev *event, l *layout, commit CommitInfo)
 	for i := range parts {
 		parts[i] = s[off[i]:off[i+1]]
 	}
-	return &Message{
+	a := new(routed)
+	backing := a.hdr[:0]
+	if l.nHeaders > len(a.hdr) {
+		backing = make([]string, 0, l.nHeaders)
+	}
+	a.msg = Message{
 		Subject:   parts[partSubject],
-		Header:    header(rule, ev, l, &parts),
+		Header:    header(rule, ev, l, &parts, backing),
 		Data:      append(make([]byte, 0, len(ev.payload)), ev.payload...), // never nil: an empty payload is not a NULL one
 		EventID:   parts[partEventID],
 		Key:       parts[partKey],
@@ -513,13 +518,24 @@ func (r *Router) build(rule *tableRule, ev *event, l *layout, commit CommitInfo)
 		Commit:    commit,
 		HeaderLen: l.hdrLen,
 	}
+	return &a.msg
+}
+
+// inlineHeaders is how many header values a routed message holds in its
+// own allocation: the contract headers and one extra column.
+const inlineHeaders = 12
+
+// routed is a message and the backing array of its header values,
+// allocated together: the array lives exactly as long as the message.
+type routed struct {
+	msg Message
+	hdr [inlineHeaders]string
 }
 
 // header builds the header map of a message from its parts. The values
-// share one backing array: one allocation, not one per header.
-func header(rule *tableRule, ev *event, l *layout, parts *[numParts]string) nats.Header {
+// share backing, of capacity l.nHeaders: no allocation per header.
+func header(rule *tableRule, ev *event, l *layout, parts *[numParts]string, backing []string) nats.Header {
 	h := make(nats.Header, l.nHeaders)
-	backing := make([]string, 0, l.nHeaders)
 	set := func(k, v string) {
 		backing = append(backing, v)
 		h[k] = backing[len(backing)-1 : len(backing) : len(backing)]
