@@ -58,11 +58,13 @@ type Config struct {
 	// messages may be delivered and not yet acknowledged. It bounds the
 	// library's memory and how many later messages a failing aggregate can
 	// hold back (see the package doc). Default Workers times the larger of
-	// DefaultPendingPerWorker and 2*BatchSize (a batch in flight and one
-	// queued per worker). In a group it bounds the member whatever it
-	// owns: each partition durable's max_ack_pending is MaxAckPending, and
-	// the partitions a member owns share MaxAckPending for the messages in
-	// its workers; their pull buffers hold up to MaxAckPending more
+	// DefaultPendingPerWorker and 4*BatchSize (a batch in flight and three
+	// queued per worker: with one, the acknowledgements of a batch and the
+	// deliveries that refill the queue race the next take, and batches run
+	// short). In a group it bounds the member whatever it owns: each
+	// partition durable's max_ack_pending is MaxAckPending, and the
+	// partitions a member owns share MaxAckPending for the messages in its
+	// workers; their pull buffers hold up to MaxAckPending more
 	// (docs/consumer.md "Consumer groups").
 	MaxAckPending int
 	// AckWait is the durable consumer's ack_wait. Messages waiting in a
@@ -158,7 +160,7 @@ func (c *Config) setDefaults() {
 		// Room for a batch in flight and a full one queued behind it per
 		// worker: with less, a worker waits for its acks to be answered
 		// with new messages between batches.
-		c.MaxAckPending = c.Workers * max(DefaultPendingPerWorker, 2*c.BatchSize)
+		c.MaxAckPending = c.Workers * max(DefaultPendingPerWorker, 4*c.BatchSize)
 	}
 	if c.AckWait == 0 {
 		c.AckWait = DefaultAckWait

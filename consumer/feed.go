@@ -66,6 +66,10 @@ type feed struct {
 	log       *zap.Logger
 	shareable bool    // a plain durable: other processes may pull it too
 	budget    *budget // a group member's, shared with its other feeds; nil for a plain durable
+	// admitSeq, when set (a group's partition), is asked about each
+	// delivery's stream sequence before it is handed on; its error ends
+	// the pump, the delivery not handed on.
+	admitSeq func(streamSeq uint64) error
 
 	iter   jetstream.MessagesContext // nil until open
 	next   uint64                    // the consumer sequence expected next
@@ -219,6 +223,11 @@ func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
 			var md *jetstream.MsgMetadata
 			if md, err = msg.Metadata(); err == nil {
 				err = f.admit(ctx, md.Sequence.Consumer)
+			}
+			if err == nil && f.admitSeq != nil {
+				if err = f.admitSeq(md.Sequence.Stream); err != nil {
+					return nil, err
+				}
 			}
 			if err == nil {
 				if pin := msg.Headers().Get(pinHeader); pin != "" {

@@ -56,10 +56,12 @@ type groupHost struct {
 	budget *budget // MaxAckPending, shared by the member's partitions
 }
 
-// Feed opens a feed on a partition durable, sharing the member's budget.
-func (h *groupHost) Feed(cons jetstream.Consumer, name string, opts ...jetstream.PullMessagesOpt) group.Feed {
+// Feed opens a feed on a partition durable, sharing the member's budget;
+// admit is asked about each delivery's stream sequence before it is handed on.
+func (h *groupHost) Feed(cons jetstream.Consumer, name string, admit func(streamSeq uint64) error, opts ...jetstream.PullMessagesOpt) group.Feed {
 	f := newFeed(h.e, cons, name, h.log, opts...)
 	f.budget = h.budget
+	f.admitSeq = admit
 	h.budget.join(f)
 	return &partitionFeed{e: h.e, f: f}
 }

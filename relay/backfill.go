@@ -342,11 +342,17 @@ func backfillMessage(rt *router.Router, ins *replication.Insert, commit router.C
 		dl := rt.DeadLetter(ins, commit, err)
 		return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}, true
 	}
+	return routedMessage(rt, rm), false
+}
+
+// routedMessage is rm to publish per aggregate, dead-lettered with the
+// publisher's reason when the stream refuses it.
+func routedMessage(rt *router.Router, rm *router.Message) *publisher.Message {
 	return &publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, Key: rm.Key,
 		DeadLetter: func(reason error) *publisher.Message {
 			dl := rt.DeadLetterMessage(rm, reason)
 			return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
-		}}, false
+		}}
 }
 
 func or(v, def string) string {

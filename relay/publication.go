@@ -208,6 +208,28 @@ func (g *pubGuard) settle(ctx context.Context) error {
 	return g.watch.SettleCommits(ctx)
 }
 
+// position reads the server's WAL position now
+// (replication.PublicationWatch.Position).
+func (g *pubGuard) position(ctx context.Context) (replication.LSN, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err := g.open(); err != nil {
+		return 0, err
+	}
+	return g.watch.Position(ctx)
+}
+
+// stretchMessages reads the logical messages the slot would skip if
+// advanced to upto (replication.PublicationWatch.StretchMessages).
+func (g *pubGuard) stretchMessages(ctx context.Context, upto replication.LSN, fn func(*replication.StretchMessage) error) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err := g.open(); err != nil {
+		return err
+	}
+	return g.watch.StretchMessages(ctx, upto, fn)
+}
+
 // filled records that the rows withheld before wal are published, first
 // advancing the slot to wal when it cannot decode the stretch.
 func (g *pubGuard) filled(ctx context.Context, wal replication.LSN) error {

@@ -51,9 +51,6 @@ func TestRelayGapWriterCommitsAfterFill(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			boolSubtests(t, "quiet", "busy", func(t *testing.T, busy bool) {
-				if !busy || tc.name == "recreated" {
-					t.Skip("defect (issue 25 review, third round): a row inserted during a publication gap by a transaction left open (idle in transaction) and committed after the fill is lost, and the slot confirmed past it (quiet: 111 of 112, v1 missing, v2 relayed, in 3 of 3 runs, recreated/quiet in 1 of 3; recreated/busy: 171 of 172 in 2 of 5 runs): the fill's snapshot cannot see it, the gap fill of a dropped-and-added table settles no writer at all (settle runs only when undecodable) and SettleCommits skips writers idle in a transaction, and pgoutput decodes the change with the catalog as of the change (table not published; a recreated publication is caught only when the change rebuilds the relation entry and fails with 42704) and skips it; a later version of its aggregate is relayed without it")
-				}
 				gapWriterCommitsAfterFill(t, tc.before, tc.after, tc.savepoint, busy)
 			})
 		})
@@ -97,13 +94,16 @@ func gapWriterCommitsAfterFill(t *testing.T, before, after string, savepoint, bu
 	if busy {
 		all = append(all, w.Write(ctx, 50, 5)...)
 	}
+	// The fill waits for the writer, which may hold rows of the gap, and
+	// says so; or the relay streams on and relays its row once committed.
+	waiting := func() bool { return strings.Contains(rl.NotReadyReason(), "still open") }
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		return rl.PublicationProblem() == nil && relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all))
+		return waiting() || rl.PublicationProblem() == nil && relaytest.StreamCount(ctx, f.JS, f.Stream) >= uint64(len(all))
 	}) {
-		t.Fatalf("%d of %d events relayed 30 s after the publication was right again: %v",
+		t.Fatalf("%d of %d events relayed 30 s after the publication was right again, and the relay does not say it waits for the writer: %v",
 			relaytest.StreamCount(ctx, f.JS, f.Stream), len(all), rl.PublicationProblem())
 	}
-	if busy {
+	if busy && !waiting() {
 		// The relay streams again (rows only the slot delivers are relayed).
 		all = append(all, w.Write(ctx, 10, 5)...)
 		f.WaitCount(ctx, f.Stream, uint64(len(all)), 30*time.Second)
@@ -159,9 +159,6 @@ func fmtPub(s, pub string) string { return strings.ReplaceAll(s, "{pub}", pub) }
 func TestRelayGapActiveWriter(t *testing.T) {
 	t.Parallel()
 	boolSubtests(t, "table_dropped", "recreated", func(t *testing.T, recreated bool) {
-		if !recreated {
-			t.Skip("defect (issue 25 review, third round): as TestRelayGapWriterCommitsAfterFill/table_dropped/quiet with a writer active in a long statement: the fill of a dropped-and-added table waits for no writer; its row is lost (111 of 112, v1 missing, v2 relayed)")
-		}
 		before, after := "ALTER PUBLICATION {pub} DROP TABLE outbox", "ALTER PUBLICATION {pub} ADD TABLE outbox"
 		if recreated {
 			before, after = "DROP PUBLICATION {pub}", "CREATE PUBLICATION {pub} FOR TABLE outbox WITH (publish = 'insert')"

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
@@ -36,6 +37,22 @@ type Gap struct {
 	// publication was dropped and created again): once the gap is filled
 	// the slot must be advanced past it.
 	Undecodable bool
+	// NoticedAt is when a relay first found it.
+	NoticedAt time.Time
+}
+
+// ReadGap reads the slot's recorded publication gap (GapTable) over a
+// connection of its own: for status and reconcile.
+func ReadGap(ctx context.Context, cfg Config) (Gap, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return Gap{}, err
+	}
+	conn, err := connectSQL(ctx, cfg.URL)
+	if err != nil {
+		return Gap{}, err
+	}
+	defer conn.Close(context.Background())
+	return readGap(ctx, conn, cfg)
 }
 
 func gapTable(cfg Config) pgx.Identifier {
@@ -46,7 +63,7 @@ func gapTable(cfg Config) pgx.Identifier {
 func readGap(ctx context.Context, conn *pgx.Conn, cfg Config) (Gap, error) {
 	var g Gap
 	var since string
-	err := conn.QueryRow(ctx, "SELECT since_lsn::text, undecodable FROM "+gapTable(cfg).Sanitize()+" WHERE slot_name = $1", cfg.Slot).Scan(&since, &g.Undecodable)
+	err := conn.QueryRow(ctx, "SELECT since_lsn::text, undecodable, noticed_at FROM "+gapTable(cfg).Sanitize()+" WHERE slot_name = $1", cfg.Slot).Scan(&since, &g.Undecodable, &g.NoticedAt)
 	var pgErr *pgconn.PgError
 	switch {
 	case errors.Is(err, pgx.ErrNoRows), errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable:

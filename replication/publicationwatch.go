@@ -122,22 +122,38 @@ func (w *PublicationWatch) AdvanceSlot(ctx context.Context, lsn LSN) error {
 	if err := w.connect(ctx); err != nil {
 		return err
 	}
+	var reached string
+	err := retryInUse(ctx, func() error {
+		return w.conn.QueryRow(ctx, "SELECT end_lsn::text FROM pg_replication_slot_advance($1, $2::pg_lsn)", w.cfg.Slot, lsn.String()).Scan(&reached)
+	})
+	var pgErr *pgconn.PgError
+	if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse) && ctx.Err() == nil {
+		return w.after(fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err))
+	}
+	if err != nil {
+		return fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err)
+	}
+	// The server advances no further than its flushed WAL: short of lsn,
+	// the slot would fail on the stretch again.
+	if end, err := parseLSN(reached); err != nil || end < lsn {
+		return fmt.Errorf("advance slot %q to %s: it reached %s only (the WAL is not flushed that far yet)", w.cfg.Slot, lsn, reached)
+	}
+	return nil
+}
+
+// retryInUse runs use, a statement on the slot, until it does not fail
+// with ObjectInUse (the slot held by a session), for up to advanceRetry.
+func retryInUse(ctx context.Context, use func() error) error {
 	giveUp := time.Now().Add(advanceRetry)
 	for {
-		_, err := w.conn.Exec(ctx, "SELECT pg_replication_slot_advance($1, $2::pg_lsn)", w.cfg.Slot, lsn.String())
+		err := use()
 		var pgErr *pgconn.PgError
-		inUse := errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse
-		switch {
-		case err == nil:
-			return nil
-		case !inUse:
-			return w.after(fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err))
-		case time.Now().After(giveUp):
-			return fmt.Errorf("advance slot %q to %s: %w", w.cfg.Slot, lsn, err)
+		if err == nil || !(errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse) || time.Now().After(giveUp) {
+			return err
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("advance slot %q to %s: %w: %w", w.cfg.Slot, lsn, ctx.Err(), err)
+			return fmt.Errorf("%w: %w", ctx.Err(), err)
 		case <-time.After(100 * time.Millisecond):
 		}
 	}

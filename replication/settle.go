@@ -51,10 +51,12 @@ func (e *SettleBlockedError) Unwrap() error { return e.Err }
 // transaction of this database holding a lock stronger than ACCESS SHARE
 // on an outbox table, but this session's. A commit record is written while
 // the transaction still holds its locks, and they are released only once
-// it is visible; a backend idle in a transaction has not begun to commit
-// it, so its commit, if any, comes after any position read before now: the
-// slot decodes it. Transactions of other databases, or that never wrote
-// an outbox table, cannot hold outbox rows.
+// it is visible. One idle in its transaction is waited for too: it may
+// have written its rows during the gap, and pgoutput decodes a change with
+// the catalog as of the change, so the slot skips a row written while the
+// table was not published even when it commits later; only the fill, from
+// the table once it is visible, publishes it. Transactions of other
+// databases, or that never wrote an outbox table, cannot hold outbox rows.
 const outboxWriters = `SELECT l.virtualtransaction, coalesce(a.pid, 0), coalesce(a.state, ''),
 	coalesce(a.xact_start, p.prepared, now()), coalesce(p.gid, '')
 FROM pg_locks l
@@ -64,16 +66,15 @@ LEFT JOIN LATERAL (SELECT p.gid, p.prepared FROM pg_locks x JOIN pg_prepared_xac
 WHERE l.locktype = 'relation' AND l.granted AND l.mode <> 'AccessShareLock'
 	AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 	AND l.relation IN (SELECT to_regclass(t) FROM unnest($1::text[]) t)
-	AND l.pid IS DISTINCT FROM pg_backend_pid()
-	AND coalesce(a.state, '') NOT IN ('idle in transaction', 'idle in transaction (aborted)')`
+	AND l.pid IS DISTINCT FROM pg_backend_pid()`
 
 // SettleCommits waits until every transaction that may have committed
 // outbox rows before a WAL position read earlier is visible: a commit
 // record is written before its transaction becomes visible, so that
 // position may be past the commit of a transaction a snapshot taken now
 // would not see. It waits only for the writers of the outbox tables
-// (outboxWriters), never for an unrelated open transaction, one idle in a
-// transaction, or one of another database. When ctx ends first it returns
+// (outboxWriters), never for an unrelated open transaction or one of
+// another database. When ctx ends first it returns
 // a *SettleBlockedError naming them.
 func (w *PublicationWatch) SettleCommits(ctx context.Context) error {
 	if err := w.connect(ctx); err != nil {

@@ -65,6 +65,9 @@ func Setup(ctx context.Context, cfg Config) (*SetupReport, error) {
 	if err := checkPublication(ctx, conn, cfg); err != nil {
 		return nil, err
 	}
+	if err := ensureMessagePublication(ctx, conn, cfg, rep); err != nil {
+		return nil, err
+	}
 	if err := ensureSlot(ctx, conn, cfg, rep, true); err != nil {
 		return nil, err
 	}

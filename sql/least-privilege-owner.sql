@@ -17,6 +17,10 @@ GRANT SELECT ON TABLE public.outbox TO outbox_relay;
 -- owner and CREATE on the database), as sql/publication.sql creates it.
 CREATE PUBLICATION outbox_relay FOR TABLE public.outbox
   WITH (publish = 'insert', publish_via_partition_root = true);
+-- The message publication (no tables): if outbox_relay is ever dropped and
+-- created again, the relay reads the logical messages of the WAL in
+-- between through it.
+CREATE PUBLICATION outbox_relay_messages;
 
 -- The record of the backfill (written before the slot is created, marked
 -- finished after its last row is acknowledged): `run` refuses a slot whose

@@ -70,6 +70,9 @@ type consumerFigure struct {
 	// is then the bench process alone: mostly the NATS server it hosts).
 	MemberCores  float64 `json:"member_cores,omitempty"`
 	MachineCores float64 `json:"machine_cores"`
+	// MeanBatch is the messages per batch transaction the consumer made
+	// (its batch size histogram; single-consumer runs only).
+	MeanBatch float64 `json:"mean_batch,omitempty"`
 }
 
 // e2eResult is outbox INSERT → relay → JetStream → consumer commit.
@@ -321,7 +324,7 @@ func publishRouted(ctx context.Context, env *benchEnv, prefix string, events, ag
 					return err
 				}
 			}
-			if _, err := env.js.PublishMsgAsync(m); err != nil {
+			if err := publishStalling(ctx, env, m); err != nil {
 				return err
 			}
 		}
@@ -334,6 +337,23 @@ func publishRouted(ctx context.Context, env *benchEnv, prefix string, events, ag
 		}
 	}
 	return nil
+}
+
+// publishStalling publishes m asynchronously; when too many publishes are
+// outstanding (a loaded machine's broker falls behind), it waits for them
+// and tries again instead of failing the run.
+func publishStalling(ctx context.Context, env *benchEnv, m *nats.Msg) error {
+	for {
+		_, err := env.js.PublishMsgAsync(m)
+		if !errors.Is(err, jetstream.ErrTooManyStalledMsgs) {
+			return err
+		}
+		select {
+		case <-env.js.PublishAsyncComplete():
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // startProfile starts a CPU profile of this process into path; stop ends
@@ -543,8 +563,9 @@ func consumerRun(ctx context.Context, env *benchEnv, stream string, events int, 
 	}
 	name := "bench-" + fmt.Sprint(time.Now().UnixNano())
 	clock := newApplyClock(events)
+	reg := prometheus.NewRegistry()
 	c, err := consumer.New(db.pool, env.js, consumer.Config{Name: name, Stream: stream, Workers: workers, BatchSize: s.batchSize, MaxAckPending: pending}, h,
-		consumer.WithAfterCommit(func(*consumer.Message) { clock.applied() }))
+		consumer.WithAfterCommit(func(*consumer.Message) { clock.applied() }), consumer.WithRegisterer(reg))
 	if err != nil {
 		return f, err
 	}
@@ -565,6 +586,9 @@ func consumerRun(ctx context.Context, env *benchEnv, stream string, events int, 
 	f.MachineCores = busyCores(m0, readMachineCPU())
 	f.PostgresCores = (treeCPU(pm) - pg0).Seconds() / el.Seconds()
 	f.BenchCores = (selfCPU() - b0).Seconds() / el.Seconds()
+	if batches, msgs := batchStats(reg); batches > 0 {
+		f.MeanBatch = msgs / float64(batches)
+	}
 	_ = env.js.DeleteConsumer(ctx, stream, name)
 	return f, nil
 }

@@ -130,13 +130,13 @@ func printConsumer(w io.Writer, r *results) {
 	if len(p.Runs) > 0 {
 		fmt.Fprintf(w, "\nConsumer: %s events over %d aggregates already in the stream, %d workers, handler inserts one row; PostgreSQL fsync=%s synchronous_commit=%s full_page_writes=%s\n",
 			num(float64(p.Events)), p.Aggregates, p.Workers, set("fsync"), set("synchronous_commit"), set("full_page_writes"))
-		row("", "per tx", "events/s", "apply ceiling", "÷ ceiling", "PostgreSQL cores", "bench cores", "machine cores")
+		row("", "per tx", "mean batch", "events/s", "apply ceiling", "÷ ceiling", "PostgreSQL cores", "bench cores", "machine cores")
 		for i, run := range p.Runs {
 			c := p.Ceilings[i]
-			row(run.Name, fmt.Sprint(run.BatchSize), num(run.Rate), num(c.Rate), f2(run.Ratio), f2(run.PostgresCores), f2(run.BenchCores), f2(run.MachineCores))
+			row(run.Name, fmt.Sprint(run.BatchSize), f1(run.MeanBatch), num(run.Rate), num(c.Rate), f2(run.Ratio), f2(run.PostgresCores), f2(run.BenchCores), f2(run.MachineCores))
 		}
 		for _, c := range p.Ceilings {
-			row("  "+c.Name, fmt.Sprint(c.BatchSize), num(c.Rate), "", "", f2(c.PostgresCores), f2(c.BenchCores), f2(c.MachineCores))
+			row("  "+c.Name, fmt.Sprint(c.BatchSize), "", num(c.Rate), "", "", f2(c.PostgresCores), f2(c.BenchCores), f2(c.MachineCores))
 		}
 		tw.Flush()
 	}

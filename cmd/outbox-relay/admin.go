@@ -225,12 +225,14 @@ type statusReport struct {
 	RetainedWALBytes  int64  `json:"retained_wal_bytes"`
 	LagBytes          int64  `json:"lag_bytes"`
 	// BackfillIncomplete: the slot's backfill was interrupted.
-	BackfillIncomplete bool   `json:"backfill_incomplete,omitempty"`
-	Stream             string `json:"stream"`
-	StreamMessages     uint64 `json:"stream_messages"`
-	StreamLastSeq      uint64 `json:"stream_last_seq"`
-	StreamStorage      string `json:"stream_storage,omitempty"`
-	StreamReplicas     int    `json:"stream_replicas,omitempty"`
+	BackfillIncomplete bool `json:"backfill_incomplete,omitempty"`
+	// PublicationGap is the slot's recorded publication gap, if any.
+	PublicationGap *gapStatus `json:"publication_gap,omitempty"`
+	Stream         string     `json:"stream"`
+	StreamMessages uint64     `json:"stream_messages"`
+	StreamLastSeq  uint64     `json:"stream_last_seq"`
+	StreamStorage  string     `json:"stream_storage,omitempty"`
+	StreamReplicas int        `json:"stream_replicas,omitempty"`
 	// DurableAcks says whether the event stream's acks survive a server
 	// crash; DurableReason says why not.
 	DurableAcks      *bool  `json:"durable_acks,omitempty"`
@@ -397,6 +399,12 @@ func collectStatus(ctx context.Context, cfg config.Config) statusReport {
 			rep.BackfillIncomplete = true
 			rep.Problems = append(rep.Problems, fmt.Sprintf("the backfill of the slot started at %s never finished: `run` refuses the slot; run `outbox-relay setup` to backfill again", bf.StartedAt.UTC().Format(time.RFC3339)))
 		}
+		if gs, err := readGapStatus(ctx, cfg); err != nil {
+			rep.Problems = append(rep.Problems, "postgres: "+err.Error())
+		} else if gs != nil {
+			rep.PublicationGap = gs
+			rep.Problems = append(rep.Problems, gs.problem())
+		}
 	}
 	natsUnknown := func(err error) statusReport {
 		rep.NATSError = err.Error()
@@ -458,6 +466,9 @@ func printStatus(w io.Writer, r statusReport) {
 		fmt.Fprintf(tw, "  confirmed_flush_lsn\t%s\n", r.ConfirmedFlushLSN)
 		fmt.Fprintf(tw, "  retained WAL\t%s\n", humanBytes(r.RetainedWALBytes))
 		fmt.Fprintf(tw, "  behind current WAL\t%s\n", humanBytes(r.LagBytes))
+		if g := r.PublicationGap; g != nil {
+			fmt.Fprintf(tw, "  publication gap\topen since %s, from %s (see the problem below)\n", g.NoticedAt.UTC().Format(time.RFC3339), g.SinceLSN)
+		}
 	}
 	fmt.Fprintf(tw, "stream\t%s\n", r.Stream)
 	switch {

@@ -107,6 +107,9 @@ type reconcileOutput struct {
 	Repair *reconcile.RepairReport `json:"repair,omitempty"`
 	// After is the reconciliation re-run after a repair.
 	After *reconcile.Report `json:"after,omitempty"`
+	// PublicationGap is the slot's open publication gap, if one is
+	// recorded: its rows are pending until the relay fills it.
+	PublicationGap *gapStatus `json:"publication_gap,omitempty"`
 }
 
 func newReconcileCmd(g *globals) *cobra.Command {
@@ -198,6 +201,9 @@ func runReconcile(ctx context.Context, out io.Writer, cfg config.Config, f recon
 	}
 
 	res := reconcileOutput{}
+	if res.PublicationGap, err = readGapStatus(ctx, cfg); err != nil {
+		return err
+	}
 	res.Report, err = reconcile.Run(ctx, pool, js, rc)
 	if err != nil {
 		return err
@@ -230,23 +236,31 @@ func runReconcile(ctx context.Context, out io.Writer, cfg config.Config, f recon
 			return fmt.Errorf("write %s: %w", f.metricsFile, err)
 		}
 	}
-	if f.asJSON {
-		enc := json.NewEncoder(out)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(res); err != nil {
-			return err
-		}
-	} else {
-		printReconcile(out, cfg, res.Report, f.list)
-		if res.Repair != nil {
-			printRepair(out, cfg, res.Repair)
-			fmt.Fprintln(out)
-			fmt.Fprintln(out, "After the repair:")
-			printReconcile(out, cfg, res.After, f.list)
-		}
+	if err := writeReconcile(out, cfg, res, f, rc.Since); err != nil {
+		return err
 	}
 	if final.Total.Missing > 0 || final.Total.Pending > 0 || final.Total.SharedID > 0 {
 		return exitCode(1)
+	}
+	return nil
+}
+
+// writeReconcile prints the reconciliation, as JSON with --json.
+func writeReconcile(out io.Writer, cfg config.Config, res reconcileOutput, f reconcileFlags, since time.Time) error {
+	if f.asJSON {
+		enc := json.NewEncoder(out)
+		enc.SetIndent("", "  ")
+		return enc.Encode(res)
+	}
+	printReconcile(out, cfg, res.Report, f.list)
+	if res.Repair != nil {
+		printRepair(out, cfg, res.Repair)
+		fmt.Fprintln(out)
+		fmt.Fprintln(out, "After the repair:")
+		printReconcile(out, cfg, res.After, f.list)
+	}
+	if res.PublicationGap != nil {
+		printReconcileGap(out, res.PublicationGap, since)
 	}
 	return nil
 }

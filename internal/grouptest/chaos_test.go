@@ -52,16 +52,12 @@ func chaos(t *testing.T, partitions int, ids []string, startMembers func(s *scen
 		l.Pause = s.pause
 	}
 	wait := relaytest.WriteAsync(ctx, t, s.f.DB.Pool, l)
-	if !testenv.WaitFor(3*time.Minute, func() bool { return s.applied() >= int64(l.Events/4) }) {
-		t.Fatalf("only %d applied after 3m", s.applied())
-	}
+	s.waitProgress("events applied", int64(l.Events/4), 3*time.Minute, s.applied)
 	fault(s)
 	written := wait()
 	// The relay shares the starved machine: give it time.
-	s.f.WaitCount(ctx, s.f.Stream, uint64(len(written)), 5*time.Minute)
-	if !testenv.WaitFor(5*time.Minute, func() bool { return s.applied() >= int64(len(written)) }) {
-		t.Fatalf("only %d of %d applied after 5m", s.applied(), len(written))
-	}
+	s.waitStored(ctx, len(written))
+	s.waitApplied(len(written))
 	s.waitSettled(partitions, 2*time.Minute)
 	for _, id := range ids {
 		s.stop(id)
@@ -219,14 +215,27 @@ func TestGroupTakeoverDefaults(t *testing.T) {
 		s.pause = 1500 * time.Millisecond // the load lasts beyond the faults
 		startAll(ids)(s)
 	}, func(s *scenario) {
+		// moved waits until id's partitions are consumed by the others and
+		// pinned to them, and logs when the roster reassigned them.
 		moved := func(id string, before []*jetstream.ConsumerInfo) time.Duration {
 			start := time.Now()
 			mine := ownedBy(slices.Clone(ids), id, partitions)
-			if !testenv.WaitFor(2*time.Minute, func() bool { return s.taken(mine, before) }) {
+			var stored time.Time
+			if !waitEvery(2*time.Minute, 250*time.Millisecond, func() (ok bool) {
+				stored, ok = s.consumedSince(mine, partitions, id, start)
+				return ok
+			}) {
+				s.dumpPartitions(partitions)
+				t.Fatalf("partitions %v of %s not consumed by the others within 2m", mine, id)
+			}
+			consumed := time.Since(start)
+			if !waitEvery(2*time.Minute, 250*time.Millisecond, func() bool { return s.taken(mine, before) }) {
 				s.dumpPartitions(partitions)
 				t.Fatalf("partitions %v of %s not taken over within 2m", mine, id)
 			}
-			return time.Since(start)
+			t.Logf("partitions %v of %s: reassigned by a live member %.1fs, consumed again %.1fs (%s), pinned %.1fs after the signal",
+				mine, id, s.reassignedAt(id, start).Sub(start).Seconds(), consumed.Seconds(), arrived(stored, start), time.Since(start).Seconds())
+			return consumed
 		}
 		before := s.infos(partitions)
 		s.kill("m1")
@@ -252,7 +261,7 @@ func TestGroupTakeoverDefaults(t *testing.T) {
 		go func() { defer close(stopped); s.stop("m2") }()
 		left := moved("m2", before)
 		<-stopped
-		t.Logf("TAKEOVER WITH DEFAULTS: SIGKILL -> partitions taken by live members %.1fs; SIGTERM (hand-off) -> %.1fs", killed.Seconds(), left.Seconds())
+		t.Logf("TAKEOVER WITH DEFAULTS: SIGKILL -> partitions consumed again by live members %.1fs; SIGTERM (hand-off) -> %.1fs", killed.Seconds(), left.Seconds())
 	})
 }
 

@@ -80,7 +80,7 @@ func newScenario(t *testing.T, partitions int) *scenario {
 	exec1(t, f, `CREATE TABLE applied (
 		consumer text NOT NULL, event_id text NOT NULL, aggregate_id text NOT NULL,
 		version bigint NOT NULL, member text NOT NULL, subject text NOT NULL, seq bigint NOT NULL,
-		deliveries bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), n bigserial PRIMARY KEY)`)
+		deliveries bigint NOT NULL, stored timestamptz NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), n bigserial PRIMARY KEY)`)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -365,14 +365,20 @@ func testKillAndJoin(t *testing.T, noVersion bool) {
 	wait := relaytest.WriteAsync(ctx, t, s.f.DB.Pool, l)
 
 	// Kill m1 once a quarter is applied and all three have partitions.
-	if !testenv.WaitFor(2*time.Minute, func() bool { return s.applied() >= int64(l.Events/4) }) {
-		t.Fatalf("only %d applied after 2m", s.applied())
-	}
+	s.waitProgress("events applied", int64(l.Events/4), 2*time.Minute, s.applied)
 	victim := ownedBy(slices.Clone(ids), "m1", partitions)
 	before := s.pins(partitions)
 	s.kill("m1")
 	killed := time.Now()
-	if !testenv.WaitFor(2*time.Minute, func() bool {
+	var stored time.Time
+	if !waitEvery(2*time.Minute, 250*time.Millisecond, func() (ok bool) {
+		stored, ok = s.consumedSince(victim, partitions, "m1", killed)
+		return ok
+	}) {
+		t.Fatalf("m1's partitions %v not consumed by the others within 2m", victim)
+	}
+	consumed := time.Since(killed)
+	if !waitEvery(2*time.Minute, 250*time.Millisecond, func() bool {
 		now := s.pins(partitions)
 		for _, p := range victim {
 			if now[p] == "" || now[p] == before[p] {
@@ -384,17 +390,14 @@ func testKillAndJoin(t *testing.T, noVersion bool) {
 		t.Fatalf("m1's partitions %v not taken over within 2m: pins %v (before %v)", victim, s.pins(partitions), before)
 	}
 	takeover := time.Since(killed)
-	t.Logf("TAKEOVER: partitions %v of the SIGKILLed member re-pinned to live members %.1fs after the kill (PinnedTTL 7s, member TTL 3s)", victim, takeover.Seconds())
+	t.Logf("TAKEOVER: partitions %v of the SIGKILLed member: reassigned by a live member %.1fs, consumed again %.1fs (%s), re-pinned %.1fs after the kill (member TTL 3s)",
+		victim, s.reassignedAt("m1", killed).Sub(killed).Seconds(), consumed.Seconds(), arrived(stored, killed), takeover.Seconds())
 	s.start("m1", "") // restarted
-	if !testenv.WaitFor(2*time.Minute, func() bool { return s.applied() >= int64(l.Events*3/5) }) {
-		t.Fatalf("only %d applied after 2m", s.applied())
-	}
+	s.waitProgress("events applied", int64(l.Events*3/5), 2*time.Minute, s.applied)
 	s.start("m4", "") // joins late
 	written := wait()
-	s.f.WaitCount(ctx, s.f.Stream, uint64(len(written)), 2*time.Minute)
-	if !testenv.WaitFor(3*time.Minute, func() bool { return s.applied() >= int64(len(written)) }) {
-		t.Fatalf("only %d of %d applied after 3m", s.applied(), len(written))
-	}
+	s.waitStored(ctx, len(written))
+	s.waitApplied(len(written))
 	s.waitSettled(partitions, time.Minute)
 	for _, id := range []string{"m1", "m2", "m3", "m4"} {
 		s.stop(id)
@@ -442,9 +445,7 @@ func TestGroupPartitionCountChangeDuringLoad(t *testing.T) {
 	}
 	l := load()
 	wait := relaytest.WriteAsync(ctx, t, s.f.DB.Pool, l)
-	if !testenv.WaitFor(2*time.Minute, func() bool { return s.applied() >= int64(l.Events/4) }) {
-		t.Fatalf("only %d applied after 2m", s.applied())
-	}
+	s.waitProgress("events applied", int64(l.Events/4), 2*time.Minute, s.applied)
 	spec := s.f.Cfg.Stream
 	spec.Partitions, spec.UpdatePartitions = 8, true
 	rep, err := provision.EnsureStream(ctx, s.f.JS, spec, true)
@@ -458,10 +459,8 @@ func TestGroupPartitionCountChangeDuringLoad(t *testing.T) {
 	s.partitions = 8
 	s.start("m3", "")
 	written := wait()
-	s.f.WaitCount(ctx, s.f.Stream, uint64(len(written)), 2*time.Minute)
-	if !testenv.WaitFor(3*time.Minute, func() bool { return s.applied() >= int64(len(written)) }) {
-		t.Fatalf("only %d of %d applied after 3m", s.applied(), len(written))
-	}
+	s.waitStored(ctx, len(written))
+	s.waitApplied(len(written))
 	s.waitSettled(8, time.Minute)
 	if !testenv.WaitFor(30*time.Second, func() bool {
 		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -502,9 +501,7 @@ func TestGroupMemberDatabaseUnreachable(t *testing.T) {
 	l := load()
 	l.Pause = 250 * time.Millisecond // the load (~25 s) lasts through the outage
 	wait := relaytest.WriteAsync(ctx, t, s.f.DB.Pool, l)
-	if !testenv.WaitFor(2*time.Minute, func() bool { return s.applied() >= int64(l.Events/10) }) {
-		t.Fatalf("only %d applied after 2m", s.applied())
-	}
+	s.waitProgress("events applied", int64(l.Events/10), 2*time.Minute, s.applied)
 	stalled := ownedBy(slices.Clone(ids), "m3", partitions)
 	proxy.Stall(testenv.Both)
 	time.Sleep(2 * time.Second) // let in-flight transactions fail
@@ -523,10 +520,8 @@ func TestGroupMemberDatabaseUnreachable(t *testing.T) {
 	}
 	t.Logf("during the outage: ack floors %v -> %v (stalled partitions %v)", before, after, stalled)
 	written := wait()
-	s.f.WaitCount(ctx, s.f.Stream, uint64(len(written)), 2*time.Minute)
-	if !testenv.WaitFor(3*time.Minute, func() bool { return s.applied() >= int64(len(written)) }) {
-		t.Fatalf("only %d of %d applied after 3m", s.applied(), len(written))
-	}
+	s.waitStored(ctx, len(written))
+	s.waitApplied(len(written))
 	s.waitSettled(partitions, time.Minute)
 	for _, id := range ids {
 		s.stop(id)

@@ -53,8 +53,8 @@ func memberMain() int {
 type recordHandler struct{ name string }
 
 func (h recordHandler) Handle(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
-	_, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version, member, subject, seq, deliveries) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
-		h.name, m.ID, m.AggregateID, m.AggregateVersion, os.Getenv(envMember), m.Subject, int64(m.StreamSeq), int64(m.Deliveries))
+	_, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version, member, subject, seq, deliveries, stored) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
+		h.name, m.ID, m.AggregateID, m.AggregateVersion, os.Getenv(envMember), m.Subject, int64(m.StreamSeq), int64(m.Deliveries), m.Stored)
 	return err
 }
 

@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -46,8 +47,10 @@ type Config struct {
 // Host is what a member needs of the engine it runs in.
 type Host interface {
 	// Feed opens a feed of the durable cons (named name) to the engine's
-	// workers, pulling with opts.
-	Feed(cons jetstream.Consumer, name string, opts ...jetstream.PullMessagesOpt) Feed
+	// workers, pulling with opts. admit is asked about each delivery's
+	// stream sequence before it is handed on: an error from it ends Pump
+	// with that error, the delivery not handed on.
+	Feed(cons jetstream.Consumer, name string, admit func(streamSeq uint64) error, opts ...jetstream.PullMessagesOpt) Feed
 	// EnsureDurable creates the partition durable cfg, or checks that the
 	// one that exists is this consumer's (its database, cfg.FilterSubject)
 	// and, with update, brings it to cfg.
@@ -103,12 +106,30 @@ const (
 	metaGroup      = "outbox-relay.group"
 	metaPartitions = "outbox-relay.partitions"
 	metaPartition  = "outbox-relay.partition"
+	// metaFrom is the stream's last sequence in the stream info that
+	// showed the durable's partition count when the durable was created:
+	// every message of an older count up to it was stored before the
+	// change (generation.from).
+	metaFrom = "outbox-relay.from"
 )
 
 // PartitionDurable is the durable consumer name of partition p of a group
 // with the given partition count.
 func PartitionDurable(group string, partitions, p int) string {
 	return group + "-" + strconv.Itoa(partitions) + "-" + strconv.Itoa(p)
+}
+
+// generationFilter is the subject filter of every partition of a
+// partition count: PartitionFilter with the partition token a wildcard.
+func generationFilter(source string, partitions int) string {
+	a := strings.Split(contract.PartitionFilter(source, partitions, 0), ".")
+	b := strings.Split(contract.PartitionFilter(source, partitions, 1), ".")
+	for i := range a {
+		if i < len(b) && a[i] != b[i] {
+			a[i] = "*"
+		}
+	}
+	return strings.Join(a, ".")
 }
 
 // Bucket is the key-value bucket where a group's members heartbeat.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sort"
 	"strconv"
@@ -31,6 +32,7 @@ type Member struct {
 	strm     jetstream.Stream
 	ttl      time.Duration // the bucket's member TTL
 	replicas int           // of the bucket, when it must be created again
+	startSeq uint64        // the stream's last sequence when Run began
 
 	// The bucket is opened again (created if missing: a memory bucket of
 	// an earlier version does not survive a NATS restart) by the heartbeat
@@ -97,7 +99,7 @@ func (g *Member) Run(ctx, settleCtx context.Context, host Host) error {
 	if err := g.join(ctx); err != nil {
 		return err
 	}
-	if err := g.ensureGeneration(ctx, g.current, true); err != nil {
+	if err := g.ensureGeneration(ctx, g.current, g.startSeq, true); err != nil {
 		return err
 	}
 	cfg := &g.cfg
@@ -124,6 +126,7 @@ func (g *Member) setUp(ctx context.Context, host Host) error {
 	if g.source, g.current, err = cfg.checkStream(info); err != nil {
 		return err
 	}
+	g.startSeq = info.State.LastSeq
 	if g.met, err = newMetricsOf(g.reg, cfg.Name); err != nil {
 		return err
 	}
@@ -270,9 +273,10 @@ func (g *Member) beat(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// durableConfig is partition p's durable consumer. The host adds the
-// consumer's identity (database, filter) to its metadata.
-func (g *Member) durableConfig(partitions, p int) jetstream.ConsumerConfig {
+// durableConfig is partition p's durable consumer, from as its metaFrom.
+// The host adds the consumer's identity (database, filter) to its
+// metadata.
+func (g *Member) durableConfig(partitions, p int, from uint64) jetstream.ConsumerConfig {
 	gc := &g.cfg
 	cfg := gc.Durable
 	cfg.Durable = PartitionDurable(gc.Name, partitions, p)
@@ -288,18 +292,27 @@ func (g *Member) durableConfig(partitions, p int) jetstream.ConsumerConfig {
 	cfg.MaxAckPending = gc.MaxAckPending
 	cfg.Metadata = map[string]string{
 		metaGroup: gc.Name, metaPartitions: strconv.Itoa(partitions), metaPartition: strconv.Itoa(p),
+		metaFrom: strconv.FormatUint(from, 10),
 	}
 	return cfg
 }
 
 // ensureGeneration creates the durables of a partition count that are
-// missing, after checking that existing ones (and ones another member
-// creates at the same moment) are this group's (same database and
+// missing, from being the stream's last sequence in the stream info that
+// showed the count, after checking that existing ones (and ones another
+// member creates at the same moment) are this group's (same database and
 // filter); with update it also brings existing ones to this member's
-// settings.
-func (g *Member) ensureGeneration(ctx context.Context, partitions int, update bool) error {
+// settings, but for the from they were created with.
+func (g *Member) ensureGeneration(ctx context.Context, partitions int, from uint64, update bool) error {
 	for p := range partitions {
-		cfg := g.durableConfig(partitions, p)
+		cfg := g.durableConfig(partitions, p, from)
+		if update {
+			if cons, err := g.strm.Consumer(ctx, cfg.Durable); err == nil {
+				if have, ok := cons.CachedInfo().Config.Metadata[metaFrom]; ok {
+					cfg.Metadata[metaFrom] = have
+				}
+			}
+		}
 		if _, err := g.host.EnsureDurable(ctx, cfg, update); err != nil {
 			return fmt.Errorf("partition durable %s on stream %s: %w", cfg.Durable, g.cfg.Stream, err)
 		}
@@ -313,6 +326,15 @@ type generation struct {
 	created    time.Time
 	drained    bool
 	durables   map[int]*jetstream.ConsumerInfo
+	// from is the least metaFrom of the durables (fromKnown: every one
+	// has it, as durables created by earlier versions do not).
+	from      uint64
+	fromKnown bool
+	// until is the last stream sequence of the generation that may be
+	// consumed now: everything while it is the current count; while it
+	// drains as an older one, what was stored before the newer counts
+	// began (fence).
+	until uint64
 }
 
 // coordinate is the member loop: heartbeat, read the stream's partition
@@ -370,6 +392,13 @@ func (g *Member) step(ctx, pullCtx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// First of all, before any request: what a partition of another count
+	// stored after this read is of a count gone back to (fence).
+	for _, pt := range g.parts {
+		if pt.partitions != current {
+			pt.bound(info.State.LastSeq)
+		}
+	}
 	if current != g.current {
 		g.log.Info("the stream's partition count changed: the new partitions are consumed once the old ones are drained",
 			zap.Int("from", g.current), zap.Int("to", current))
@@ -384,7 +413,7 @@ func (g *Member) step(ctx, pullCtx context.Context) error {
 		// The others no longer count this member: give everything up.
 		g.assign(pullCtx, nil, nil)
 	}
-	gens, active, err := g.activeGeneration(ctx, current)
+	gens, active, err := g.activeGeneration(ctx, current, info.State.LastSeq)
 	if errors.Is(err, ErrMismatch) {
 		g.assign(pullCtx, nil, nil)
 		g.observe(gens, 0)
@@ -415,8 +444,9 @@ func (g *Member) step(ctx, pullCtx context.Context) error {
 // activeGeneration lists the group's generations of partition durables,
 // creating the current one's missing durables and removing drained older
 // ones, and returns the partition count to consume: the oldest generation
-// not drained yet, else the current one.
-func (g *Member) activeGeneration(ctx context.Context, current int) (map[int]*generation, int, error) {
+// not drained yet, else the current one. lastSeq is the stream's last
+// sequence in the stream info that showed current.
+func (g *Member) activeGeneration(ctx context.Context, current int, lastSeq uint64) (map[int]*generation, int, error) {
 	gens, err := g.generations(ctx)
 	if err != nil {
 		return nil, 0, err
@@ -424,7 +454,7 @@ func (g *Member) activeGeneration(ctx context.Context, current int) (map[int]*ge
 	if _, ok := gens[current]; !ok || len(gens[current].durables) < current {
 		// The partition count changed: create the new generation; it is
 		// consumed once every older one is drained.
-		if err := g.ensureGeneration(ctx, current, false); err != nil {
+		if err := g.ensureGeneration(ctx, current, lastSeq, false); err != nil {
 			return nil, 0, err
 		}
 		if gens, err = g.generations(ctx); err != nil {
@@ -466,11 +496,17 @@ func (g *Member) activeGeneration(ctx context.Context, current int) (map[int]*ge
 			continue
 		}
 		g.reportDraining(gen)
+		if err := g.fence(ctx, gens, gen, lastSeq); err != nil {
+			return gens, 0, err
+		}
 		return gens, gen.partitions, nil
 	}
 	if !g.drainSince.IsZero() {
 		g.drainSince = time.Time{}
 		g.met.draining.Reset()
+	}
+	if cur := gens[current]; cur != nil {
+		cur.until = math.MaxUint64
 	}
 	return gens, current, nil
 }
@@ -530,8 +566,14 @@ func (g *Member) generations(ctx context.Context) (map[int]*generation, error) {
 		}
 		gen := gens[n]
 		if gen == nil {
-			gen = &generation{partitions: n, created: ci.Created, drained: true, durables: map[int]*jetstream.ConsumerInfo{}}
+			gen = &generation{partitions: n, created: ci.Created, drained: true, durables: map[int]*jetstream.ConsumerInfo{},
+				from: math.MaxUint64, fromKnown: true}
 			gens[n] = gen
+		}
+		if from, err := strconv.ParseUint(ci.Config.Metadata[metaFrom], 10, 64); err == nil {
+			gen.from = min(gen.from, from)
+		} else {
+			gen.fromKnown = false
 		}
 		if ci.Created.Before(gen.created) {
 			gen.created = ci.Created
@@ -616,7 +658,8 @@ func (g *Member) assign(pullCtx context.Context, members []string, gen *generati
 	}
 	for _, p := range mine {
 		name := PartitionDurable(g.cfg.Name, gen.partitions, p)
-		if _, running := g.parts[name]; running {
+		if pt, running := g.parts[name]; running {
+			pt.setUntil(gen.until)
 			continue // running, or still handing off: started again after
 		}
 		cons, err := g.strm.Consumer(pullCtx, name)
@@ -624,7 +667,7 @@ func (g *Member) assign(pullCtx context.Context, members []string, gen *generati
 			g.log.Warn("look up partition durable", zap.String("durable", name), zap.Error(err))
 			continue
 		}
-		pt := newPartition(g, gen.partitions, p, cons)
+		pt := newPartition(g, gen.partitions, p, cons, gen.until)
 		g.parts[name] = pt
 		g.wg.Add(1)
 		go func() {

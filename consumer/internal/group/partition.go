@@ -3,7 +3,9 @@ package group
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -35,18 +37,83 @@ type partition struct {
 	handoff    chan struct{} // closed to ask for a hand-off
 	done       chan struct{} // closed when run has returned
 	once       sync.Once
+	// until is the last stream sequence of the partition that may be
+	// handed on (generation.until), set by the coordinator loop at every
+	// step and read by admit at every delivery; raised receives (without
+	// blocking) when it goes up.
+	until  atomic.Uint64
+	raised chan struct{}
+	past   uint64 // the delivery admit refused last; run's
 }
 
-func newPartition(g *Member, partitions, p int, cons jetstream.Consumer) *partition {
+func newPartition(g *Member, partitions, p int, cons jetstream.Consumer, until uint64) *partition {
 	cfg := &g.cfg
 	name := PartitionDurable(cfg.Name, partitions, p)
-	return &partition{
+	pt := &partition{
 		g: g, partitions: partitions, p: p, cons: cons, durable: name,
-		f: g.host.Feed(cons, name, jetstream.PullPriorityGroup(PriorityGroup(cfg.Name)),
-			jetstream.PullMaxMessages(pullBatch(cfg.MaxAckPending, partitions)), jetstream.PullExpiry(PullExpiry)),
 		handoff: make(chan struct{}),
 		done:    make(chan struct{}),
+		raised:  make(chan struct{}, 1),
 	}
+	pt.until.Store(until)
+	pt.f = g.host.Feed(cons, name, pt.admit, jetstream.PullPriorityGroup(PriorityGroup(cfg.Name)),
+		jetstream.PullMaxMessages(pullBatch(cfg.MaxAckPending, partitions)), jetstream.PullExpiry(PullExpiry))
+	return pt
+}
+
+// errPastFence ends a partition's pump at a delivery stored after the
+// stream's partition count went back to the partition's (generation.until).
+var errPastFence = errors.New("delivery stored after a newer partition count began")
+
+// admit refuses a delivery stored after the partition's fence: one of an
+// older generation stored since the count went back to it, which must not
+// go ahead of the newer generation's events (activeGeneration refuses the
+// change back).
+func (pt *partition) admit(seq uint64) error {
+	if until := pt.until.Load(); seq > until {
+		pt.past = seq
+		return fmt.Errorf("%w: %s delivered stream sequence %d, beyond %d", errPastFence, pt.durable, seq, until)
+	}
+	return nil
+}
+
+// bound lowers the partition's fence to until.
+func (pt *partition) bound(until uint64) {
+	for {
+		cur := pt.until.Load()
+		if until >= cur || pt.until.CompareAndSwap(cur, until) {
+			return
+		}
+	}
+}
+
+// setUntil sets the partition's fence (the coordinator's step).
+func (pt *partition) setUntil(until uint64) {
+	if pt.until.Swap(until) < until {
+		select {
+		case pt.raised <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// fenced waits, consuming nothing, after admit refused a delivery: until
+// the hand-off is asked for (errHandedOff), the fence is raised past the
+// delivery (nil: the newer generation is gone, pull on in order from the
+// ack floor), or ctx ends.
+func (pt *partition) fenced(ctx context.Context, log *zap.Logger, err error) error {
+	log.Warn("the stream's partition count went back to this generation's while it drained: consuming none of it until the newer generation is gone", zap.Error(err))
+	pt.f.Stop()
+	for pt.until.Load() < pt.past {
+		select {
+		case <-pt.handoff:
+			return errHandedOff
+		case <-pt.raised:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
 }
 
 // pullBatch is how many deliveries a partition's pull requests and buffers
@@ -69,6 +136,13 @@ func (pt *partition) run(ctx context.Context) error {
 	log := pt.g.log.With(zap.String("durable", pt.durable))
 	pt.unpin(ctx, log)
 	err := pt.pump(ctx)
+	for errors.Is(err, errPastFence) {
+		// The coordinator's next step refuses the change back and asks for
+		// the hand-off, or finds the newer generation gone.
+		if err = pt.fenced(ctx, log, err); err == nil {
+			err = pt.pump(ctx)
+		}
+	}
 	switch {
 	case errors.Is(err, errHandedOff):
 		pt.handOff(ctx, log)
