@@ -245,13 +245,13 @@ func TestBatchAttackServerRestart(t *testing.T) {
 	}
 	t.Cleanup(nc.Close)
 	f := newBatchFixtureOn(t, nc, nc, batchStream("B"), publisher.Config{AckTimeout: publisher.MinAckTimeout, MaxInFlight: 256, RetryMin: 10 * time.Millisecond, RetryMax: 100 * time.Millisecond}, publisher.BatchConfig{})
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 240*time.Second)
 	defer cancel()
 	const n, keys = 6000, 9
 	keyOf := func(i int) string { return "k" + strconv.Itoa(i%keys) }
 	wait := f.publishAsync(ctx, 0, n, keyOf)
 	for round := 0; round < 2; round++ {
-		if !testenv.WaitFor(20*time.Second, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return len(f.results) >= (round+1)*n/4 }) {
+		if !testenv.WaitFor(90*time.Second, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return len(f.results) >= (round+1)*n/4 }) {
 			t.Fatalf("round %d: %d of %d in flight, too few settled", round, f.b.InFlight(), n)
 		}
 		srv.Stop()
@@ -289,16 +289,18 @@ func TestBatchAttackLeaderChange(t *testing.T) {
 	scfg := batchStream("B")
 	scfg.Replicas = 3
 	f := newBatchFixtureOn(t, nc, nc, scfg, publisher.Config{AckTimeout: time.Second, MaxInFlight: 256, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond}, publisher.BatchConfig{})
-	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Second)
 	defer cancel()
 	const n, keys = 6000, 9
 	keyOf := func(i int) string { return "k" + strconv.Itoa(i%keys) }
 	wait := f.publishAsync(ctx, 0, n, keyOf)
 	settled := func() int { f.mu.Lock(); defer f.mu.Unlock(); return len(f.results) }
+	start := time.Now()
 	for round := 0; round < 3; round++ {
-		if !testenv.WaitFor(30*time.Second, func() bool { return settled() >= (round+1)*n/5 }) {
+		if !testenv.WaitFor(90*time.Second, func() bool { return settled() >= (round+1)*n/5 }) {
 			t.Fatalf("round %d: %d settled", round, settled())
 		}
+		t.Logf("%s: %d settled, leader change %d", time.Since(start).Round(time.Millisecond), settled(), round+1)
 		if round < 2 {
 			if _, err := nc.Request("$JS.API.STREAM.LEADER.STEPDOWN.B", nil, 5*time.Second); err != nil {
 				t.Fatalf("step down: %v", err)
@@ -321,7 +323,7 @@ func TestBatchAttackLeaderChange(t *testing.T) {
 		t.Fatalf("%v: %d of %d settled after leader changes", err, n-f.b.InFlight(), n)
 	}
 	f.mu.Lock()
-	t.Logf("%d failed batches", f.retried)
+	t.Logf("%s: all %d settled, %d failed batches", time.Since(start).Round(time.Millisecond), n, f.retried)
 	f.mu.Unlock()
 	f.checkSettledOnce(n)
 	checkKeyOrder(t, f.stored(ctx, "B"), n, nil, keyOf)
