@@ -264,9 +264,6 @@ func TestRelayGapPreparedWriter(t *testing.T) {
 	}
 	t.Cleanup(pg.Close)
 	boolSubtests(t, "table_dropped", "recreated", func(t *testing.T, recreated bool) {
-		if !recreated {
-			t.Skip("defect (issue 25 review, third round): as TestRelayGapWriterCommitsAfterFill/table_dropped/quiet with a prepared transaction committed after the fill: the fill of a dropped-and-added table waits for no writer; its row is lost (111 of 112, v1 missing, v2 relayed)")
-		}
 		before, after := "ALTER PUBLICATION {pub} DROP TABLE outbox", "ALTER PUBLICATION {pub} ADD TABLE outbox"
 		if recreated {
 			before, after = "DROP PUBLICATION {pub}", "CREATE PUBLICATION {pub} FOR TABLE outbox WITH (publish = 'insert')"
