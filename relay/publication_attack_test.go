@@ -39,14 +39,8 @@ func TestRelayPublicationRecreatedBesideOpenTransaction(t *testing.T) {
 func recreatedBesideOpenTransaction(t *testing.T, outbox bool) {
 	ctx := context.Background()
 	f := newFixture(t, "")
-	f.Cfg.PublicationCheck = 200 * time.Millisecond
-	f.Setup(ctx)
-	rl, _ := f.Start(ctx)
-	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := sqlExec(t, ctx, f.DB.Pool)
-	w := f.NewWriter(5)
-	all := w.Write(ctx, 50, 5)
-	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
+	s := startStreaming(t, ctx, f)
+	rl, pub, exec, w, all := s.rl, s.pub, s.exec, s.w, s.all
 
 	// A transaction with an xid, left open for the test.
 	exec("CREATE TABLE unrelated_job (id int)")

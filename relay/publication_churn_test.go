@@ -5,8 +5,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/internal/opstest"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // Adversarial review of issue 25: the publication dropped and created
@@ -15,14 +17,8 @@ func TestRelayPublicationRecreated(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, "")
-	f.Cfg.PublicationCheck = 200 * time.Millisecond
-	f.Setup(ctx)
-	rl, _ := f.Start(ctx)
-	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := sqlExec(t, ctx, f.DB.Pool)
-	w := f.NewWriter(5)
-	all := w.Write(ctx, 50, 5)
-	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
+	s := startStreaming(t, ctx, f)
+	rl, pub, exec, w, all := s.rl, s.pub, s.exec, s.w, s.all
 	exec(`DROP PUBLICATION ` + pub)
 	all = append(all, w.Write(ctx, 50, 5)...)
 	exec(`CREATE PUBLICATION ` + pub + ` FOR TABLE outbox WITH (publish = 'insert')`)
@@ -90,4 +86,26 @@ func TestRelayPublicationChurnUnderLoad(t *testing.T) {
 			}
 		})
 	}
+}
+
+// streamingScene is a relay streaming with a fast publication check and
+// 50 events of five writers relayed: where the publication tests change
+// things under it.
+type streamingScene struct {
+	rl   *relay.Relay
+	pub  string           // the publication's name, quoted
+	exec func(sql string) // on the test's database
+	w    *opstest.Writer
+	all  []relaytest.Event // written so far
+}
+
+func startStreaming(t *testing.T, ctx context.Context, f *fixture) streamingScene {
+	t.Helper()
+	f.Cfg.PublicationCheck = 200 * time.Millisecond
+	f.Setup(ctx)
+	rl, _ := f.Start(ctx)
+	s := streamingScene{rl: rl, pub: `"` + f.Cfg.Replication.Publication + `"`, exec: sqlExec(t, ctx, f.DB.Pool), w: f.NewWriter(5)}
+	s.all = s.w.Write(ctx, 50, 5)
+	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
+	return s
 }

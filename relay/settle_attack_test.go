@@ -60,14 +60,8 @@ func TestRelayGapWriterCommitsAfterFill(t *testing.T) {
 func gapWriterCommitsAfterFill(t *testing.T, before, after string, savepoint, busy bool) {
 	ctx := context.Background()
 	f := newFixture(t, "")
-	f.Cfg.PublicationCheck = 200 * time.Millisecond
-	f.Setup(ctx)
-	rl, _ := f.Start(ctx)
-	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := sqlExec(t, ctx, f.DB.Pool)
-	w := f.NewWriter(5)
-	all := w.Write(ctx, 50, 5)
-	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
+	s := startStreaming(t, ctx, f)
+	rl, pub, exec, w, all := s.rl, s.pub, s.exec, s.w, s.all
 
 	exec(fmtPub(before, pub))
 	if !testenv.WaitFor(10*time.Second, func() bool { return rl.PublicationProblem() != nil }) {
@@ -278,14 +272,8 @@ func gapPreparedWriter(t *testing.T, pg *testenv.Postgres, before, after string)
 	f.DB = testenv.NewDatabaseOn(t, pg)
 	f.DB.ExecFile(t, filepath.Join(testenv.RepoRoot(t), "sql", "outbox.sql"))
 	f.Cfg.Replication.URL = f.DB.URL
-	f.Cfg.PublicationCheck = 200 * time.Millisecond
-	f.Setup(ctx)
-	rl, _ := f.Start(ctx)
-	pub := `"` + f.Cfg.Replication.Publication + `"`
-	exec := sqlExec(t, ctx, f.DB.Pool)
-	w := f.NewWriter(5)
-	all := w.Write(ctx, 50, 5)
-	f.WaitCount(ctx, f.Stream, 50, 30*time.Second)
+	s := startStreaming(t, ctx, f)
+	rl, pub, exec, w, all := s.rl, s.pub, s.exec, s.w, s.all
 	exec(fmtPub(before, pub))
 	if !testenv.WaitFor(10*time.Second, func() bool { return rl.PublicationProblem() != nil }) {
 		t.Fatal("the publication change was not noticed")
