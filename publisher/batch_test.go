@@ -3,6 +3,7 @@ package publisher_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"strconv"
 	"strings"
@@ -148,50 +149,66 @@ func (f *batchFixture) drain(ctx context.Context) {
 // stored returns the Seq header of every message in stream, in stream
 // order. It reads them through an ordered consumer, a few hundred per
 // round trip: one request per message took most of a test's deadline on a
-// loaded machine (5,000 messages under six busy loops and -race).
+// loaded machine (5,000 messages under six busy loops and -race). A read
+// that finds no responder (a clustered stream electing its leader after a
+// node stopped) starts again, for up to a minute.
 func (f *batchFixture) stored(ctx context.Context, stream string) []int {
 	f.t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		out, err := f.readStored(ctx, stream)
+		if err == nil {
+			return out
+		}
+		if !errors.Is(err, nats.ErrNoResponders) || time.Now().After(deadline) || ctx.Err() != nil {
+			f.t.Fatalf("read stream %s: %v", stream, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func (f *batchFixture) readStored(ctx context.Context, stream string) ([]int, error) {
 	s, err := f.js.Stream(ctx, stream)
 	if err != nil {
-		f.t.Fatal(err)
+		return nil, err
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
-		f.t.Fatal(err)
+		return nil, err
 	}
 	var out []int
 	if info.State.Msgs == 0 {
-		return out
+		return out, nil
 	}
 	c, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
 	if err != nil {
-		f.t.Fatal(err)
+		return nil, err
 	}
 	for last := uint64(0); last < info.State.LastSeq; {
 		batch, err := c.Fetch(500, jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
-			f.t.Fatalf("read stream %s: %v", stream, err)
+			return nil, err
 		}
 		for m := range batch.Messages() {
 			md, err := m.Metadata()
 			if err != nil {
-				f.t.Fatalf("stream %s: %v", stream, err)
+				return nil, err
 			}
 			last = md.Sequence.Stream
 			n, err := strconv.Atoi(m.Headers().Get("Seq"))
 			if err != nil {
-				f.t.Fatalf("stream %s seq %d: %v", stream, last, err)
+				return nil, fmt.Errorf("seq %d: %w", last, err)
 			}
 			out = append(out, n)
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
-			f.t.Fatalf("read stream %s: %v", stream, err)
+			return nil, err
 		}
 		if ctx.Err() != nil {
-			f.t.Fatalf("read stream %s: %v after %d messages", stream, ctx.Err(), len(out))
+			return nil, fmt.Errorf("%w after %d messages", ctx.Err(), len(out))
 		}
 	}
-	return out
+	return out, nil
 }
 
 // waitStored waits until stream B holds n messages and also holds.
