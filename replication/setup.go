@@ -206,16 +206,33 @@ func checkServer(ctx context.Context, conn *pgx.Conn) error {
 	return nil
 }
 
+// publicationExists reports whether publication name exists.
+func publicationExists(ctx context.Context, conn *pgx.Conn, name string) (bool, error) {
+	var exists bool
+	err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)", name).Scan(&exists)
+	if err != nil {
+		return false, fmt.Errorf("look up publication %q: %w", name, err)
+	}
+	return exists, nil
+}
+
+// createdMeanwhile reports a CREATE PUBLICATION refused because another
+// session created the publication after our look-up (the catalog's
+// unique index answers first when both commit at once).
+func createdMeanwhile(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.DuplicateObject || pgErr.Code == pgerrcode.UniqueViolation)
+}
+
 func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport, create bool) error {
 	quoted, err := quotedTables(ctx, conn, cfg)
 	if err != nil {
 		return err
 	}
 	// Its operations and options are checkPublication's to judge.
-	var exists bool
-	err = conn.QueryRow(ctx, "SELECT true FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&exists)
-	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("look up publication %q: %w", cfg.Publication, err)
+	exists, err := publicationExists(ctx, conn, cfg.Publication)
+	if err != nil {
+		return err
 	}
 	name := pgx.Identifier{cfg.Publication}.Sanitize()
 	if !exists {
@@ -226,7 +243,7 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *Set
 		_, err := conn.Exec(ctx, sql)
 		var pgErr *pgconn.PgError
 		switch {
-		case errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.DuplicateObject || pgErr.Code == pgerrcode.UniqueViolation):
+		case createdMeanwhile(err):
 			// Another instance created it between our look-up and now.
 			return ensurePublication(ctx, conn, cfg, rep, create)
 		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege:

@@ -42,8 +42,7 @@ func MessagePublication(cfg Config) string {
 // ensureMessagePublication creates the message publication when missing.
 func ensureMessagePublication(ctx context.Context, conn *pgx.Conn, cfg Config, rep *SetupReport) error {
 	name := MessagePublication(cfg)
-	var exists bool
-	err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)", name).Scan(&exists)
+	exists, err := publicationExists(ctx, conn, name)
 	if err != nil || exists {
 		return err
 	}
@@ -51,7 +50,7 @@ func ensureMessagePublication(ctx context.Context, conn *pgx.Conn, cfg Config, r
 	_, err = conn.Exec(ctx, stmt)
 	var pgErr *pgconn.PgError
 	switch {
-	case errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.DuplicateObject || pgErr.Code == pgerrcode.UniqueViolation):
+	case createdMeanwhile(err):
 		return nil
 	case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege:
 		// Not fatal: it matters only to logical messages, and only if the
