@@ -408,19 +408,30 @@ func testKillAndJoin(t *testing.T, noVersion bool) {
 // ackFloors returns each partition durable's ack floor (stream sequence).
 func (s *scenario) ackFloors(partitions int) []uint64 {
 	s.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
 	out := make([]uint64, partitions)
 	for p := range partitions {
-		c, err := s.f.JS.Consumer(ctx, s.f.Stream, consumer.PartitionDurable(group, partitions, p))
-		if err != nil {
-			s.t.Fatalf("partition %d: %v", p, err)
+		// Each read retried to its own deadline: beside CPU hogs the NATS
+		// server in this test process answered six reads under one 5 s
+		// deadline too late (a CI run failed on it, not on the partitions).
+		var last error
+		if !testenv.WaitFor(30*time.Second, func() bool {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			c, err := s.f.JS.Consumer(ctx, s.f.Stream, consumer.PartitionDurable(group, partitions, p))
+			if err != nil {
+				last = err
+				return false
+			}
+			info, err := c.Info(ctx)
+			if err != nil {
+				last = err
+				return false
+			}
+			out[p] = info.AckFloor.Stream
+			return true
+		}) {
+			s.t.Fatalf("partition %d info: %v", p, last)
 		}
-		info, err := c.Info(ctx)
-		if err != nil {
-			s.t.Fatalf("partition %d info: %v", p, err)
-		}
-		out[p] = info.AckFloor.Stream
 	}
 	return out
 }
