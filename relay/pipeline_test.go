@@ -67,7 +67,7 @@ func (p *recordingPublisher) Space() <-chan struct{} { return p.space }
 
 // settleNext settles the oldest unsettled message and signals space.
 func (p *recordingPublisher) settleNext() {
-	p.msgs[p.settled].Done(publisher.Result{Attempts: 1})
+	p.msgs[p.settled].Owner.Settled(publisher.Result{Attempts: 1})
 	p.settled++
 	select {
 	case p.space <- struct{}{}:
@@ -208,17 +208,17 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 				i := int(s.op[1] - '0')
 				switch s.op[0] {
 				case 'e':
-					events.msgs[i].Done(publisher.Result{Attempts: 1})
+					events.msgs[i].Owner.Settled(publisher.Result{Attempts: 1})
 				case 'd':
-					dead.msgs[i].Done(publisher.Result{Attempts: 1})
+					dead.msgs[i].Owner.Settled(publisher.Result{Attempts: 1})
 				case 'r':
 					m := events.msgs[i]
 					reason := &publisher.PublishError{Subject: m.Subject, Class: "too_large", Err: publisher.ErrRejected}
-					rec := m.DeadLetter(reason)
+					rec := m.Owner.(publisher.DeadLetterer).DeadLetter(reason)
 					if !strings.HasPrefix(rec.Subject, router.DefaultDeadLetterSubject+".") {
 						t.Fatalf("dead-letter record on %q", rec.Subject)
 					}
-					m.Done(publisher.Result{Attempts: 2, DeadLettered: true, Reason: reason})
+					m.Owner.Settled(publisher.Result{Attempts: 2, DeadLettered: true, Reason: reason})
 				}
 				if got := tracker.Confirmed(); got != s.want {
 					t.Fatalf("after %s: confirmed %s, want %s", s.op, got, s.want)
