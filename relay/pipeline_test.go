@@ -230,3 +230,42 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 		})
 	}
 }
+
+// discardPublisher takes every message and forgets it.
+type discardPublisher struct{ space chan struct{} }
+
+func (discardPublisher) TryPublish(*publisher.Message) (bool, error) { return true, nil }
+func (p discardPublisher) Space() <-chan struct{}                    { return p.space }
+
+// TestPublishEventAllocs pins what handing a routed event to the publisher
+// allocates: its outbound alone, the message's Owner pointing back to it
+// (bench/README.md, issue 28: the Done and DeadLetter method values were
+// two allocations more per event).
+func TestPublishEventAllocs(t *testing.T) {
+	rt, err := router.New(router.Config{Tables: []router.TableConfig{{Table: "public.outbox"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rel := &replication.Relation{ID: 1, Namespace: "public", Name: "outbox"}
+	var vals []replication.Value
+	for _, c := range []struct{ name, v string }{{"event_id", "e-1"}, {"aggregate_id", "a-1"}, {"aggregate_version", "1"}, {"event_type", "Created"}, {"payload", "{}"}} {
+		rel.Columns = append(rel.Columns, replication.Column{Name: c.name, TypeOID: 25})
+		vals = append(vals, replication.Value{Kind: replication.ValueText, Data: []byte(c.v)})
+	}
+	r := &Relay{log: zaptest.NewLogger(t), obs: NopObserver{}, router: rt}
+	tracker := watermark.NewTracker(100)
+	events := discardPublisher{space: make(chan struct{})}
+	p := pipeline{r: r, events: func() publishTarget { return events }, tracker: tracker, tx: tracker.Begin(time.Now())}
+	rm, err := rt.Route(&replication.Insert{Relation: rel, Values: vals}, router.CommitInfo{LSN: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if n := testing.AllocsPerRun(100, func() {
+		if err := p.publishEvent(ctx, rm); err != nil {
+			t.Fatal(err)
+		}
+	}); n > 1 {
+		t.Fatalf("publishEvent: %.0f allocations per event, want 1", n)
+	}
+}
