@@ -92,6 +92,7 @@ type Batch struct {
 type batchState struct {
 	queue []*bpending // unsettled, in publish order, from head
 	free  []*bpending // settled, for reuse
+	wire  wireHeader  // every sent message's nats.Header
 	// pubAck is what Result.Ack holds: fast-ingest acks carry no
 	// per-message stream sequence, so it names the stream only.
 	pubAck jetstream.PubAck
@@ -416,8 +417,9 @@ func (b *Batch) sendOne() bool {
 	}
 	b.reply = b.replySubject(b.reply[:0], b.seq, op)
 	m := pd.m
-	msg := nats.Msg{Subject: m.Subject, Reply: string(b.reply), Header: m.Header, Data: m.Data}
+	msg := nats.Msg{Subject: m.Subject, Reply: string(b.reply), Header: b.wire.fill(m.Header), Data: m.Data}
 	err := b.nc.PublishMsg(&msg)
+	b.wire.release()
 	b.sends++
 	if err == nil {
 		return true
@@ -668,9 +670,7 @@ func (b *Batch) ack(n uint64) {
 // settle calls pd's Done and frees its capacity.
 func (b *Batch) settle(pd *bpending, res Result) {
 	b.obs.Published(pd.m.Subject, false, time.Since(pd.first))
-	if done := pd.m.Done; done != nil {
-		done(res)
-	}
+	settled(pd.m, res)
 	b.release(pd.size)
 	if pd.handed {
 		// The per-key publisher still holds its copy and will report it.
@@ -752,7 +752,13 @@ func (b *Batch) sendIsolated() {
 	for b.loneHanded < b.lone {
 		pd := b.queue[b.head+b.loneHanded]
 		pd.alone = *pd.m
-		pd.alone.Done = func(res Result) { b.isoDone <- loneResult{pd, res} }
+		// Its result comes back to Run; its dead-letter record stays its
+		// own owner's.
+		done := func(res Result) { b.isoDone <- loneResult{pd, res} }
+		pd.alone.Owner = OwnerFuncs{Done: done}
+		if dl := deadLetterer(pd.m); dl != nil {
+			pd.alone.Owner = DeadLetterFuncs{Done: done, Record: dl.DeadLetter}
+		}
 		ok, err := b.keyed.TryPublish(&pd.alone)
 		if err != nil {
 			b.close(err)

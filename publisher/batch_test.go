@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/publisher"
 )
@@ -106,19 +107,21 @@ func (f *batchFixture) publish(ctx context.Context, i int, key string, data []by
 	id := strconv.Itoa(i)
 	m := &publisher.Message{
 		Subject: "bt." + key,
-		Header:  nats.Header{"Nats-Msg-Id": {id}, "Seq": {id}},
+		Header:  contract.Headers{{Name: "Nats-Msg-Id", Value: id}, {Name: "Seq", Value: id}},
 		Data:    data,
 		Key:     key,
-		DeadLetter: func(reason error) *publisher.Message {
-			return &publisher.Message{Subject: "dlq." + key, Header: nats.Header{"Seq": {id}, "Reason": {reason.Error()}}}
-		},
-		Done: func(r publisher.Result) {
-			f.mu.Lock()
-			defer f.mu.Unlock()
-			if _, dup := f.results[i]; dup {
-				f.t.Errorf("message %d settled twice", i)
-			}
-			f.results[i] = publisher.Result{DeadLettered: r.DeadLettered, Reason: r.Reason, Attempts: r.Attempts}
+		Owner: publisher.DeadLetterFuncs{
+			Record: func(reason error) *publisher.Message {
+				return &publisher.Message{Subject: "dlq." + key, Header: contract.Headers{{Name: "Seq", Value: id}, {Name: "Reason", Value: reason.Error()}}}
+			},
+			Done: func(r publisher.Result) {
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				if _, dup := f.results[i]; dup {
+					f.t.Errorf("message %d settled twice", i)
+				}
+				f.results[i] = publisher.Result{DeadLettered: r.DeadLettered, Reason: r.Reason, Attempts: r.Attempts}
+			},
 		},
 	}
 	for {
@@ -554,7 +557,7 @@ func TestBatchAfterPublisherDied(t *testing.T) {
 	const stale = 100
 	for i := range stale {
 		id := "dead-" + strconv.Itoa(i)
-		if ok, err := dead.TryPublish(&publisher.Message{Subject: "bt.dead", Header: nats.Header{"Nats-Msg-Id": {id}, "Seq": {strconv.Itoa(1000 + i)}}, Data: []byte("x")}); !ok || err != nil {
+		if ok, err := dead.TryPublish(&publisher.Message{Subject: "bt.dead", Header: contract.Headers{{Name: "Nats-Msg-Id", Value: id}, {Name: "Seq", Value: strconv.Itoa(1000 + i)}}, Data: []byte("x")}); !ok || err != nil {
 			t.Fatalf("dead publisher: %v %v", ok, err)
 		}
 	}

@@ -30,19 +30,19 @@ func processCPU() time.Duration {
 
 // benchHeader is a header set the size of the router's: ten contract
 // headers, the ids unique per message.
-func benchHeader(i int) nats.Header {
+func benchHeader(i int) contract.Headers {
 	id := fmt.Sprintf("0b7e8f6a-3c1d-4a8e-9a57-%012d", i)
-	return nats.Header{
-		contract.MsgID:            {id},
-		contract.EventID:          {id},
-		contract.EventType:        {"OrderPlaced"},
-		contract.AggregateType:    {"order"},
-		contract.AggregateID:      {fmt.Sprintf("agg-%d", i%1000)},
-		contract.AggregateVersion: {fmt.Sprint(i/1000 + 1)},
-		contract.CommitLSN:        {"0/16B3748"},
-		contract.CommitTime:       {"2026-11-29T09:35:21.123456Z"},
-		contract.Table:            {"public.outbox"},
-		contract.ContentType:      {contract.JSONContentType},
+	return contract.Headers{
+		{Name: contract.MsgID, Value: id},
+		{Name: contract.EventID, Value: id},
+		{Name: contract.EventType, Value: "OrderPlaced"},
+		{Name: contract.AggregateType, Value: "order"},
+		{Name: contract.AggregateID, Value: fmt.Sprintf("agg-%d", i%1000)},
+		{Name: contract.AggregateVersion, Value: fmt.Sprint(i/1000 + 1)},
+		{Name: contract.CommitLSN, Value: "0/16B3748"},
+		{Name: contract.CommitTime, Value: "2026-11-29T09:35:21.123456Z"},
+		{Name: contract.Table, Value: "public.outbox"},
+		{Name: contract.ContentType, Value: contract.JSONContentType},
 	}
 }
 
@@ -134,10 +134,10 @@ func benchmarkPublish(b *testing.B, batch bool) {
 	free := make([]atomic.Bool, n) // slot i's message is settled
 	for i := range msgs {
 		free[i].Store(true)
-		msgs[i] = publisher.Message{Header: benchHeader(i), Data: data, Done: func(publisher.Result) {
+		msgs[i] = publisher.Message{Header: benchHeader(i), Data: data, Owner: publisher.OwnerFuncs{Done: func(publisher.Result) {
 			free[i].Store(true)
 			settled.Add(1)
-		}}
+		}}}
 	}
 	b.ReportAllocs()
 	b.SetBytes(int64(len(data)))
@@ -152,7 +152,7 @@ func benchmarkPublish(b *testing.B, batch bool) {
 		m := &msgs[slot]
 		m.Subject, m.Key = subjects[i%1000], keys[i%1000]
 		// A fresh id, so the stream stores every message.
-		m.Header[contract.MsgID][0] = ids[i%len(ids)]
+		m.Header[0].Value = ids[i%len(ids)] // contract.MsgID
 		for {
 			ok, err := pub.TryPublish(m)
 			if err != nil {

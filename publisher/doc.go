@@ -1,6 +1,6 @@
 // Package publisher is the third stage of the relay's data path: it publishes
 // routed messages to JetStream and reports each message settled (acked,
-// or its dead-letter record acked) through its Done.
+// or its dead-letter record acked) to its Owner.
 //
 // # Ordering under pipelining
 //
@@ -39,14 +39,14 @@
 // jitter: the watermark stops, nothing is skipped. Permanent rejections (the
 // message exceeds the stream's size limit or the 64 KiB header limit, or
 // its subject is bound to no stream) go to the dead-letter stream through
-// Message.DeadLetter and count as settled once the dead-letter record is
+// the message's DeadLetterer and count as settled once the dead-letter record is
 // acked. An ack counts only when it names the stream meant to store the
 // message (WithExpectedStream): an answer in JetStream's shape from
 // anything else is retried as a bad ack.
 //
 // # Watermark
 //
-// Done tells the caller a message is settled; package watermark turns that
+// Owner.Settled tells the caller a message is settled; package watermark turns that
 // into the LSN the replication stage may confirm.
 //
 // See https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication.

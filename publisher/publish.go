@@ -13,29 +13,89 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/backoff"
 )
 
 // Message is one message to publish.
 type Message struct {
 	Subject string
-	Header  nats.Header
-	Data    []byte
+	// Header holds the message's headers, each name once. The publisher
+	// encodes them through a nats.Header of its own, reused from message
+	// to message: the slice stays the caller's, and is only read.
+	Header contract.Headers
+	Data   []byte
 	// HeaderLen, when not zero, is the encoded size of Header (the router
-	// knows it); the publisher otherwise walks the map to size the window.
+	// knows it); the publisher otherwise adds it up to size the window.
 	HeaderLen int
 	// Key orders messages: at most one message per non-empty key is
 	// unacknowledged at any time, and messages of one key are stored in
 	// the order they were handed to Publish.
 	Key string
-	// DeadLetter builds the dead-letter record for a message the broker
-	// rejects permanently. Without it a rejection is retried like a
-	// transient failure, so nothing is ever dropped.
-	DeadLetter func(reason error) *Message
-	// Done is called once, on the Run goroutine of the publisher the
-	// message was handed to, when the message (or its dead-letter record)
-	// is acknowledged. It must not block.
+	// Owner, when set, hears what becomes of the message: Settled, and
+	// DeadLetter when it is also a DeadLetterer. An interface, not two
+	// func fields, so that a producer whose per-message state is a
+	// pointer hands over a message without allocating closures.
+	Owner Owner
+}
+
+// Owner is told when a message is settled.
+type Owner interface {
+	// Settled is called once, on the Run goroutine of the publisher the
+	// message was handed to, when the message (or its dead-letter
+	// record) is acknowledged. It must not block.
+	Settled(Result)
+}
+
+// DeadLetterer is an Owner whose message has a dead-letter record. A
+// message whose Owner is not one has none: a permanent rejection is
+// retried like a transient failure, so nothing is ever dropped.
+type DeadLetterer interface {
+	Owner
+	// DeadLetter builds the dead-letter record of a message the broker
+	// rejects permanently, on the publisher's Run goroutine.
+	DeadLetter(reason error) *Message
+}
+
+// OwnerFuncs is an Owner made of functions, for callers with no
+// per-message type of their own (tests, tools): Done is called as
+// Owner.Settled. With DeadLetter set, use DeadLetterFuncs instead.
+type OwnerFuncs struct {
 	Done func(Result)
+}
+
+// Settled calls f.Done, when set.
+func (f OwnerFuncs) Settled(r Result) {
+	if f.Done != nil {
+		f.Done(r)
+	}
+}
+
+// DeadLetterFuncs is a DeadLetterer made of functions: Done as
+// Owner.Settled, Record as DeadLetterer.DeadLetter (it must be set).
+type DeadLetterFuncs struct {
+	Done   func(Result)
+	Record func(reason error) *Message
+}
+
+// Settled calls f.Done, when set.
+func (f DeadLetterFuncs) Settled(r Result) { OwnerFuncs{f.Done}.Settled(r) }
+
+// DeadLetter returns f.Record(reason).
+func (f DeadLetterFuncs) DeadLetter(reason error) *Message { return f.Record(reason) }
+
+// deadLetterer returns m's DeadLetterer, nil when m has no dead-letter
+// record.
+func deadLetterer(m *Message) DeadLetterer {
+	d, _ := m.Owner.(DeadLetterer)
+	return d
+}
+
+// settled tells m's Owner, if any, that m is settled.
+func settled(m *Message, res Result) {
+	if m.Owner != nil {
+		m.Owner.Settled(res)
+	}
 }
 
 // Result is the outcome of a settled message.
@@ -139,6 +199,7 @@ type Publisher struct {
 	free     []*pending  // settled, for reuse: a pending is the size of a row
 	retries  []*pending
 	checking map[*pending]bool // no-stream look-ups in progress
+	wire     wireHeader        // every attempt's nats.Header
 	lookups  sync.WaitGroup
 
 	stream string // interned stream name of the acks, the ack subscription's alone
@@ -221,12 +282,7 @@ func msgSize(m *Message) int {
 	if m.HeaderLen > 0 {
 		return n + m.HeaderLen
 	}
-	for k, vs := range m.Header {
-		for _, v := range vs {
-			n += len(k) + len(v) + 4
-		}
-	}
-	return n
+	return n + headerLen(m.Header)
 }
 
 // TryPublish hands m to Run if the window has room and reports whether it
@@ -386,8 +442,9 @@ func (p *Publisher) send(pd *pending) {
 	m := pd.cur
 	var buf [96]byte
 	reply := strconv.AppendUint(append(buf[:0], p.prefix...), seq, 36)
-	msg := nats.Msg{Subject: m.Subject, Reply: string(reply), Header: m.Header, Data: m.Data}
+	msg := nats.Msg{Subject: m.Subject, Reply: string(reply), Header: p.wire.fill(m.Header), Data: m.Data}
 	err := p.nc.PublishMsg(&msg)
+	p.wire.release()
 	if err == nil {
 		return
 	}
@@ -570,9 +627,9 @@ func (p *Publisher) dropRetry(pd *pending) {
 // fail handles a failed attempt: dead-letter a permanent rejection, retry
 // anything else after a backoff.
 func (p *Publisher) fail(pd *pending, perr *PublishError) {
-	if errors.Is(perr, ErrRejected) && pd.reason == nil && pd.m.DeadLetter != nil {
+	if dl := deadLetterer(pd.m); errors.Is(perr, ErrRejected) && pd.reason == nil && dl != nil {
 		pd.reason = perr
-		pd.cur = pd.m.DeadLetter(perr)
+		pd.cur = dl.DeadLetter(perr)
 		p.forgetLate(pd) // their answers would be for the message, not its record
 		pd.noResp = 0
 		// Count the dead-letter record's attempts afresh, so its first
@@ -602,9 +659,7 @@ func (p *Publisher) backoff(attempts int) time.Duration {
 func (p *Publisher) settle(pd *pending, res Result) {
 	key := pd.m.Key
 	p.forgetLate(pd)
-	if done := pd.m.Done; done != nil {
-		done(res)
-	}
+	settled(pd.m, res)
 	p.release(pd.size)
 	// Nothing refers to pd any more: its attempt left inflight when the
 	// ack came, a settled message is never in retries or checking, and
@@ -670,7 +725,7 @@ func (p *Publisher) tick(ctx context.Context) {
 	clear(p.retries[len(keep):])
 	p.retries = keep
 	for _, pd := range due {
-		if pd.noResp >= noStreamCheckAfter && pd.reason == nil && pd.m.DeadLetter != nil {
+		if pd.noResp >= noStreamCheckAfter && pd.reason == nil && deadLetterer(pd.m) != nil {
 			p.checkNoStream(ctx, pd)
 			continue
 		}

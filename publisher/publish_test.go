@@ -89,14 +89,14 @@ func TestAckTimeoutRetry(t *testing.T) {
 		acked    bool
 	}
 	results := make(chan outcome, 2)
-	m := &publisher.Message{Subject: "acktest.a", Key: "a", Data: []byte("x"), Done: func(r publisher.Result) {
+	m := &publisher.Message{Subject: "acktest.a", Key: "a", Data: []byte("x"), Owner: publisher.OwnerFuncs{Done: func(r publisher.Result) {
 		settled.Add(1)
 		o := outcome{attempts: r.Attempts}
 		if r.Ack.Stream != "" {
 			o.seq, o.acked = r.Ack.Sequence, true
 		}
 		results <- o
-	}}
+	}}}
 	if err := p.Publish(ctx, m); err != nil {
 		t.Fatal(err)
 	}
@@ -155,7 +155,7 @@ func TestSpaceSignalsAtLowWater(t *testing.T) {
 	runPublisher(t, p)
 	var settled atomic.Int32
 	msg := func(i int) *publisher.Message {
-		return &publisher.Message{Subject: "spacetest.x", Key: string(rune('a' + i)), Data: []byte("x"), Done: func(publisher.Result) { settled.Add(1) }}
+		return &publisher.Message{Subject: "spacetest.x", Key: string(rune('a' + i)), Data: []byte("x"), Owner: publisher.OwnerFuncs{Done: func(publisher.Result) { settled.Add(1) }}}
 	}
 	for i := range window {
 		if ok, err := p.TryPublish(msg(i)); !ok || err != nil {
@@ -219,7 +219,7 @@ func TestPublishConcurrentProducers(t *testing.T) {
 		go func() {
 			for i := range each {
 				m := &publisher.Message{Subject: "concurrent.x", Key: strconv.Itoa(w*each + i), Data: []byte("x"),
-					Done: func(publisher.Result) { settled.Add(1) }}
+					Owner: publisher.OwnerFuncs{Done: func(publisher.Result) { settled.Add(1) }}}
 				if err := p.Publish(ctx, m); err != nil {
 					errs <- err
 					return
@@ -262,10 +262,10 @@ func TestAckFromAnotherStreamIsNotAnAck(t *testing.T) {
 
 	settled := make(chan publisher.Result, 1)
 	var stream string
-	m := &publisher.Message{Subject: "fake.a", Key: "a", Data: []byte("x"), Done: func(r publisher.Result) {
+	m := &publisher.Message{Subject: "fake.a", Key: "a", Data: []byte("x"), Owner: publisher.OwnerFuncs{Done: func(r publisher.Result) {
 		stream = r.Ack.Stream
 		settled <- r
-	}}
+	}}}
 	if err := p.Publish(ctx, m); err != nil {
 		t.Fatal(err)
 	}
@@ -303,7 +303,7 @@ func TestLateAckSettles(t *testing.T) {
 	ctx := runPublisher(t, p)
 	results := make(chan publisher.Result, 4)
 	for _, key := range []string{"a", "a"} { // the second waits for the first
-		m := &publisher.Message{Subject: "latetest." + key, Key: key, Data: []byte("x"), Done: func(r publisher.Result) { results <- r }}
+		m := &publisher.Message{Subject: "latetest." + key, Key: key, Data: []byte("x"), Owner: publisher.OwnerFuncs{Done: func(r publisher.Result) { results <- r }}}
 		if err := p.Publish(ctx, m); err != nil {
 			t.Fatal(err)
 		}

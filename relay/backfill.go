@@ -349,10 +349,10 @@ func backfillMessage(rt *router.Router, ins *replication.Insert, commit router.C
 // publisher's reason when the stream refuses it.
 func routedMessage(rt *router.Router, rm *router.Message) *publisher.Message {
 	return &publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, Key: rm.Key,
-		DeadLetter: func(reason error) *publisher.Message {
+		Owner: publisher.DeadLetterFuncs{Record: func(reason error) *publisher.Message {
 			dl := rt.DeadLetterMessage(rm, reason)
 			return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
-		}}
+		}}}
 }
 
 func or(v, def string) string {

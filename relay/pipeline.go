@@ -191,21 +191,24 @@ func (p *pipeline) deadLetter(ctx context.Context, dl *router.Message, reason er
 	r.obs.Unroutable(reasonClass(reason))
 	r.log.Warn("dead-lettering unroutable row", zap.String("table", table), zap.Stringer("lsn", lsn), zap.Error(reason))
 	o := &outbound{r: r, tx: p.tx, commitTime: p.commit.Time}
-	o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Done: o.settled}
+	o.msg = publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data, Owner: o}
 	o.tx.Add()
 	return p.publish(ctx, p.deadLetters, &o.msg)
 }
 
 // publishEvent publishes a routed event.
 func (p *pipeline) publishEvent(ctx context.Context, rm *router.Message) error {
-	o := &outbound{r: p.r, tx: p.tx, commitTime: p.commit.Time, rm: rm}
+	e := &eventOutbound{outbound{r: p.r, tx: p.tx, commitTime: p.commit.Time, rm: rm}}
+	o := &e.outbound
 	p.spans.join(o)
-	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, DeadLetter: o.deadLetterRecord, Done: o.settled}
+	o.msg = publisher.Message{Subject: rm.Subject, Header: rm.Header, Data: rm.Data, HeaderLen: rm.HeaderLen, Key: rm.Key, Owner: e}
 	o.tx.Add()
 	return p.publish(ctx, p.events(), &o.msg)
 }
 
-// outbound is one row on its way through the publisher.
+// outbound is one row on its way through the publisher, and its message's
+// publisher.Owner: the message points back to it, so handing it over
+// allocates no callback.
 type outbound struct {
 	msg        publisher.Message
 	r          *Relay
@@ -215,15 +218,20 @@ type outbound struct {
 	span       *batchSpan      // the relay span, when on (tracing.go)
 }
 
-// settled is the message's Done.
-func (o *outbound) settled(res publisher.Result) {
+// Settled implements publisher.Owner.
+func (o *outbound) Settled(res publisher.Result) {
 	o.tx.Settle()
 	o.endSpan(res)
 	o.r.obs.Settled(res, o.commitTime)
 }
 
-func (o *outbound) deadLetterRecord(reason error) *publisher.Message {
-	dl := o.r.router.DeadLetterMessage(o.rm, reason)
+// eventOutbound is an event's outbound, whose message has a dead-letter
+// record (a record's own has none: a rejected record is retried).
+type eventOutbound struct{ outbound }
+
+// DeadLetter implements publisher.DeadLetterer.
+func (e *eventOutbound) DeadLetter(reason error) *publisher.Message {
+	dl := e.r.router.DeadLetterMessage(e.rm, reason)
 	return &publisher.Message{Subject: dl.Subject, Header: dl.Header, Data: dl.Data}
 }
 

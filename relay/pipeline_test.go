@@ -67,7 +67,7 @@ func (p *recordingPublisher) Space() <-chan struct{} { return p.space }
 
 // settleNext settles the oldest unsettled message and signals space.
 func (p *recordingPublisher) settleNext() {
-	p.msgs[p.settled].Done(publisher.Result{Attempts: 1})
+	p.msgs[p.settled].Owner.Settled(publisher.Result{Attempts: 1})
 	p.settled++
 	select {
 	case p.space <- struct{}{}:
@@ -208,17 +208,17 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 				i := int(s.op[1] - '0')
 				switch s.op[0] {
 				case 'e':
-					events.msgs[i].Done(publisher.Result{Attempts: 1})
+					events.msgs[i].Owner.Settled(publisher.Result{Attempts: 1})
 				case 'd':
-					dead.msgs[i].Done(publisher.Result{Attempts: 1})
+					dead.msgs[i].Owner.Settled(publisher.Result{Attempts: 1})
 				case 'r':
 					m := events.msgs[i]
 					reason := &publisher.PublishError{Subject: m.Subject, Class: "too_large", Err: publisher.ErrRejected}
-					rec := m.DeadLetter(reason)
+					rec := m.Owner.(publisher.DeadLetterer).DeadLetter(reason)
 					if !strings.HasPrefix(rec.Subject, router.DefaultDeadLetterSubject+".") {
 						t.Fatalf("dead-letter record on %q", rec.Subject)
 					}
-					m.Done(publisher.Result{Attempts: 2, DeadLettered: true, Reason: reason})
+					m.Owner.Settled(publisher.Result{Attempts: 2, DeadLettered: true, Reason: reason})
 				}
 				if got := tracker.Confirmed(); got != s.want {
 					t.Fatalf("after %s: confirmed %s, want %s", s.op, got, s.want)
@@ -228,5 +228,44 @@ func TestPipelineSettleWatermarkDeadLetter(t *testing.T) {
 				t.Fatal("transactions left unsettled")
 			}
 		})
+	}
+}
+
+// discardPublisher takes every message and forgets it.
+type discardPublisher struct{ space chan struct{} }
+
+func (discardPublisher) TryPublish(*publisher.Message) (bool, error) { return true, nil }
+func (p discardPublisher) Space() <-chan struct{}                    { return p.space }
+
+// TestPublishEventAllocs pins what handing a routed event to the publisher
+// allocates: its outbound alone, the message's Owner pointing back to it
+// (bench/README.md, issue 28: the Done and DeadLetter method values were
+// two allocations more per event).
+func TestPublishEventAllocs(t *testing.T) {
+	rt, err := router.New(router.Config{Tables: []router.TableConfig{{Table: "public.outbox"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rel := &replication.Relation{ID: 1, Namespace: "public", Name: "outbox"}
+	var vals []replication.Value
+	for _, c := range []struct{ name, v string }{{"event_id", "e-1"}, {"aggregate_id", "a-1"}, {"aggregate_version", "1"}, {"event_type", "Created"}, {"payload", "{}"}} {
+		rel.Columns = append(rel.Columns, replication.Column{Name: c.name, TypeOID: 25})
+		vals = append(vals, replication.Value{Kind: replication.ValueText, Data: []byte(c.v)})
+	}
+	r := &Relay{log: zaptest.NewLogger(t), obs: NopObserver{}, router: rt}
+	tracker := watermark.NewTracker(100)
+	events := discardPublisher{space: make(chan struct{})}
+	p := pipeline{r: r, events: func() publishTarget { return events }, tracker: tracker, tx: tracker.Begin(time.Now())}
+	rm, err := rt.Route(&replication.Insert{Relation: rel, Values: vals}, router.CommitInfo{LSN: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if n := testing.AllocsPerRun(100, func() {
+		if err := p.publishEvent(ctx, rm); err != nil {
+			t.Fatal(err)
+		}
+	}); n > 1 {
+		t.Fatalf("publishEvent: %.0f allocations per event, want 1", n)
 	}
 }

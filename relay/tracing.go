@@ -146,17 +146,14 @@ func (b *batchSpans) join(o *outbound) {
 	if b == nil {
 		return
 	}
-	v := o.rm.Header[router.TraceparentHeader]
-	if len(v) != 1 {
+	tp, ok := o.rm.Header.Lookup(router.TraceparentHeader)
+	if !ok {
 		return
 	}
-	state := ""
-	if s := o.rm.Header[router.TracestateHeader]; len(s) == 1 {
-		state = s[0]
-	}
-	if v[0] != b.lastParent || state != b.lastState {
-		b.lastParent, b.lastState, b.lastLinked = v[0], state, false
-		b.lastCtx = writerContext(o.rm, v[0], state)
+	state := o.rm.Header.Get(router.TracestateHeader)
+	if tp != b.lastParent || state != b.lastState {
+		b.lastParent, b.lastState, b.lastLinked = tp, state, false
+		b.lastCtx = writerContext(o.rm, tp, state)
 		if !b.lastCtx.IsSampled() {
 			b.lastCtx = trace.SpanContext{} // a trace nobody records
 		}
@@ -268,13 +265,8 @@ func writerContext(m *router.Message, tp, state string) trace.SpanContext {
 // headerGetter reads a routed message's trace context headers.
 type headerGetter struct{ m *router.Message }
 
-func (c headerGetter) Get(key string) string {
-	if v := c.m.Header[key]; len(v) == 1 {
-		return v[0]
-	}
-	return ""
-}
-func (c headerGetter) Set(string, string) {}
+func (c headerGetter) Get(key string) string { return c.m.Header.Get(key) }
+func (c headerGetter) Set(string, string)    {}
 func (c headerGetter) Keys() []string {
 	return []string{router.TraceparentHeader, router.TracestateHeader}
 }

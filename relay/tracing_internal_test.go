@@ -8,13 +8,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/publisher"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/router"
@@ -37,9 +37,9 @@ func testSpans(t *testing.T) (*batchSpans, *tracetest.InMemoryExporter, *[]time.
 
 // traced is a routed row with traceparent tp, committed at lsn.
 func traced(tp string, lsn replication.LSN) *outbound {
-	h := nats.Header{}
+	var h contract.Headers
 	if tp != "" {
-		h[router.TraceparentHeader] = []string{tp}
+		h = contract.Headers{{Name: router.TraceparentHeader, Value: tp}}
 	}
 	return &outbound{rm: &router.Message{Header: h, Table: "public.outbox", Commit: router.CommitInfo{LSN: lsn}}}
 }
@@ -118,9 +118,9 @@ func TestWriterContextAsExtract(t *testing.T) {
 		{"invalid tracestate", ok, "=,=="},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			h := nats.Header{router.TraceparentHeader: {tc.tp}}
+			h := contract.Headers{{Name: router.TraceparentHeader, Value: tc.tp}}
 			if tc.state != "" {
-				h[router.TracestateHeader] = []string{tc.state}
+				h = append(h, contract.HeaderField{Name: router.TracestateHeader, Value: tc.state})
 			}
 			m := &router.Message{Header: h}
 			want := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), headerGetter{m}))

@@ -2,12 +2,10 @@ package router
 
 import (
 	"errors"
-	"sort"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
-
-	"github.com/nats-io/nats.go"
 
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/replication"
@@ -128,15 +126,10 @@ func (r *Router) DeadLetterMessage(m *Message, reason error) *Message {
 		event:   true,
 	}
 	rec.setReason(reason)
-	keys := make([]string, 0, len(m.Header))
-	for k := range m.Header {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		for _, v := range m.Header[k] {
-			rec.headers = append(rec.headers, dlqField{name: k, val: []byte(v)})
-		}
+	hs := slices.Clone(m.Header)
+	slices.SortStableFunc(hs, func(a, b contract.HeaderField) int { return strings.Compare(a.Name, b.Name) })
+	for _, f := range hs {
+		rec.headers = append(rec.headers, dlqField{name: f.Name, val: []byte(f.Value)})
 	}
 	rec.payload = []dlqField{{name: "payload", val: m.Data, null: m.Data == nil}}
 	return r.buildDLQ(&rec)
@@ -205,17 +198,18 @@ func (rec *dlqRecord) setReason(reason error) {
 func (r *Router) buildDLQ(rec *dlqRecord) *Message {
 	lsn := rec.lsn.String()
 	commitLSN, commitTime := formatCommit(rec.commit)
-	h := nats.Header{}
-	h.Set(contract.MsgID, rec.msgID(lsn))
-	h.Set(contract.Table, headerText(rec.table))
-	h.Set(contract.DLQReason, headerText(rec.reason))
-	h.Set(contract.DLQReasonClass, headerText(rec.class))
-	h.Set(contract.DLQLSN, lsn)
-	h.Set(contract.CommitLSN, commitLSN)
-	h.Set(contract.CommitTime, commitTime)
-	h.Set(contract.ContentType, contract.JSONContentType)
+	h := contract.Headers{
+		{Name: contract.MsgID, Value: rec.msgID(lsn)},
+		{Name: contract.Table, Value: headerText(rec.table)},
+		{Name: contract.DLQReason, Value: headerText(rec.reason)},
+		{Name: contract.DLQReasonClass, Value: headerText(rec.class)},
+		{Name: contract.DLQLSN, Value: lsn},
+		{Name: contract.CommitLSN, Value: commitLSN},
+		{Name: contract.CommitTime, Value: commitTime},
+		{Name: contract.ContentType, Value: contract.JSONContentType},
+	}
 	if rec.headerEventID() {
-		h.Set(contract.EventID, rec.eventID)
+		h = append(h, contract.HeaderField{Name: contract.EventID, Value: rec.eventID})
 	}
 	room := r.maxPayload - headerSize(h)
 
@@ -408,12 +402,10 @@ func (e *dlqEncoder) appendValue(b []byte, f *dlqField, cut *[]*dlqField) []byte
 }
 
 // headerSize is the encoded size of a header block as nats.go sends it.
-func headerSize(h nats.Header) int {
+func headerSize(h contract.Headers) int {
 	n := hdrOverhead
-	for k, vs := range h {
-		for _, v := range vs {
-			n += hdrLineLen(k, len(v))
-		}
+	for _, f := range h {
+		n += hdrLineLen(f.Name, len(f.Value))
 	}
 	return n
 }

@@ -40,7 +40,7 @@ func decodeDLQ(t *testing.T, m *Message, maxPayload int) dlqBody {
 	if err := dec.Decode(&b); err != nil {
 		t.Fatalf("record body is not the documented JSON: %v\n%s", err, m.Data)
 	}
-	if size := (&nats.Msg{Header: m.Header, Data: m.Data}).Size(); size > maxPayload {
+	if size := (&nats.Msg{Header: m.Header.NATS(), Data: m.Data}).Size(); size > maxPayload {
 		t.Fatalf("record is %d bytes, over max payload %d", size, maxPayload)
 	}
 	return b
@@ -87,7 +87,7 @@ func TestDeadLetterRouteError(t *testing.T) {
 	if m.Subject != "outbox_dlq.public~2Eoutbox" || m.Key != "" || m.Table != "public.outbox" || m.LSN != ins.LSN {
 		t.Fatalf("record = %+v", m)
 	}
-	checkHeaders(t, m.Header, nats.Header{
+	checkHeaders(t, m.Header.NATS(), nats.Header{
 		contract.MsgID:          {"dlq:public.outbox:event:" + testEventID},
 		contract.Table:          {"public.outbox"},
 		contract.DLQReason:      {err.Error()},
@@ -207,7 +207,7 @@ func TestDeadLetterOddValues(t *testing.T) {
 	if m.Subject != "outbox_dlq.other~2Etbl" || m.Header.Get(contract.MsgID) != "dlq:other.tbl:0/16B3748" {
 		t.Fatalf("record = %+v", m)
 	}
-	if _, ok := m.Header[contract.EventID]; ok {
+	if _, ok := m.Header.NATS()[contract.EventID]; ok {
 		t.Fatal("an event id with a line break must not become a header")
 	}
 	b := decodeDLQ(t, m, DefaultMaxPayload)
@@ -300,7 +300,7 @@ func TestDeadLetterMessage(t *testing.T) {
 	if id := r.DeadLetter(ins, testCommit, reason).Header.Get(contract.MsgID); d.Header.Get(contract.MsgID) != id {
 		t.Fatalf("ids differ: %q vs %q", d.Header.Get(contract.MsgID), id)
 	}
-	checkHeaders(t, d.Header, nats.Header{
+	checkHeaders(t, d.Header.NATS(), nats.Header{
 		contract.MsgID:          {"dlq:public.outbox:event:" + testEventID},
 		contract.Table:          {"public.outbox"},
 		contract.DLQReason:      {reason.Error()},

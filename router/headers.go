@@ -3,7 +3,7 @@ package router
 import "github.com/outbox-relay/outbox-relay/contract"
 
 // The event's headers, declared once. The size check (checkLimits), the
-// header map (header) and the CloudEvents headers are all derived from
+// header list (header) and the CloudEvents headers are all derived from
 // these two lists, so a header added here is counted and set alike.
 
 // hval names where a header's value comes from.
@@ -118,15 +118,16 @@ func (s *hdrSet) names() []string {
 	return out
 }
 
-// set adds the set's headers with the values vals to h through put.
-func (s *hdrSet) set(put func(k, v string), vals *[numVals]string, hasOccurred bool) {
+// appendTo appends the set's headers with the values vals to h.
+func (s *hdrSet) appendTo(h contract.Headers, vals *[numVals]string, hasOccurred bool) contract.Headers {
 	for _, f := range s.fields {
 		switch {
 		case f.optional && !hasOccurred:
 		case f.val == vConst:
-			put(f.name, f.lit)
+			h = append(h, contract.HeaderField{Name: f.name, Value: f.lit})
 		default:
-			put(f.name, vals[f.val])
+			h = append(h, contract.HeaderField{Name: f.name, Value: vals[f.val]})
 		}
 	}
+	return h
 }

@@ -8,8 +8,7 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/nats-io/nats.go"
-
+	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/replication"
 )
 
@@ -18,8 +17,9 @@ import (
 type Message struct {
 	// Subject is the rendered subject template.
 	Subject string
-	// Header holds the contract headers and the mapped extra columns.
-	Header nats.Header
+	// Header holds the contract headers and the mapped extra columns, each
+	// name once; the publisher encodes them (Headers.NATS is the map).
+	Header contract.Headers
 	// Data is the payload column's text exactly as PostgreSQL sent it.
 	Data []byte
 	// EventID is the event id, also the Nats-Msg-Id header.
@@ -504,7 +504,7 @@ func (r *Router) build(rule *tableRule, ev *event, l *layout, commit CommitInfo)
 	a := new(routed)
 	backing := a.hdr[:0]
 	if l.nHeaders > len(a.hdr) {
-		backing = make([]string, 0, l.nHeaders)
+		backing = make(contract.Headers, 0, l.nHeaders)
 	}
 	a.msg = Message{
 		Subject:   parts[partSubject],
@@ -521,39 +521,34 @@ func (r *Router) build(rule *tableRule, ev *event, l *layout, commit CommitInfo)
 	return &a.msg
 }
 
-// inlineHeaders is how many header values a routed message holds in its
-// own allocation: the contract headers and one extra column.
+// inlineHeaders is how many headers a routed message holds in its own
+// allocation: the contract headers and one extra column.
 const inlineHeaders = 12
 
-// routed is a message and the backing array of its header values,
-// allocated together: the array lives exactly as long as the message.
+// routed is a message and the backing array of its headers, allocated
+// together: the array lives exactly as long as the message.
 type routed struct {
 	msg Message
-	hdr [inlineHeaders]string
+	hdr [inlineHeaders]contract.HeaderField
 }
 
-// header builds the header map of a message from its parts. The values
-// share backing, of capacity l.nHeaders: no allocation per header.
-func header(rule *tableRule, ev *event, l *layout, parts *[numParts]string, backing []string) nats.Header {
-	h := make(nats.Header, l.nHeaders)
-	set := func(k, v string) {
-		backing = append(backing, v)
-		h[k] = backing[len(backing)-1 : len(backing) : len(backing)]
-	}
+// header appends the headers of a message, built from its parts, to
+// backing (of capacity l.nHeaders: no allocation per header).
+func header(rule *tableRule, ev *event, l *layout, parts *[numParts]string, backing contract.Headers) contract.Headers {
 	vals := [numVals]string{
 		vEventID: parts[partEventID], vEventType: parts[partEventType], vAggType: parts[partAggType], vAggID: parts[partAggID],
 		vVersion: parts[partVersion], vOccurredAt: parts[partOccurredAt], vCommitLSN: l.lsn, vCommitTime: l.ts, vTable: rule.qualified,
 		vCESource: rule.ceSource, vCESubject: parts[partCESubject],
 	}
-	eventHeaders.set(set, &vals, ev.hasOccurred)
+	h := eventHeaders.appendTo(backing, &vals, ev.hasOccurred)
 	if l.ce {
 		// Shared strings, no formatting: CloudEvents mode costs header
 		// slots, and the subject's bytes.
-		cloudEventsHeaders.set(set, &vals, ev.hasOccurred)
+		h = cloudEventsHeaders.appendTo(h, &vals, ev.hasOccurred)
 	}
 	extras := parts[partExtras]
 	for _, x := range ev.extras {
-		set(x.name, extras[:len(x.value)])
+		h = append(h, contract.HeaderField{Name: x.name, Value: extras[:len(x.value)]})
 		extras = extras[len(x.value):]
 	}
 	return h

@@ -108,12 +108,12 @@ func TestRouteSeedTable(t *testing.T) {
 		contract.Table:            {"public.outbox"},
 		contract.ContentType:      {"application/json"},
 	}
-	checkHeaders(t, m.Header, want)
+	checkHeaders(t, m.Header.NATS(), want)
 	if m.Subject != "outbox.outbox.r-1" || m.Key != "outbox\x00r-1" || m.EventID != testEventID ||
 		m.Table != "public.outbox" || string(m.Data) != testPayload || m.LSN != ins.LSN || m.Commit != testCommit {
 		t.Fatalf("message = %+v", m)
 	}
-	ev, err := contract.Parse(m.Header, m.Data)
+	ev, err := contract.Parse(m.Header.NATS(), m.Data)
 	if err != nil {
 		t.Fatalf("contract.Parse: %v", err)
 	}
@@ -328,19 +328,19 @@ func TestRouteMapping(t *testing.T) {
 				t.Errorf("key = %q, want %q", m.Key, tt.key)
 			}
 			for k, v := range tt.headers {
-				if got := m.Header.Values(k); len(got) != 1 || got[0] != v {
+				if got := m.Header.NATS().Values(k); len(got) != 1 || got[0] != v {
 					t.Errorf("header %s = %q, want %q", k, got, v)
 				}
 			}
 			for _, k := range tt.absent {
-				if _, ok := m.Header[k]; ok {
-					t.Errorf("header %s = %q, want none", k, m.Header[k])
+				if _, ok := m.Header.NATS()[k]; ok {
+					t.Errorf("header %s = %q, want none", k, m.Header.NATS()[k])
 				}
 			}
 			if pi := rel.ColumnIndex(r.rules[relKey{rel.Namespace, rel.Name}].payload); !bytes.Equal(m.Data, ins.Values[pi].Data) || m.Data == nil {
 				t.Errorf("data = %q, want the payload column's bytes %q", m.Data, ins.Values[pi].Data)
 			}
-			if _, err := contract.Parse(m.Header, m.Data); err != nil {
+			if _, err := contract.Parse(m.Header.NATS(), m.Data); err != nil {
 				t.Errorf("contract.Parse: %v", err)
 			}
 			if msg := checkSubject(m.Subject); msg != "" {
@@ -468,7 +468,7 @@ func TestRouteMaxPayloadIsExact(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+	nm := &nats.Msg{Subject: m.Subject, Header: m.Header.NATS(), Data: m.Data}
 	if size := nm.Size() - len(nm.Subject); size != limit {
 		t.Fatalf("largest accepted message is %d bytes on the wire, want %d", size, limit)
 	}
@@ -565,7 +565,7 @@ func FuzzRoute(f *testing.F) {
 				t.Fatalf("Route = %v, %v: want a RouteError", m, err)
 			}
 			dl := r.DeadLetter(ins, testCommit, err)
-			if size := (&nats.Msg{Header: dl.Header, Data: dl.Data}).Size(); size > MinMaxPayload {
+			if size := (&nats.Msg{Header: dl.Header.NATS(), Data: dl.Data}).Size(); size > MinMaxPayload {
 				t.Fatalf("dead-letter record is %d bytes, over %d", size, MinMaxPayload)
 			}
 			return
@@ -576,10 +576,10 @@ func FuzzRoute(f *testing.F) {
 		if !bytes.Equal(m.Data, []byte(payload)) {
 			t.Fatalf("data = %q, want %q", m.Data, payload)
 		}
-		if _, err := contract.Parse(m.Header, m.Data); err != nil {
+		if _, err := contract.Parse(m.Header.NATS(), m.Data); err != nil {
 			t.Fatalf("contract.Parse: %v", err)
 		}
-		if size := (&nats.Msg{Header: m.Header, Data: m.Data}).Size(); size > MinMaxPayload {
+		if size := (&nats.Msg{Header: m.Header.NATS(), Data: m.Data}).Size(); size > MinMaxPayload {
 			t.Fatalf("message is %d bytes, over %d", size, MinMaxPayload)
 		}
 	})
@@ -666,10 +666,10 @@ func TestRouteAcrossTables(t *testing.T) {
 		if len(m.Header) != step.want {
 			t.Fatalf("step %d (%s): %d headers, want %d: %v", i, m.Table, len(m.Header), step.want, m.Header)
 		}
-		if _, ok := m.Header["State"]; ok != (step.rel == full) {
+		if _, ok := m.Header.NATS()["State"]; ok != (step.rel == full) {
 			t.Fatalf("step %d (%s): State header present %v", i, m.Table, ok)
 		}
-		nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		nm := &nats.Msg{Subject: m.Subject, Header: m.Header.NATS(), Data: m.Data}
 		if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
 			t.Fatalf("step %d: HeaderLen %d, nats.go encodes %d", i, m.HeaderLen, hdr)
 		}
@@ -706,10 +706,10 @@ func TestRouteManyExtraHeaders(t *testing.T) {
 		if got := m.Header.Get("X-69"); got != "v69" {
 			t.Fatalf("X-69 = %q", got)
 		}
-		if _, ok := m.Header["X-03"]; ok {
+		if _, ok := m.Header.NATS()["X-03"]; ok {
 			t.Fatal("a NULL column became a header")
 		}
-		nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		nm := &nats.Msg{Subject: m.Subject, Header: m.Header.NATS(), Data: m.Data}
 		if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
 			t.Fatalf("HeaderLen %d, nats.go encodes %d", m.HeaderLen, hdr)
 		}

@@ -116,8 +116,8 @@ func routeTwice(t *testing.T, r *Router, ins *replication.Insert, want nats.Head
 		if err != nil {
 			t.Fatalf("Route: %v", err)
 		}
-		checkHeaders(t, m.Header, want)
-		nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		checkHeaders(t, m.Header.NATS(), want)
+		nm := &nats.Msg{Subject: m.Subject, Header: m.Header.NATS(), Data: m.Data}
 		if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
 			t.Fatalf("HeaderLen %d, nats.go encodes %d bytes of headers", m.HeaderLen, hdr)
 		}
@@ -166,7 +166,7 @@ func TestRouteBadTraceContextKeepsTheEvent(t *testing.T) {
 			if got := r.TraceHeadersDropped(); got != tc.wantDropped {
 				t.Errorf("TraceHeadersDropped %d, want %d", got, tc.wantDropped)
 			}
-			nm := &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+			nm := &nats.Msg{Subject: m.Subject, Header: m.Header.NATS(), Data: m.Data}
 			if hdr := nm.Size() - len(nm.Subject) - len(nm.Data); m.HeaderLen != hdr {
 				t.Fatalf("HeaderLen %d, nats.go encodes %d bytes of headers", m.HeaderLen, hdr)
 			}

@@ -88,7 +88,7 @@ func routedMessages(subjectPrefix string, first int64, n, aggs, pad int) ([]*nat
 		if err != nil {
 			return nil, 0, err
 		}
-		msgs[i] = &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data}
+		msgs[i] = &nats.Msg{Subject: m.Subject, Header: m.Header.NATS(), Data: m.Data}
 		total += len(m.Data) + m.HeaderLen
 	}
 	return msgs, float64(total) / float64(n), nil

@@ -161,6 +161,7 @@ func (rp *repairer) fail(ev Event, aggKey, reason string) {
 type routed struct {
 	ev  Event
 	msg *router.Message
+	hdr nats.Header // msg's headers as republished
 }
 
 // chunk reads the rows of evs (all of table t), routes them in order and
@@ -195,9 +196,10 @@ func (rp *repairer) chunk(ctx context.Context, t *Table, evs []Event) error {
 			rp.mu.Unlock()
 			continue
 		}
-		r.msg.Header.Del(contract.CommitLSN)
-		r.msg.Header.Del(contract.CommitTime)
-		r.msg.Header.Set(RepairedAtHeader, rp.repairedAt)
+		r.hdr = r.msg.Header.NATS()
+		r.hdr.Del(contract.CommitLSN)
+		r.hdr.Del(contract.CommitTime)
+		r.hdr.Set(RepairedAtHeader, rp.repairedAt)
 		h := fnv.New32a()
 		_, _ = h.Write([]byte(aggKey(r.ev)))
 		w := int(h.Sum32() % uint32(rp.cfg.Workers))
@@ -343,7 +345,7 @@ func (rp *repairer) publish(ctx context.Context, r routed) error {
 		rp.fail(r.ev, aggKey(r.ev), "held back: the earlier event "+blocker+" of the aggregate was not republished")
 		return nil
 	}
-	msg := &nats.Msg{Subject: r.msg.Subject, Header: r.msg.Header, Data: r.msg.Data}
+	msg := &nats.Msg{Subject: r.msg.Subject, Header: r.hdr, Data: r.msg.Data}
 	var lastErr error
 	for attempt := 1; attempt <= publishAttempts; attempt++ {
 		ack, err := rp.js.PublishMsg(ctx, msg, jetstream.WithExpectStream(rp.cfg.Stream))
