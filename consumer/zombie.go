@@ -1,0 +1,104 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// A zombie is a backend of the consumer's own role left idle in a
+// transaction that holds a message's dedup row: an earlier attempt whose Go
+// side gave up (its connection was lost, or pgx broke it at the deadline)
+// while the server still keeps the transaction open, until it notices the
+// client is gone — which an idle backend does only when it next reads, or
+// after the kernel's keepalive. Every later attempt's dedup insert waits for
+// it and runs into HandlerTimeout: charged as failures, they dead-letter an
+// event that nothing is wrong with. endZombies ends such a backend; the
+// attempt that found it is in doubt (resInDoubt), retried and not charged.
+
+// zombieQuery terminates the backends that block the backend $1 and are
+// zombies: the same login role as this session (terminating them needs no
+// further privilege), idle in a transaction that began over $2 seconds ago,
+// longer than any live attempt with the consumer's HandlerTimeout can last.
+// It returns how many it signalled.
+const zombieQuery = `
+	SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid))
+	FROM pg_stat_activity a
+	WHERE a.pid = ANY (pg_blocking_pids($1))
+	  AND a.usesysid = (SELECT usesysid FROM pg_stat_activity WHERE pid = pg_backend_pid())
+	  AND a.state = 'idle in transaction'
+	  AND a.xact_start < now() - make_interval(secs => $2)`
+
+// zombiePoll is how often endZombies looks for what blocks its probe.
+const zombiePoll = 25 * time.Millisecond
+
+// endZombies is called after the dedup insert of it ran into its attempt's
+// deadline. The attempt's backend no longer waits (pgx broke or cancelled
+// it), so a probe waits in its place: it writes the dedup row again in a
+// transaction it rolls back, and while it waits, the backends blocking it
+// that are zombies are terminated. It reports whether it ended any and the
+// probe then got through. It is bounded by HandlerTimeout of its own.
+func (c *Consumer) endZombies(ctx context.Context, it *item) (bool, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
+	defer cancel()
+	tx, err := c.db.Begin(ctx)
+	if err != nil {
+		return false, fmt.Errorf("begin zombie probe: %w", err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }() // the probe leaves nothing behind
+	pid := tx.Conn().PgConn().PID()
+	probed := make(chan error, 1)
+	probeCtx, stop := context.WithCancel(ctx)
+	go func() {
+		_, err := c.insertOne(probeCtx, tx, it, nil)
+		probed <- err
+	}()
+	done := false
+	defer func() {
+		if stop(); !done {
+			<-probed
+		}
+	}()
+	ended := false
+	tick := time.NewTicker(zombiePoll)
+	defer tick.Stop()
+	for {
+		select {
+		case err := <-probed:
+			done = true
+			return ended, err
+		case <-ctx.Done():
+			return false, fmt.Errorf("zombie probe still blocked: %w", ctx.Err())
+		case <-tick.C:
+		}
+		var n int
+		if err := c.db.QueryRow(ctx, zombieQuery, pid, c.cfg.HandlerTimeout.Seconds()).Scan(&n); err != nil {
+			return false, fmt.Errorf("look up blocking backends: %w", err)
+		}
+		ended = ended || n > 0
+	}
+}
+
+// blockedInsert is the step's result for a dedup insert that ran into the
+// deadline (err): in doubt when a zombie held the row and was ended, so
+// that the retry is not charged; otherwise the attempt, as before.
+func (c *Consumer) blockedInsert(ctx context.Context, it *item, err error) stepResult {
+	res := failedStep(ctx, failed(err, "record consumed message"))
+	if res.outcome != stepBroken {
+		return res
+	}
+	ended, zerr := c.endZombies(ctx, it)
+	if !ended {
+		if zerr != nil {
+			c.log.Debug("no zombie found behind a blocked dedup insert", zap.String(fieldEventID, it.m.ID), zap.Error(zerr))
+		}
+		return res
+	}
+	c.log.Warn("terminated an abandoned transaction of this role that held a message's dedup row; retrying the message uncharged",
+		zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
+	res.res = result{kind: resInDoubt, class: ClassTransient,
+		err: fmt.Errorf("record consumed message: %w; an abandoned transaction held the row and was terminated", err)}
+	return res
+}
