@@ -209,3 +209,19 @@ func (c *Consumer) committed(it *item) {
 		c.afterCommit(&it.m)
 	}
 }
+
+// recordedBefore reports whether the message's own dedup row (its id with
+// its hash) is committed: some attempt of it was applied or rejected, so
+// it must not be dead-lettered, whatever its later attempts met. A row
+// with another hash is a conflict, another message's.
+func (c *Consumer) recordedBefore(ctx context.Context, it *item) (bool, error) {
+	if it.hash == nil {
+		return false, nil // not parsed: nothing of it was ever written
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
+	defer cancel()
+	var found bool
+	err := c.db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM consumed_message WHERE consumer = $1 AND event_id = $2 AND content_hash = $3)`,
+		c.cfg.Name, it.m.ID, it.hash).Scan(&found)
+	return found, err
+}

@@ -462,6 +462,14 @@ func (w *worker) retry(it *item, class Class, err error, attempt int, log *zap.L
 // that a message is never retried for good for want of a record.
 func (w *worker) deadLetter(ctx context.Context, it *item, class Class, reason error, f *failState) (time.Duration, bool) {
 	log := w.msgLog(it)
+	if applied, err := w.c.recordedBefore(ctx, it); err == nil && applied {
+		// An attempt whose commit was in doubt went through: the message
+		// is applied, and its failure since (a Begin while the database
+		// was away) says nothing about it.
+		log.Warn("not dead-lettering a message whose own dedup row is committed; acknowledging it as a duplicate",
+			zap.String(fieldClass, string(class)), zap.Error(reason))
+		return w.settle(ctx, it, result{kind: resDuplicate})
+	}
 	class, reason = storableClass(class, reason)
 	id, err := w.c.insertDeadLetter(ctx, it, class, reason, f)
 	if err != nil {

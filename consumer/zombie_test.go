@@ -34,55 +34,74 @@ func openZombie(ctx context.Context, url, name, id string) (*pgx.Conn, error) {
 	return conn, nil
 }
 
-// zombieAtCommit is a database whose first commit of a transaction that
-// applied an event (armed by the handler) rolls back instead and reports an
-// error, as a lost connection does, after a zombie took the event's dedup
-// row: the commit probe then waits for the zombie.
-type zombieAtCommit struct {
+// hookedDB is a database whose transactions a markingHandler marks with
+// the event it applied; the commit of a marked transaction is onCommit's,
+// and Begin fails with beginErr's error when it returns one.
+type hookedDB struct {
 	*pgxpool.Pool
-	url, name string
-	armed     atomic.Bool
-	zombie    chan *pgx.Conn // the zombie, for the test to watch
+	beginErr func() error
+	onCommit func(ctx context.Context, tx pgx.Tx, event string) error
 }
 
-func (d *zombieAtCommit) Begin(ctx context.Context) (pgx.Tx, error) {
+func (d *hookedDB) Begin(ctx context.Context) (pgx.Tx, error) {
+	if d.beginErr != nil {
+		if err := d.beginErr(); err != nil {
+			return nil, err
+		}
+	}
 	tx, err := d.Pool.Begin(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return &zombieTx{Tx: tx, db: d}, nil
+	return &hookedTx{Tx: tx, db: d}, nil
 }
 
-type zombieTx struct {
+type hookedTx struct {
 	pgx.Tx
-	db    *zombieAtCommit
-	event string // set by the handler
+	db    *hookedDB
+	event string // set by markingHandler
 }
 
-func (t *zombieTx) Commit(ctx context.Context) error {
-	if t.event == "" || !t.db.armed.CompareAndSwap(true, false) {
+func (t *hookedTx) Commit(ctx context.Context) error {
+	if t.event == "" {
 		return t.Tx.Commit(ctx)
 	}
-	if err := t.Tx.Rollback(ctx); err != nil {
-		return err
-	}
-	z, err := openZombie(ctx, t.db.url, t.db.name, t.event)
-	if err != nil {
-		return err
-	}
-	t.db.zombie <- z
-	return fmt.Errorf("commit: %w", errors.New("unexpected EOF"))
+	return t.db.onCommit(ctx, t.Tx, t.event)
 }
 
-// zombieHandler records applications and marks the transaction of its
-// event for zombieAtCommit.
-type zombieHandler struct{ *recorder }
+// markingHandler records applications and marks the transaction with the
+// event for hookedDB.
+type markingHandler struct{ *recorder }
 
-func (h zombieHandler) Handle(ctx context.Context, tx pgx.Tx, m *Message) error {
-	if zt, ok := tx.(*zombieTx); ok {
-		zt.event = m.ID
+func (h markingHandler) Handle(ctx context.Context, tx pgx.Tx, m *Message) error {
+	if ht, ok := tx.(*hookedTx); ok {
+		ht.event = m.ID
 	}
 	return h.recorder.Handle(ctx, tx, m)
+}
+
+// errLostAnswer is a commit whose answer was lost.
+var errLostAnswer = fmt.Errorf("commit: %w", errors.New("unexpected EOF"))
+
+// zombieAtCommit makes the first marked commit roll back instead and
+// report an error, as a lost connection does, after a zombie took the
+// event's dedup row: the commit probe then waits for the zombie.
+func (f *fixture) zombieAtCommit(name string, zombies chan<- *pgx.Conn) *hookedDB {
+	var once atomic.Bool
+	return &hookedDB{Pool: f.pool, onCommit: func(ctx context.Context, tx pgx.Tx, event string) error {
+		if !once.CompareAndSwap(false, true) {
+			return tx.Commit(ctx)
+		}
+		if err := tx.Rollback(ctx); err != nil {
+			return err
+		}
+		z, err := openZombie(ctx, f.db.URL, name, event)
+		if err != nil {
+			return err
+		}
+		zombies <- z
+		return errLostAnswer
+	}}
 }
 
 // A zombie of the consumer's role holds a message's dedup row: every
@@ -115,16 +134,14 @@ func zombieNeitherCharges(t *testing.T, atCommit bool) {
 	zombies := make(chan *pgx.Conn, 1)
 	var db DB = f.pool
 	if atCommit {
-		zdb := &zombieAtCommit{Pool: f.pool, url: f.db.URL, name: name, zombie: zombies}
-		zdb.armed.Store(true)
-		db = zdb
+		db = f.zombieAtCommit(name, zombies)
 	} else {
 		z, err := openZombie(ctx, f.db.URL, name, e.ID)
 		testenv.Must(t, err, "open zombie")
 		zombies <- z
 	}
 	r := newRecorder(name)
-	c, err := New(db, f.js, cfg, zombieHandler{r}, WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
+	c, err := New(db, f.js, cfg, markingHandler{r}, WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
 	testenv.Must(t, err, "new consumer")
 	f.run(c)
 	f.publish(e)
@@ -155,5 +172,67 @@ func zombieNeitherCharges(t *testing.T, atCommit bool) {
 	}
 	if _, err := z.Exec(ctx, `SELECT 1`); err == nil {
 		t.Fatalf("the zombie's session is still alive")
+	}
+}
+
+// unreachableAfterCommit makes the first marked commit go through on the
+// server but report a lost connection, after which new transactions cannot
+// begin for down: the commit probe cannot answer, and the retry's Begin
+// fails too. Plain statements (the dead-letter insert) get through, as they
+// do when the database comes back between two attempts. lied reports
+// whether it did.
+func (f *fixture) unreachableAfterCommit(down time.Duration) (db *hookedDB, lied func() bool) {
+	var once atomic.Bool
+	var until atomic.Int64 // unix nanoseconds
+	return &hookedDB{
+		Pool: f.pool,
+		beginErr: func() error {
+			if time.Now().UnixNano() < until.Load() {
+				return Transient(errors.New("dial tcp: connection refused"))
+			}
+			return nil
+		},
+		onCommit: func(ctx context.Context, tx pgx.Tx, _ string) error {
+			if err := tx.Commit(ctx); err != nil || !once.CompareAndSwap(false, true) {
+				return err
+			}
+			until.Store(time.Now().Add(down).UnixNano())
+			return errLostAnswer
+		},
+	}, once.Load
+}
+
+// The commit reaches the server and commits there, the answer is lost, and
+// the database is unreachable for a moment: the commit probe cannot answer
+// (unknown, retried uncharged), and the retry fails to begin, its one
+// allowed transient attempt. The dead letter that follows would record an
+// event that is applied: a message whose own dedup row is committed is
+// acknowledged as a duplicate instead, never dead-lettered.
+func TestZombieCommitNotDeadLettered(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	cfg := f.baseConfig("lostanswer")
+	cfg.HandlerTimeout = time.Second
+	cfg.MaxAttempts, cfg.TransientAttempts = 1, 1
+	db, lied := f.unreachableAfterCommit(cfg.HandlerTimeout + 3*time.Second)
+	r := newRecorder("lostanswer")
+	c, err := New(db, f.js, cfg, markingHandler{r}, WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
+	testenv.Must(t, err, "new consumer")
+	f.run(c)
+	e := event{ID: uuidN(1), AggID: "la", Version: 1}
+	f.publish(e)
+	f.waitSettled("lostanswer", 30*time.Second)
+	if !lied() {
+		t.Fatalf("the commit's answer was never lost")
+	}
+	var reason string
+	if err := f.pool.QueryRow(context.Background(), `SELECT reason FROM consumer_dead_letter WHERE consumer = 'lostanswer'`).Scan(&reason); err == nil {
+		t.Fatalf("an applied event was dead-lettered: %s", reason)
+	}
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'lostanswer'`); n != 1 {
+		t.Fatalf("applied %d times, want 1", n)
+	}
+	if n := r.callCount(e.ID); n != 1 {
+		t.Fatalf("handler called %d times, want 1", n)
 	}
 }
