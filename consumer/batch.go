@@ -29,10 +29,14 @@ type BatchHandler interface {
 // batchOutcome is what processing a batch returns to its worker: a result per
 // item, in order. Items left resRequeue were not attempted and go back to the
 // front of the queue; with solo they are then taken one at a time, through
-// the per-message path.
+// the per-message path. overran: a batch transaction ran into its
+// HandlerTimeout (the worker takes smaller batches next, see
+// worker.adapt); took: how long the processing took.
 type batchOutcome struct {
-	res  []result
-	solo bool
+	res     []result
+	solo    bool
+	overran bool
+	took    time.Duration
 }
 
 // maxBatchRedo bounds how often one batch is rolled back and tried again
@@ -43,11 +47,16 @@ const maxBatchRedo = 3
 // processItems processes what the worker took: one message through the
 // per-message path, several in one batch transaction.
 func (c *Consumer) processItems(ctx context.Context, its []*item) batchOutcome {
+	start := time.Now()
 	c.startSpans(ctx, its)
+	var out batchOutcome
 	if len(its) == 1 {
-		return batchOutcome{res: []result{c.process(ctx, its[0])}}
+		out = batchOutcome{res: []result{c.process(ctx, its[0])}}
+	} else {
+		out = c.processBatch(ctx, its)
 	}
-	return c.processBatch(ctx, its)
+	out.took = time.Since(start)
+	return out
 }
 
 // processBatch applies its (stream deliveries, no replays) in one
@@ -86,6 +95,7 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 		c.met.batchTx.Observe(time.Since(start).Seconds())
 		switch try.end {
 		case batchBroken:
+			out.overran = try.overran
 			return oneByOne(out, todo)
 		case batchCommitted:
 			for k, i := range todo {
@@ -146,16 +156,18 @@ const (
 	// batchBroken: rolled back, or not known to have committed, for no
 	// single message: no message was attempted, and no result from inside
 	// the transaction stands (a duplicate may be one of the dedup row its
-	// own earlier delivery wrote in it).
+	// own earlier delivery wrote in it). overran: it broke after its
+	// deadline passed.
 	batchBroken
 )
 
 // batchTry is what one batch transaction came to.
 type batchTry struct {
-	end    batchEnd
-	res    []result // batchCommitted: per todo entry
-	at     int      // batchOneFailed
-	failed result   // batchOneFailed
+	end     batchEnd
+	res     []result // batchCommitted: per todo entry
+	at      int      // batchOneFailed
+	failed  result   // batchOneFailed
+	overran bool     // batchBroken
 }
 
 // batchTx runs one transaction over the items its[todo[k]]: the batch's
@@ -164,10 +176,10 @@ type batchTry struct {
 func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects map[int]*RejectError) batchTry {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
-	broken := batchTry{end: batchBroken}
+	broken := func() batchTry { return batchTry{end: batchBroken, overran: ctx.Err() != nil} }
 	tx, err := c.db.Begin(ctx)
 	if err != nil {
-		return broken
+		return broken()
 	}
 	committed := false
 	defer func() {
@@ -177,7 +189,7 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 	}()
 	fresh, err := c.insertBatch(ctx, tx, its, todo, rejects)
 	if err != nil {
-		return broken
+		return broken()
 	}
 	res := make([]result, len(todo))
 	var apply []*Message // for a BatchHandler
@@ -186,7 +198,7 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 		s := c.step(ctx, tx, stepIn{it: its[i], reject: rejects[i], recorded: fresh[k], deferred: bh != nil, shared: true})
 		switch s.outcome {
 		case stepBroken:
-			return broken
+			return broken()
 		case stepFailed:
 			return batchTry{end: batchOneFailed, at: k, failed: s.res}
 		case stepWrote:
@@ -199,13 +211,13 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 	if len(apply) > 0 {
 		if err := c.callBatchHandler(ctx, tx, bh, apply); err != nil {
 			c.log.Debug("batch handler failed; applying the batch one message at a time", zap.Error(err))
-			return broken
+			return broken()
 		}
 	}
 	err = tx.Commit(ctx)
 	committed = true // after a failed commit nothing is left to roll back
 	if err != nil && c.batchCommitted(ctx, its, todo, res) != commitDone {
-		return broken
+		return broken()
 	}
 	for k, i := range todo {
 		if res[k].kind == resApplied || res[k].kind == resRejected {

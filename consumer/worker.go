@@ -28,6 +28,10 @@ type worker struct {
 	fails   map[uint64]*failState // by stream sequence
 	gaps    map[uint64]*gapState  // by stream sequence
 	solo    int                   // take this many messages one at a time (a batch fell back)
+	// size is how many messages the next batch may hold: BatchSize, less
+	// after a batch overran its deadline (adapt).
+	size     int
+	tookSolo bool // the messages in flight were taken one at a time after a fallback
 }
 
 // block holds back an aggregate's messages while one of them (head) waits
@@ -64,6 +68,7 @@ func newWorker(c *Consumer, src source, id int) *worker {
 		blocked: map[string]*block{},
 		fails:   map[uint64]*failState{},
 		gaps:    map[uint64]*gapState{},
+		size:    c.cfg.BatchSize,
 	}
 }
 
@@ -121,7 +126,8 @@ func (w *worker) run(ctx context.Context) error {
 // single message, a replay, or the worker is retrying a failed batch's
 // messages one at a time.
 func (w *worker) take() []*item {
-	k := w.c.cfg.BatchSize
+	k := w.size
+	w.tookSolo = w.solo > 0
 	if w.solo > 0 {
 		w.solo--
 		k = 1
@@ -154,6 +160,7 @@ func (w *worker) take() []*item {
 // holds them behind a failed message of their aggregate, as if they had
 // arrived after it.
 func (w *worker) finishAll(ctx context.Context, its []*item, out batchOutcome) {
+	w.adapt(len(its), out)
 	var back []*item
 	for i, it := range its {
 		switch res := out.res[i]; {
@@ -170,6 +177,26 @@ func (w *worker) finishAll(ctx context.Context, its []*item, out batchOutcome) {
 		if out.solo {
 			w.solo = len(back)
 		}
+	}
+}
+
+// adapt sizes the next batches after one of n messages came to out. A
+// batch that overran its HandlerTimeout (a loaded machine, a slow
+// handler) would overrun again at its size, and each overrun throws its
+// work away: the next batches hold half as many, down to one message, so a
+// batch too slow at any size ends in per-message mode. Processing that took
+// under half the timeout lets the size grow back by one message at a time,
+// up to BatchSize: one more message then fits in the same deadline.
+// Messages taken one at a time after a fallback say nothing about a
+// batch's time and change nothing. The overrun itself is charged to no
+// message: the deadline is the batch's.
+func (w *worker) adapt(n int, out batchOutcome) {
+	switch {
+	case out.overran:
+		w.size = max(1, min(w.size, n)/2)
+	case w.tookSolo:
+	case out.took < w.c.cfg.HandlerTimeout/2 && w.size < w.c.cfg.BatchSize && n >= w.size:
+		w.size++
 	}
 }
 
