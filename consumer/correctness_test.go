@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/contract"
@@ -625,5 +626,50 @@ func TestUntypedAggregateWaitsForItsDeadLetteredVersion(t *testing.T) {
 	})
 	if !strings.Contains(reason, "replay it first") {
 		t.Fatalf("version 3's reason %q, want it to name the dead-lettered version 2", reason)
+	}
+}
+
+// Two processes share a durable. This one's attempt of h fails and is
+// naked; the redelivery goes to the other process, which applies and
+// acknowledges it. A lower message still unacknowledged keeps the
+// durable's ack floor below h, and h is still in the stream: the source
+// cannot tell that h is settled, and the aggregate's later message stayed
+// held behind it until the floor passed h — on a busy shared durable under
+// load, minutes ("retried message not redelivered yet"). h's own dedup row
+// tells: the overdue block is released.
+func TestRetriedMessageAppliedElsewhereReleasesItsAggregate(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	cfg := f.baseConfig("elsewhere")
+	here := f.newConsumer(cfg, newRecorder("elsewhere"))
+	there := f.newConsumer(cfg, newRecorder("elsewhere"), WithRegisterer(prometheus.NewRegistry()))
+	f.publish(event{ID: "low", AggID: "low", Version: 1}, event{ID: "h", AggID: "x", Version: 1}, event{ID: "h2", AggID: "x", Version: 2})
+	jc := f.durable(cfg.Name, 30*time.Second)
+	ctx := context.Background()
+	strm, err := f.js.Stream(ctx, f.stream)
+	testenv.Must(t, err, "stream")
+	its := f.fetch(here, jc, 3, 5*time.Second) // "low" stays unacknowledged
+	w := newWorker(here, &durableSource{c: here, strm: strm, cons: jc}, 0)
+	w.finish(ctx, its[1], result{kind: resFailed, class: ClassTransient, err: Transient(errors.New("x moved concurrently"))})
+	w.queue = append(w.queue, its[2])
+	if got := w.take(); len(got) != 0 {
+		t.Fatalf("took %d messages; h2 should be held behind h", len(got))
+	}
+	again := f.fetch(there, jc, 1, 10*time.Second) // the retry, pulled by the other process
+	if again[0].m.ID != "h" {
+		t.Fatalf("redelivered %s, want h", again[0].m.ID)
+	}
+	drive(there, newWorker(there, nil, 0), again)
+	if queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE event_id = 'h'`) != 1 {
+		t.Fatalf("the other process did not apply h")
+	}
+	b := w.blocked[its[1].key]
+	b.until = time.Now().Add(-time.Second) // overdue: as 2×AckWait later
+	w.heartbeat(ctx)
+	if w.blocked[its[1].key] != nil {
+		t.Fatalf("aggregate x still held behind h, which the other process applied")
+	}
+	if got := w.take(); len(got) != 1 || got[0].m.ID != "h2" {
+		t.Fatalf("took %d messages after the release, want h2", len(got))
 	}
 }

@@ -220,8 +220,28 @@ func (c *Consumer) recordedBefore(ctx context.Context, it *item) (bool, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
-	var found bool
-	err := c.db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM consumed_message WHERE consumer = $1 AND event_id = $2 AND content_hash = $3)`,
-		c.cfg.Name, it.m.ID, it.hash).Scan(&found)
-	return found, err
+	found, err := c.recordedAmong(ctx, []string{it.m.ID}, [][]byte{it.hash})
+	return found[0], err
+}
+
+// recordedAmong reports, for each event id with its hash, whether its
+// dedup row is committed.
+func (c *Consumer) recordedAmong(ctx context.Context, ids []string, hashes [][]byte) ([]bool, error) {
+	found := make([]bool, len(ids))
+	rows, err := c.db.Query(ctx, `
+		SELECT u.i FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS u(id, hash, i)
+		JOIN consumed_message m ON m.consumer = $1 AND m.event_id = u.id AND m.content_hash = u.hash`,
+		c.cfg.Name, ids, hashes)
+	if err != nil {
+		return found, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var i int64
+		if err := rows.Scan(&i); err != nil {
+			return found, err
+		}
+		found[i-1] = true
+	}
+	return found, rows.Err()
 }

@@ -38,6 +38,8 @@ type worker struct {
 // for its redelivery after a failure.
 type block struct {
 	head    uint64    // stream sequence of the failed message
+	id      string    // its event id and content hash: its dedup row tells
+	hash    []byte    // whether another process applied it (worker.gone)
 	retryAt time.Time // when the broker redelivers head (its nak delay ends)
 	until   time.Time // ask JetStream whether head is gone after this
 	held    []*item   // later messages of the aggregate, in arrival order
@@ -245,7 +247,7 @@ func (w *worker) drain() {
 func (w *worker) heartbeat(ctx context.Context) {
 	now := time.Now()
 	keepAlive(w.queue)
-	var overdue []uint64
+	var overdue []*block
 	for _, b := range w.blocked {
 		keepAlive(b.held)
 		switch {
@@ -253,7 +255,7 @@ func (w *worker) heartbeat(ctx context.Context) {
 		case w.queued(b.head):
 			b.until = now.Add(w.c.cfg.AckWait) // redelivered, not yet reached
 		default:
-			overdue = append(overdue, b.head)
+			overdue = append(overdue, b)
 		}
 	}
 	if len(overdue) == 0 {
@@ -264,7 +266,7 @@ func (w *worker) heartbeat(ctx context.Context) {
 	// the durable consumer) or removed from the stream. A message that is
 	// merely late, because JetStream is unreachable or slow, keeps its
 	// aggregate held: releasing it then would apply a later event first.
-	gone := w.src.gone(ctx, overdue)
+	gone := w.gone(ctx, overdue)
 	for key, b := range w.blocked {
 		switch {
 		case !now.After(b.until) || w.queued(b.head):
@@ -279,6 +281,46 @@ func (w *worker) heartbeat(ctx context.Context) {
 				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
 		}
 	}
+}
+
+// gone reports which overdue heads need no more processing here: those
+// whose own dedup row is committed (another process sharing the durable
+// got the redelivery and applied it: the durable's ack floor does not show
+// that while any lower message is unacknowledged, which on a busy shared
+// durable can be for minutes), and those the source knows settled or
+// removed from the stream. A lookup that fails tells nothing.
+func (w *worker) gone(ctx context.Context, overdue []*block) map[uint64]bool {
+	var (
+		look   []*block // those with a dedup row to look for
+		ids    []string
+		hashes [][]byte
+	)
+	for _, b := range overdue {
+		if b.hash != nil {
+			look, ids, hashes = append(look, b), append(ids, b.id), append(hashes, b.hash)
+		}
+	}
+	gone := map[uint64]bool{}
+	if len(look) > 0 {
+		lctx, cancel := context.WithTimeout(ctx, min(w.c.cfg.AckWait/3, 5*time.Second))
+		found, _ := w.c.recordedAmong(lctx, ids, hashes)
+		cancel()
+		for i, b := range look {
+			gone[b.head] = found[i]
+		}
+	}
+	var ask []uint64
+	for _, b := range overdue {
+		if !gone[b.head] {
+			ask = append(ask, b.head)
+		}
+	}
+	if len(ask) > 0 {
+		for seq, g := range w.src.gone(ctx, ask) {
+			gone[seq] = g
+		}
+	}
+	return gone
 }
 
 // keepAlive sends a progress ack for each delivery among its.
@@ -364,9 +406,9 @@ func (w *worker) finish(ctx context.Context, it *item, res result) {
 	now := time.Now()
 	switch {
 	case retry && b == nil:
-		w.blocked[it.key] = &block{head: seq, retryAt: now.Add(retryDelay), until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
+		w.blocked[it.key] = &block{head: seq, id: it.m.ID, hash: it.hash, retryAt: now.Add(retryDelay), until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
 	case retry:
-		b.head, b.retryAt, b.until, b.waiting = seq, now.Add(retryDelay), now.Add(retryDelay+2*w.c.cfg.AckWait), false
+		b.head, b.id, b.hash, b.retryAt, b.until, b.waiting = seq, it.m.ID, it.hash, now.Add(retryDelay), now.Add(retryDelay+2*w.c.cfg.AckWait), false
 	case b != nil && seq == b.head:
 		w.unblock(it.key, b)
 	}
