@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -48,7 +49,11 @@ func (c *Consumer) endZombies(ctx context.Context, it *item) (bool, error) {
 		return false, fmt.Errorf("begin zombie probe: %w", err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }() // the probe leaves nothing behind
-	pid := tx.Conn().PgConn().PID()
+	conn := tx.Conn()
+	if conn == nil {
+		return false, errors.New("zombie probe: the transaction has no connection to name")
+	}
+	pid := conn.PgConn().PID()
 	probed := make(chan error, 1)
 	probeCtx, stop := context.WithCancel(ctx)
 	go func() {
