@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -114,29 +116,66 @@ func (f *fixture) zombieAtCommit(name string, zombies chan<- *pgx.Conn) *hookedD
 // for it first.
 func TestZombieTransactionNeitherChargesNorDeadLetters(t *testing.T) {
 	t.Parallel()
-	for _, atCommit := range []bool{false, true} {
-		name := map[bool]string{false: "dedup insert", true: "commit probe"}[atCommit]
-		t.Run(name, func(t *testing.T) {
+	for _, tc := range []zombieCase{
+		{name: "dedup insert", consumer: "zombieinsert"},
+		{name: "commit probe", consumer: "zombieprobe", atCommit: true},
+		{name: "dedup insert, a role without superuser", consumer: "zombierole", plainRole: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			zombieNeitherCharges(t, atCommit)
+			zombieNeitherCharges(t, tc)
 		})
 	}
 }
 
-func zombieNeitherCharges(t *testing.T, atCommit bool) {
+// zombieCase: where the zombie comes from, and whether the consumer and
+// the zombie log in as a role without superuser.
+type zombieCase struct {
+	name, consumer      string
+	atCommit, plainRole bool
+}
+
+// plainRole creates a login role without superuser that may use the
+// fixture's tables, dropped when the test ends, and returns its URL and a
+// pool logged in as it.
+func (f *fixture) plainRole() (string, *pgxpool.Pool) {
+	f.t.Helper()
+	role := strings.ToLower(testenv.UniqueName("consumer_role"))
+	mustExec(f.t, f.pool, fmt.Sprintf(`CREATE ROLE %s LOGIN NOSUPERUSER`, role))
+	mustExec(f.t, f.pool, fmt.Sprintf(`GRANT ALL ON ALL TABLES IN SCHEMA public TO %s`, role))
+	mustExec(f.t, f.pool, fmt.Sprintf(`GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO %s`, role))
+	f.t.Cleanup(func() {
+		ctx := context.Background()
+		_, _ = f.pool.Exec(ctx, fmt.Sprintf(`DROP OWNED BY %s`, role))
+		_, _ = f.pool.Exec(ctx, fmt.Sprintf(`DROP ROLE %s`, role))
+	})
+	u, err := url.Parse(f.db.URL)
+	testenv.Must(f.t, err, "parse database URL")
+	u.User = url.User(role)
+	pool, err := pgxpool.New(context.Background(), u.String())
+	testenv.Must(f.t, err, "open pool as %s", role)
+	f.t.Cleanup(pool.Close)
+	return u.String(), pool
+}
+
+func zombieNeitherCharges(t *testing.T, tc zombieCase) {
 	f := newFixture(t)
-	name := map[bool]string{false: "zombieinsert", true: "zombieprobe"}[atCommit]
+	name, atCommit := tc.consumer, tc.atCommit
 	cfg := f.baseConfig(name)
 	cfg.HandlerTimeout = time.Second
 	cfg.MaxAttempts, cfg.TransientAttempts = 1, 1
 	e := event{ID: uuidN(1), AggID: "z", Version: 1}
 	ctx := context.Background()
+	dbURL, pool := f.db.URL, f.pool
+	if tc.plainRole {
+		dbURL, pool = f.plainRole()
+	}
 	zombies := make(chan *pgx.Conn, 1)
-	var db DB = f.pool
+	var db DB = pool
 	if atCommit {
 		db = f.zombieAtCommit(name, zombies)
 	} else {
-		z, err := openZombie(ctx, f.db.URL, name, e.ID)
+		z, err := openZombie(ctx, dbURL, name, e.ID)
 		testenv.Must(t, err, "open zombie")
 		zombies <- z
 	}
