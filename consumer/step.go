@@ -68,7 +68,7 @@ func (c *Consumer) step(ctx context.Context, tx pgx.Tx, in stepIn) stepResult {
 	if !in.recorded {
 		written, err := c.insertOne(ctx, tx, it, in.reject)
 		if err != nil {
-			return c.blockedInsert(ctx, it, err)
+			return c.blockedInsert(ctx, in, err)
 		}
 		if !written {
 			// Recorded before, or by an earlier message of the batch with

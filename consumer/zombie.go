@@ -86,12 +86,16 @@ func (c *Consumer) endZombies(ctx context.Context, it *item) (bool, error) {
 	}
 }
 
-// blockedInsert is the step's result for a dedup insert that ran into the
-// deadline (err): in doubt when a zombie held the row and was ended, so
-// that the retry is not charged; otherwise the attempt, as before.
-func (c *Consumer) blockedInsert(ctx context.Context, it *item, err error) stepResult {
+// blockedInsert is the step's result for a dedup insert that failed with
+// err: after the deadline, in doubt when a zombie held the row and was
+// ended, so that the retry is not charged; otherwise the attempt, as
+// before. A batch does not look: its deadline may have passed in a
+// neighbour's handler, and a broken batch's messages are applied one at a
+// time next, where a zombie is met alone.
+func (c *Consumer) blockedInsert(ctx context.Context, in stepIn, err error) stepResult {
+	it := in.it
 	res := failedStep(ctx, failed(err, "record consumed message"))
-	if res.outcome != stepBroken {
+	if res.outcome != stepBroken || in.shared {
 		return res
 	}
 	ended, zerr := c.endZombies(ctx, it)

@@ -120,6 +120,7 @@ func TestZombieTransactionNeitherChargesNorDeadLetters(t *testing.T) {
 		{name: "dedup insert", consumer: "zombieinsert"},
 		{name: "commit probe", consumer: "zombieprobe", atCommit: true},
 		{name: "dedup insert, a role without superuser", consumer: "zombierole", plainRole: true},
+		{name: "dedup insert, in a batch", consumer: "zombiebatch", batch: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -128,11 +129,12 @@ func TestZombieTransactionNeitherChargesNorDeadLetters(t *testing.T) {
 	}
 }
 
-// zombieCase: where the zombie comes from, and whether the consumer and
-// the zombie log in as a role without superuser.
+// zombieCase: where the zombie comes from, whether the consumer and the
+// zombie log in as a role without superuser, and whether the message comes
+// in a batch with three neighbours.
 type zombieCase struct {
-	name, consumer      string
-	atCommit, plainRole bool
+	name, consumer             string
+	atCommit, plainRole, batch bool
 }
 
 // plainRole creates a login role without superuser that may use the
@@ -165,6 +167,13 @@ func zombieNeitherCharges(t *testing.T, tc zombieCase) {
 	cfg.HandlerTimeout = time.Second
 	cfg.MaxAttempts, cfg.TransientAttempts = 1, 1
 	e := event{ID: uuidN(1), AggID: "z", Version: 1}
+	evs := []event{e}
+	if tc.batch {
+		cfg.Workers, cfg.BatchSize = 1, 8
+		for i := 2; i <= 4; i++ {
+			evs = append(evs, event{ID: uuidN(i), AggID: fmt.Sprintf("n%d", i), Version: 1})
+		}
+	}
 	ctx := context.Background()
 	dbURL, pool := f.db.URL, f.pool
 	if tc.plainRole {
@@ -182,8 +191,8 @@ func zombieNeitherCharges(t *testing.T, tc zombieCase) {
 	r := newRecorder(name)
 	c, err := New(db, f.js, cfg, markingHandler{r}, WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
 	testenv.Must(t, err, "new consumer")
+	f.publish(evs...) // queued before the run starts: one batch
 	f.run(c)
-	f.publish(e)
 	var z *pgx.Conn
 	select {
 	case z = <-zombies:
@@ -192,7 +201,7 @@ func zombieNeitherCharges(t *testing.T, tc zombieCase) {
 		t.Fatalf("no zombie was made: the handler never committed")
 	}
 	f.waitFor("the event applied", 30*time.Second, func() bool {
-		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = $1`, name) > 0 ||
+		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = $1 AND event_id = $2`, name, e.ID) > 0 ||
 			queryInt(t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = $1`, name) > 0
 	})
 	var reason string
@@ -200,11 +209,11 @@ func zombieNeitherCharges(t *testing.T, tc zombieCase) {
 		t.Fatalf("dead-lettered: %s", reason)
 	}
 	f.waitSettled(name, 15*time.Second)
-	if n := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = $1`, name); n != 1 {
-		t.Fatalf("applied %d times, want 1", n)
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = $1`, name); n != int64(len(evs)) {
+		t.Fatalf("%d effects of %d events, want one each", n, len(evs))
 	}
-	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = $1 AND content_hash IS NOT NULL`, name); n != 1 {
-		t.Fatalf("%d dedup rows of the consumer's own, want 1", n)
+	if n := queryInt(t, f.pool, `SELECT count(*) FROM consumed_message WHERE consumer = $1 AND content_hash IS NOT NULL`, name); n != int64(len(evs)) {
+		t.Fatalf("%d dedup rows of the consumer's own, want %d", n, len(evs))
 	}
 	if got := metricValue(t, mustVec(t, f).retries.WithLabelValues(name, string(ClassUnknown))); got != 0 {
 		t.Fatalf("%v unknown retries charged for the zombie's wait, want 0", got)
