@@ -180,10 +180,10 @@ type countingConsumer struct {
 
 func (c countingConsumer) Messages(opts ...jetstream.PullMessagesOpt) (jetstream.MessagesContext, error) {
 	iter, err := c.Consumer.Messages(opts...)
-	if err != nil {
-		return nil, err
+	if err == nil {
+		iter = countingIter{MessagesContext: iter, s: c.s}
 	}
-	return countingIter{MessagesContext: iter, s: c.s}, nil
+	return iter, err
 }
 
 type countingIter struct {
