@@ -166,16 +166,24 @@ type item struct {
 }
 
 func (c *Consumer) newItem(msg jetstream.Msg) *item {
+	md, err := msg.Metadata()
+	return c.newItemOf(msg, md, err)
+}
+
+// newItemOf is newItem for a delivery whose metadata is parsed already
+// (mdErr: it could not be): the feed parses it once per delivery and
+// carries it, rather than once per look-up.
+func (c *Consumer) newItemOf(msg jetstream.Msg, md *jetstream.MsgMetadata, mdErr error) *item {
 	it := &item{msg: msg, received: time.Now()}
 	it.m.Subject = msg.Subject()
 	it.m.Header = msg.Headers()
-	if md, err := msg.Metadata(); err == nil {
+	if mdErr == nil {
 		it.m.Stream = md.Stream
 		it.m.StreamSeq = md.Sequence.Stream
 		it.m.Stored = md.Timestamp
 		it.m.Deliveries = md.NumDelivered
 	} else {
-		it.err = fmt.Errorf("read JetStream metadata: %w", err)
+		it.err = fmt.Errorf("read JetStream metadata: %w", mdErr)
 	}
 	c.parse(it, msg.Data())
 	return it

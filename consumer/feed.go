@@ -79,6 +79,11 @@ type feed struct {
 	reset  time.Time                 // the last reset, to pace resets in a row
 	why    string                    // why the next open resets (resumes_total)
 	pin    string                    // the pin id of the last delivery (pinned priority groups)
+	// top is the highest stream sequence handed out. A delivery above it
+	// (the common case) cannot be a repetition, a redelivery of a naked
+	// message or one acknowledged lately: forward skips those look-ups.
+	// Only the pump's goroutine touches it.
+	top uint64
 
 	mu       sync.Mutex
 	inflight map[string]int // aggregate key -> handed out, unsettled
@@ -86,13 +91,13 @@ type feed struct {
 	// out holds the deliveries handed out, unsettled and not naked, by
 	// stream sequence: a repetition of one (a reset) stands in for it.
 	out  map[uint64]*trackedMsg
-	done doneSet // stream sequences acknowledged or terminated lately
-	// doneLimit bounds done: four times max_ack_pending as seen at the
-	// last open, read there rather than per acknowledgement.
-	doneLimit int
+	done seqRing // stream sequences acknowledged or terminated lately; sized at open
 	// returning holds the stream sequences naked back to the broker, still
-	// counted in inflight until they are delivered again.
+	// counted in inflight until they are delivered again; nakedKeys counts
+	// them by aggregate, so that busy looks at the few held aggregates
+	// rather than at every one in flight.
 	returning map[uint64]string
+	nakedKeys map[string]int
 	closed    bool          // close was called: nothing naked comes back here
 	changed   chan struct{} // receives (non-blocking) on each settle
 }
@@ -103,6 +108,7 @@ func newFeed(e *engine, cons jetstream.Consumer, name string, log *zap.Logger, o
 		inflight:  map[string]int{},
 		out:       map[uint64]*trackedMsg{},
 		returning: map[uint64]string{},
+		nakedKeys: map[string]int{},
 		changed:   make(chan struct{}, 1),
 	}
 }
@@ -187,9 +193,9 @@ func (f *feed) open(ctx context.Context) error {
 	}
 	f.iter, f.next, f.shared = iter, 1, time.Time{}
 	f.beginRun()
-	limit := max(4*f.maxAckPending(), 1024)
+	words := doneWords(f.maxAckPending())
 	f.mu.Lock()
-	f.doneLimit = limit
+	f.done.resize(words)
 	f.mu.Unlock()
 	return nil
 }
@@ -208,14 +214,22 @@ func isGone(err error) bool {
 	return errors.Is(err, jetstream.ErrConsumerDeleted) || errors.Is(err, jetstream.ErrConsumerNotFound)
 }
 
+// delivery is one message as received, with its JetStream metadata (the
+// reply subject) parsed once: the gap check, the repeat look-ups and the
+// item all read it.
+type delivery struct {
+	msg jetstream.Msg
+	md  *jetstream.MsgMetadata
+}
+
 // recv returns the next delivery in consumer-sequence order, reopening the
 // feed after a break. It returns an error only when the consumer cannot be
 // pulled any more (deleted, the connection closed) or ctx ends.
-func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
+func (f *feed) recv(ctx context.Context) (delivery, error) {
 	for {
 		if f.iter == nil {
 			if err := f.open(ctx); err != nil {
-				return nil, err
+				return delivery{}, err
 			}
 		}
 		msg, err := f.iter.Next(jetstream.NextContext(ctx))
@@ -226,22 +240,22 @@ func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
 			}
 			if err == nil && f.admitSeq != nil {
 				if err = f.admitSeq(md.Sequence.Stream); err != nil {
-					return nil, err
+					return delivery{}, err
 				}
 			}
 			if err == nil {
 				if pin := msg.Headers().Get(pinHeader); pin != "" {
 					f.pin = pin
 				}
-				return msg, nil
+				return delivery{msg: msg, md: md}, nil
 			}
 		}
 		if ctx.Err() != nil {
-			return nil, ctx.Err()
+			return delivery{}, ctx.Err()
 		}
 		switch {
 		case isGone(err), errors.Is(err, jetstream.ErrConnectionClosed):
-			return nil, err
+			return delivery{}, err
 		case errors.Is(err, jetstream.ErrNoHeartbeat), errors.Is(err, jetstream.ErrPinIDMismatch),
 			errors.Is(err, jetstream.ErrConsumerLeadershipChanged), errors.Is(err, nats.ErrTimeout):
 			// The subscription lives on; a delivery lost meanwhile shows
@@ -260,7 +274,7 @@ func (f *feed) recv(ctx context.Context) (jetstream.Msg, error) {
 		}
 		f.stop()
 		if err := f.settle(ctx); err != nil {
-			return nil, err
+			return delivery{}, err
 		}
 	}
 }
@@ -339,17 +353,11 @@ func (f *feed) settleTo(ctx context.Context, n int) error {
 func (f *feed) busy() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	waiting := map[string]bool{}
-	for _, key := range f.returning {
-		waiting[key] = true
+	held := 0
+	for key := range f.nakedKeys {
+		held += f.inflight[key]
 	}
-	busy := 0
-	for key, n := range f.inflight {
-		if n > 0 && !waiting[key] {
-			busy += n
-		}
-	}
-	return busy
+	return max(f.n-held, 0)
 }
 
 // forward hands a delivery to the worker of its aggregate, tracked until
@@ -359,19 +367,22 @@ func (f *feed) busy() int {
 // delivery's ack would do, but a nak or a progress ack counts only for the
 // newer). It keeps its place in the worker's queue, ahead of the
 // aggregate's later messages, and a reset costs no second application.
-func (f *feed) forward(ctx context.Context, msg jetstream.Msg) error {
-	if md, err := msg.Metadata(); err == nil {
-		if f.settledBefore(md.Sequence.Stream, msg) || f.standIn(md.Sequence.Stream, msg) {
-			return nil
-		}
+// A delivery above every one handed out is none of these, and goes by the
+// look-ups: that is nearly every delivery.
+func (f *feed) forward(ctx context.Context, d delivery) error {
+	seq := d.md.Sequence.Stream
+	fresh := seq > f.top
+	if !fresh && (f.settledBefore(seq, d.msg) || f.standIn(seq, d.msg)) {
+		return nil
 	}
-	it := f.c.newItem(msg)
-	if !f.returned(it.m.StreamSeq) {
+	it := f.c.newItemOf(d.msg, d.md, nil)
+	if fresh || !f.returned(seq) {
 		if err := f.budget.take(ctx); err != nil {
 			return err
 		}
 	}
-	tm := &trackedMsg{Msg: msg, cur: msg, f: f, key: it.key, seq: it.m.StreamSeq}
+	f.top = max(f.top, seq)
+	tm := &trackedMsg{Msg: d.msg, cur: d.msg, f: f, key: it.key, seq: seq}
 	f.track(tm)
 	it.msg = tm
 	if err := f.e.send(ctx, it); err != nil {
@@ -398,38 +409,68 @@ func (f *feed) settledBefore(seq uint64, msg jetstream.Msg) bool {
 	return true
 }
 
-// finished records that the delivery of seq was acknowledged or terminated.
-func (f *feed) finished(seq uint64) {
-	f.mu.Lock()
-	f.done.add(seq, max(f.doneLimit, 1024))
-	f.mu.Unlock()
+// doneWords sizes the ring of lately acknowledged sequences for a
+// consumer's max_ack_pending: a span of 64 × max(4 × max_ack_pending,
+// 1024) stream sequences, at one bit each no more memory than a set of
+// that many sequences would take, and wide enough for a filtered consumer
+// or a group partition that sees one stream sequence in many.
+func doneWords(maxAckPending int) int {
+	return max(4*maxAckPending, 1024)
 }
 
-// doneSet is a bounded set of stream sequences, forgetting the oldest
-// added first; one forgotten costs a duplicate's transaction, not order.
-type doneSet struct {
-	seqs  map[uint64]struct{}
-	order []uint64
+// seqRing is a bounded set of stream sequences, one bit each over a window
+// of consecutive sequences that slides up as higher ones are added: the
+// lowest are forgotten first. One forgotten costs a duplicate's
+// transaction, not order; a sequence below the window is not added.
+type seqRing struct {
+	bits []uint64 // a power of two of words; sequence s is bit s%64 of word (s/64)%len
+	base uint64   // the window's first word (a sequence / 64)
 }
 
-func (d *doneSet) has(seq uint64) bool {
-	_, ok := d.seqs[seq]
-	return ok
-}
-
-func (d *doneSet) add(seq uint64, limit int) {
-	if d.seqs == nil {
-		d.seqs = map[uint64]struct{}{}
+// resize makes the ring at least words wide, keeping what fits.
+func (r *seqRing) resize(words int) {
+	n := 1
+	for n < words {
+		n <<= 1
 	}
-	if _, ok := d.seqs[seq]; ok {
+	if n == len(r.bits) {
 		return
 	}
-	d.seqs[seq] = struct{}{}
-	d.order = append(d.order, seq)
-	for len(d.order) > limit {
-		delete(d.seqs, d.order[0])
-		d.order = d.order[1:]
+	old := *r
+	r.bits, r.base = make([]uint64, n), 0
+	for i := range old.bits {
+		w := old.base + uint64(i)
+		for b, word := uint64(0), old.bits[w&uint64(len(old.bits)-1)]; word != 0; b++ {
+			if word&1 != 0 {
+				r.add(w*64 + b)
+			}
+			word >>= 1
+		}
 	}
+}
+
+func (r *seqRing) has(seq uint64) bool {
+	w := seq / 64
+	if len(r.bits) == 0 || w < r.base || w >= r.base+uint64(len(r.bits)) {
+		return false
+	}
+	return r.bits[w&uint64(len(r.bits)-1)]&(1<<(seq%64)) != 0
+}
+
+func (r *seqRing) add(seq uint64) {
+	w, n := seq/64, uint64(len(r.bits))
+	if n == 0 || w < r.base {
+		return
+	}
+	if w >= r.base+n {
+		// Slide up: clear the words that leave the window, lowest first.
+		newBase := w - n + 1
+		for x := r.base; x < newBase && x < r.base+n; x++ {
+			r.bits[x&(n-1)] = 0
+		}
+		r.base = newBase
+	}
+	r.bits[w&(n-1)] |= 1 << (seq % 64)
 }
 
 // standIn gives msg, a repetition of the delivery of seq, to the earlier
@@ -449,24 +490,46 @@ func (f *feed) track(tm *trackedMsg) {
 	f.mu.Unlock()
 }
 
-// drop forgets tm as a stand-in: it is settled or naked.
-func (f *feed) drop(tm *trackedMsg) {
+// settlement is how a worker let go of a delivery.
+type settlement int
+
+const (
+	settleGone  settlement = iota // superseded, or it never reached a worker
+	settleDone                    // acknowledged after its commit, or terminated after its dead letter
+	settleNaked                   // naked back to the broker: it comes again
+)
+
+// release records in one hold of f.mu that tm is settled as how says: it
+// stands in for repetitions no more, a done sequence joins the lately
+// acknowledged, and the first settlement of tm drops it from the counts
+// with its budget slot, but for a naked one: that stays counted, with its
+// slot, until it comes back (returned), unless the feed is closed and it
+// cannot come back here.
+func (f *feed) release(tm *trackedMsg, how settlement) {
+	first := false
+	tm.once.Do(func() { first = true })
 	f.mu.Lock()
 	if f.out[tm.seq] == tm {
 		delete(f.out, tm.seq)
 	}
+	if how == settleDone {
+		f.done.add(tm.seq)
+	}
+	free := first && (how != settleNaked || f.closed)
+	switch {
+	case free:
+		f.uncount(tm.key)
+	case first:
+		f.returning[tm.seq] = tm.key
+		f.nakedKeys[tm.key]++
+	}
 	f.mu.Unlock()
-}
-
-// settleOne settles a delivery of key and gives its budget slot back.
-func (f *feed) settleOne(key string) {
-	f.mu.Lock()
-	f.uncount(key)
-	f.mu.Unlock()
-	f.budget.give(1)
-	select {
-	case f.changed <- struct{}{}:
-	default:
+	if free {
+		f.budget.give(1)
+		select {
+		case f.changed <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -476,22 +539,6 @@ func (f *feed) uncount(key string) {
 		delete(f.inflight, key)
 	}
 	f.n--
-}
-
-// awaitReturn keeps a naked message counted, with its budget slot, until
-// it comes back; after close it cannot come back here, and is settled.
-func (f *feed) awaitReturn(m *trackedMsg) {
-	m.once.Do(func() {
-		f.mu.Lock()
-		closed := f.closed
-		if !closed {
-			f.returning[m.seq] = m.key
-		}
-		f.mu.Unlock()
-		if closed {
-			f.settleOne(m.key)
-		}
-	})
 }
 
 // returned reports whether seq is the redelivery of a naked message, and
@@ -504,6 +551,9 @@ func (f *feed) returned(seq uint64) bool {
 	key, ok := f.returning[seq]
 	if ok {
 		delete(f.returning, seq)
+		if f.nakedKeys[key]--; f.nakedKeys[key] <= 0 {
+			delete(f.nakedKeys, key)
+		}
 		f.uncount(key)
 	}
 	return ok
@@ -518,7 +568,7 @@ func (f *feed) close() {
 	f.mu.Lock()
 	f.closed = true
 	naked := f.returning
-	f.returning = map[uint64]string{}
+	f.returning, f.nakedKeys = map[uint64]string{}, map[string]int{}
 	for _, key := range naked {
 		f.uncount(key)
 	}
@@ -544,7 +594,7 @@ type trackedMsg struct {
 	f    *feed
 	key  string
 	seq  uint64
-	once sync.Once
+	once sync.Once // the first settlement: the counts and budget slot go
 
 	mu    sync.Mutex
 	cur   jetstream.Msg // the delivery settlements go to
@@ -563,13 +613,13 @@ func (m *trackedMsg) replace(msg jetstream.Msg) bool {
 	return true
 }
 
-// finalMsg fixes and returns the delivery a settlement goes to.
+// finalMsg fixes and returns the delivery a settlement goes to: a
+// repetition received from now on is handed out on its own.
 func (m *trackedMsg) finalMsg() jetstream.Msg {
 	m.mu.Lock()
 	m.final = true
 	msg := m.cur
 	m.mu.Unlock()
-	m.f.drop(m)
 	return msg
 }
 
@@ -579,36 +629,35 @@ func (m *trackedMsg) current() jetstream.Msg {
 	return m.cur
 }
 
+// settled lets go of a message without an acknowledgement: superseded by
+// a newer delivery of it, or never handed to a worker.
 func (m *trackedMsg) settled() {
 	m.finalMsg()
-	m.once.Do(func() { m.f.settleOne(m.key) })
-}
-
-// done settles a message the worker is finished with: acknowledged after
-// its commit, or terminated after its dead letter.
-func (m *trackedMsg) done() {
-	m.f.finished(m.seq)
-	m.settled()
+	m.f.release(m, settleGone)
 }
 
 func (m *trackedMsg) Ack() error {
-	defer m.done()
-	return m.finalMsg().Ack()
+	err := m.finalMsg().Ack()
+	m.f.release(m, settleDone)
+	return err
 }
 
 func (m *trackedMsg) DoubleAck(ctx context.Context) error {
-	defer m.done()
-	return m.finalMsg().DoubleAck(ctx)
+	err := m.finalMsg().DoubleAck(ctx)
+	m.f.release(m, settleDone)
+	return err
 }
 
 func (m *trackedMsg) Term() error {
-	defer m.done()
-	return m.finalMsg().Term()
+	err := m.finalMsg().Term()
+	m.f.release(m, settleDone)
+	return err
 }
 
 func (m *trackedMsg) TermWithReason(reason string) error {
-	defer m.done()
-	return m.finalMsg().TermWithReason(reason)
+	err := m.finalMsg().TermWithReason(reason)
+	m.f.release(m, settleDone)
+	return err
 }
 
 // InProgress keeps the newest delivery alive.
@@ -620,12 +669,12 @@ func (m *trackedMsg) InProgress() error { return m.current().InProgress() }
 // must go: it is settled when its redelivery is forwarded.
 func (m *trackedMsg) Nak() error {
 	msg := m.finalMsg()
-	m.f.awaitReturn(m)
+	m.f.release(m, settleNaked)
 	return msg.Nak()
 }
 
 func (m *trackedMsg) NakWithDelay(d time.Duration) error {
 	msg := m.finalMsg()
-	m.f.awaitReturn(m)
+	m.f.release(m, settleNaked)
 	return msg.NakWithDelay(d)
 }

@@ -77,8 +77,8 @@ func (c *Consumer) process(ctx context.Context, it *item) result {
 // runTx is one transaction for it alone. With reject set, the handler is
 // not called and the dedup row records the rejection instead of an effect.
 func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) result {
-	tx, err := c.db.Begin(ctx)
-	if err != nil {
+	tx, recorded, err := c.beginRecorded(ctx, it, reject)
+	if tx == nil {
 		return failedBegin(err)
 	}
 	committed := false
@@ -89,7 +89,10 @@ func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) res
 			_ = tx.Rollback(ctx)
 		}
 	}()
-	s := c.step(ctx, tx, stepIn{it: it, reject: reject})
+	if err != nil {
+		return failed(err, "record consumed message")
+	}
+	s := c.step(ctx, tx, stepIn{it: it, reject: reject, recorded: recorded})
 	switch {
 	case s.outcome == stepDecided && s.res.kind == resDuplicate && it.replay != nil:
 		return c.commitReplay(ctx, tx, it, outcomeDuplicate, s.res, &committed)

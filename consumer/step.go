@@ -143,14 +143,20 @@ const insertConsumed = `
 // when reject is set, and reports whether it was written (false: the event
 // id is recorded already).
 func (c *Consumer) insertOne(ctx context.Context, tx pgx.Tx, it *item, reject *RejectError) (bool, error) {
+	tag, err := tx.Exec(ctx, insertConsumed, c.insertArgs(it, reject)...)
+	return tag.RowsAffected() == 1, err
+}
+
+// insertArgs are insertConsumed's arguments for it (reject: recorded as
+// rejected).
+func (c *Consumer) insertArgs(it *item, reject *RejectError) []any {
 	ev := &it.m.Event
 	outcome, reason := outcomeApplied, (*string)(nil)
 	if reject != nil {
 		outcome, reason = outcomeRejected, &reject.Reason
 	}
-	tag, err := tx.Exec(ctx, insertConsumed, c.cfg.Name, ev.ID, it.hash, ev.Type, ev.AggregateType,
-		ev.AggregateID, ev.AggregateVersion, outcome, reason)
-	return tag.RowsAffected() == 1, err
+	return []any{c.cfg.Name, ev.ID, it.hash, ev.Type, ev.AggregateType,
+		ev.AggregateID, ev.AggregateVersion, outcome, reason}
 }
 
 // handlerResult turns a handler's error into the message's result; a

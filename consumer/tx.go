@@ -1,0 +1,49 @@
+package consumer
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// beginRecorded begins the transaction of it alone. With a *pgxpool.Pool,
+// BEGIN and the dedup row's INSERT travel in one round trip (a batch
+// begun with pgx.Batch.BeginTx), which leaves three per message with a
+// one-statement handler instead of four; recorded then says whether the
+// INSERT wrote the row. With any other DB the transaction is begun alone,
+// recorded is false and the step writes the row.
+//
+// tx is nil when BEGIN failed: err is its error, nothing is left open. tx
+// is set with err when the INSERT failed: the caller rolls tx back. Either
+// error is the one the same statement gives when sent on its own, so the
+// results (failedBegin, "record consumed message") are classified as
+// before. A row not written by the INSERT (recorded before) is left to the
+// step, whose own INSERT finds it again and compares it.
+func (c *Consumer) beginRecorded(ctx context.Context, it *item, reject *RejectError) (tx pgx.Tx, recorded bool, err error) {
+	pool, ok := c.db.(*pgxpool.Pool)
+	if !ok {
+		tx, err := c.db.Begin(ctx)
+		return tx, false, err
+	}
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	b.Queue(insertConsumed, c.insertArgs(it, reject)...)
+	br := pool.SendBatch(ctx, b)
+	tx = br.Tx()
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		// The transaction is closed, or on a broken connection: this only
+		// gives the connection back to the pool.
+		_ = tx.Rollback(ctx)
+		return nil, false, err
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return tx, false, err
+	}
+	return tx, tag.RowsAffected() == 1, nil
+}
