@@ -202,3 +202,52 @@ func TestGroupMemberStartsDespiteTimeouts(t *testing.T) {
 		t.Errorf("%d start-up durable calls, want the 2 failed ones retried", calls.Load())
 	}
 }
+
+// TestGroupPartitionCountBackWhileStopped changes the count 4 → 8 → 4
+// while every member is stopped, with events stored under each count:
+// generation 8 never had durables, so its events sit on subjects no
+// durable filters, and generation 4's durables hold the events stored
+// after them. Members started again with 4 must consume nothing of it and
+// refuse (ErrGroupMismatch, the draining gauge for 8 set), not apply the
+// later events and lose generation 8's. Before the check the members
+// applied version 3 of every aggregate and never version 2.
+func TestGroupPartitionCountBackWhileStopped(t *testing.T) {
+	f := newFixture(t)
+	f.partitionedStream(4)
+	cfg := groupConfig(f, 4)
+	cfg.VersionCheck, cfg.InitialVersion = false, 0
+	rec := newRecorder("grp")
+	stopA := f.runMember(cfg, rec, "a")
+	stopB := f.runMember(cfg, rec, "b")
+	const aggs = 10
+	applied := func(cond string) int64 {
+		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp' AND `+cond)
+	}
+	f.publishVersions(aggs, 1, 1)
+	f.waitFor("version 1 applied", 30*time.Second, func() bool { return applied("true") == aggs })
+	f.waitGroupSettled("grp", 4, 30*time.Second)
+	stopA()
+	stopB()
+	f.setPartitions(8)
+	f.publishVersions(aggs, 2, 2) // generation 8, no durables
+	f.setPartitions(4)
+	f.publishVersions(aggs, 3, 3) // generation 4 again
+	f.runMember(cfg, rec, "a")
+	b := cfg
+	b.Group = &GroupConfig{Partitions: 4, MemberTTL: cfg.Group.MemberTTL, Member: "b"}
+	f.start(b, rec)
+	refused := func() bool {
+		_, n := f.metric("outbox_consumer_group_generation_draining_seconds", "partitions", "8")
+		return n > 0
+	}
+	f.waitFor("the refusal or an application", 30*time.Second, func() bool { return refused() || applied("version > 1") > 0 })
+	if !refused() {
+		t.Errorf("no refusal: the draining gauge of generation 8 is not set")
+	}
+	if owned, _ := f.metric("outbox_consumer_group_partitions_owned"); owned != 0 {
+		t.Errorf("member b owns %v partitions while refusing", owned)
+	}
+	if testenv.WaitFor(5*time.Second, func() bool { return applied("version > 1") > 0 }) {
+		t.Errorf("%d events of versions 2 and 3 applied, want none while the count is wrong", applied("version > 1"))
+	}
+}
