@@ -52,12 +52,13 @@ func groupConfig(f *fixture, partitions int) Config {
 }
 
 // runMember runs a group member until stop is called.
-func (f *fixture) runMember(cfg Config, h Handler, member string) (stop func()) {
+func (f *fixture) runMember(cfg Config, h Handler, member string, opts ...Option) (stop func()) {
 	f.t.Helper()
 	g := *cfg.Group
 	g.Member = member
 	cfg.Group = &g
-	c, err := New(f.pool, f.js, cfg, h, WithLogger(zaptest.NewLogger(f.t).Named(member)))
+	opts = append([]Option{WithLogger(zaptest.NewLogger(f.t).Named(member))}, opts...)
+	c, err := New(f.pool, f.js, cfg, h, opts...)
 	testenv.Must(f.t, err, "new member")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -87,15 +88,22 @@ func (f *fixture) checkApplied(name string, aggs, versions int) {
 	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM (SELECT event_id FROM applied WHERE consumer = $1 GROUP BY event_id HAVING count(*) > 1) d`, name); n != 0 {
 		f.t.Errorf("%d events applied more than once", n)
 	}
+	f.checkOrder(name)
+	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = $1`, name); n != 0 {
+		f.t.Errorf("%d dead letters", n)
+	}
+}
+
+// checkOrder checks that each aggregate's events were applied in version
+// order, from version 1.
+func (f *fixture) checkOrder(name string) {
+	f.t.Helper()
 	if n := queryInt(f.t, f.pool, `
 		SELECT count(*) FROM (
 			SELECT version, row_number() OVER (PARTITION BY aggregate_id ORDER BY n) AS pos
 			FROM applied WHERE consumer = $1) o
 		WHERE version <> pos`, name); n != 0 {
 		f.t.Errorf("%d applications out of version order", n)
-	}
-	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = $1`, name); n != 0 {
-		f.t.Errorf("%d dead letters", n)
 	}
 }
 
