@@ -205,6 +205,25 @@ func TestGroupMemberStartsDespiteTimeouts(t *testing.T) {
 	}
 }
 
+// newUnversionedGroup is a fixture over a stream of partitions, the
+// group configuration for it without VersionCheck (so that only the
+// group keeps the order), and a recorder.
+func newUnversionedGroup(t *testing.T, partitions int) (*fixture, Config, *recorder) {
+	f := newFixture(t)
+	f.partitionedStream(partitions)
+	cfg := groupConfig(f, partitions)
+	cfg.VersionCheck, cfg.InitialVersion = false, 0
+	return f, cfg, newRecorder("grp")
+}
+
+// waitApplied waits until the group grp applied n events.
+func (f *fixture) waitApplied(n int) {
+	f.t.Helper()
+	f.waitFor(fmt.Sprintf("%d events applied", n), 30*time.Second, func() bool {
+		return queryInt(f.t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= int64(n)
+	})
+}
+
 // changeWhileStopped runs two members over a 4-partition stream until
 // version 1 of aggs aggregates is applied and settled, stops them, and
 // then, with no member running, changes the stream's count to each of
@@ -271,11 +290,7 @@ func (f *fixture) refusedFor(n int, upTo int) bool {
 // 8 again must go on refusing, not apply generation 4's version 3 before
 // generation 8's version 2.
 func TestGroupPartitionCountBackWhileStopped(t *testing.T) {
-	f := newFixture(t)
-	f.partitionedStream(4)
-	cfg := groupConfig(f, 4)
-	cfg.VersionCheck, cfg.InitialVersion = false, 0
-	rec := newRecorder("grp")
+	f, cfg, rec := newUnversionedGroup(t, 4)
 	f.changeWhileStopped(cfg, rec, 10, 8, 4)
 	stopA := f.runMember(cfg, rec, "a")
 	f.start(memberConfig(cfg, "b", 4), rec)
@@ -294,11 +309,7 @@ func TestGroupPartitionCountBackWhileStopped(t *testing.T) {
 // with 4 refuse; set to 8 again, as the error says, the group applies
 // every event once and in order, generation 4's durables removed.
 func TestGroupPartitionCountBackWhileStoppedRecovers(t *testing.T) {
-	f := newFixture(t)
-	f.partitionedStream(4)
-	cfg := groupConfig(f, 4)
-	cfg.VersionCheck, cfg.InitialVersion = false, 0
-	rec := newRecorder("grp")
+	f, cfg, rec := newUnversionedGroup(t, 4)
 	const aggs = 10
 	f.changeWhileStopped(cfg, rec, aggs, 8)
 	f.setPartitions(4)
@@ -309,9 +320,7 @@ func TestGroupPartitionCountBackWhileStoppedRecovers(t *testing.T) {
 	f.runMember(memberConfig(cfg, "a", 8), rec, "a")
 	f.runMember(memberConfig(cfg, "b", 8), rec, "b")
 	f.publishVersions(aggs, 3, 3)
-	f.waitFor("every event applied", 30*time.Second, func() bool {
-		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= aggs*3
-	})
+	f.waitApplied(aggs * 3)
 	f.waitFor("the 4-partition durables removed", 30*time.Second, func() bool { return f.durableGone(PartitionDurable("grp", 4, 0)) })
 	f.checkApplied("grp", aggs, 3)
 }
@@ -321,11 +330,7 @@ func TestGroupPartitionCountBackWhileStoppedRecovers(t *testing.T) {
 // delivered yet and events after it. A member started with 4 is refused;
 // members started with 8 apply generation 4's events, then generation 8's.
 func TestGroupPartitionCountChangedWhileStopped(t *testing.T) {
-	f := newFixture(t)
-	f.partitionedStream(4)
-	cfg := groupConfig(f, 4)
-	cfg.VersionCheck, cfg.InitialVersion = false, 0
-	rec := newRecorder("grp")
+	f, cfg, rec := newUnversionedGroup(t, 4)
 	const aggs = 10
 	f.changeWhileStopped(cfg, rec, aggs, 4, 8) // version 2 under 4, undelivered
 	old, err := New(f.pool, f.js, memberConfig(cfg, "a", 4), rec, WithLogger(zaptest.NewLogger(t)))
@@ -337,8 +342,6 @@ func TestGroupPartitionCountChangedWhileStopped(t *testing.T) {
 	}
 	f.runMember(memberConfig(cfg, "a", 8), rec, "a")
 	f.runMember(memberConfig(cfg, "b", 8), rec, "b")
-	f.waitFor("every event applied", 30*time.Second, func() bool {
-		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= aggs*3
-	})
+	f.waitApplied(aggs * 3)
 	f.checkApplied("grp", aggs, 3)
 }
