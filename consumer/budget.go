@@ -119,6 +119,13 @@ func (b *budget) give(n int) {
 	b.mu.Unlock()
 }
 
+// inUse is the number of slots taken.
+func (b *budget) inUse() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.used
+}
+
 // stuck reports whether no slot can come back but with a retried
 // message's redelivery: every delivery handed out waits for one.
 func (b *budget) stuck() bool {

@@ -41,8 +41,15 @@ func (s *groupSource) setUp(ctx context.Context) error {
 func (s *groupSource) run(ctx, settleCtx context.Context, e *engine) error {
 	h := &groupHost{e: e, id: s.id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member)),
 		budget: newBudget(s.c.cfg.MaxAckPending)}
+	if hookGroupBudget != nil {
+		hookGroupBudget(s.c.cfg.Group.Member, h.budget)
+	}
 	return s.m.Run(ctx, settleCtx, h)
 }
+
+// hookGroupBudget, set by tests, is given each member's budget as its run
+// begins.
+var hookGroupBudget func(member string, b *budget)
 
 func (s *groupSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
 	return s.m.Gone(ctx, seqs)
