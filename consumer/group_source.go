@@ -55,6 +55,12 @@ func (s *groupSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
 	return s.m.Gone(ctx, seqs)
 }
 
+// errSetUpCancelled ends a source's run whose ctx ended before the source
+// was set up (a group member before its first assignment): engine.run
+// returns it, since nothing ran, where other errors after ctx ended are a
+// shutdown.
+var errSetUpCancelled = group.ErrSetUpCancelled
+
 // groupHost is the engine as a group member sees it.
 type groupHost struct {
 	e      *engine

@@ -336,3 +336,61 @@ func (f *fixture) metric(name string, labels ...string) (sum float64, series int
 	}
 	return sum, series
 }
+
+// TestGroupRunCancelledBeforeAssignment: a member's context cancelled
+// while it creates its partition durables, or after that while it waits
+// for its first assignment, makes Run return an error wrapping ctx's, as
+// a plain durable's set-up does (TestRunCancelledDuringSetUp): the member
+// never consumed, so it is not a shutdown. Before, Run returned nil.
+func TestGroupRunCancelledBeforeAssignment(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		ok   bool // the durable is created before the cancel
+	}{{"creating the partition durables", false}, {"waiting for the first assignment", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.partitionedStream(2)
+			cfg := groupConfig(f, 2)
+			cfg.Group.Member = "m1"
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			last := PartitionDurable("grp", 2, 1)
+			group.EnsureDurable = func(ectx context.Context, host group.Host, c jetstream.ConsumerConfig, update bool) (jetstream.Consumer, error) {
+				if c.Durable != last {
+					return host.EnsureDurable(ectx, c, update)
+				}
+				if tc.ok {
+					defer cancel()
+				} else {
+					cancel()
+				}
+				return host.EnsureDurable(ectx, c, update)
+			}
+			t.Cleanup(func() {
+				group.EnsureDurable = func(ctx context.Context, host group.Host, c jetstream.ConsumerConfig, update bool) (jetstream.Consumer, error) {
+					return host.EnsureDurable(ctx, c, update)
+				}
+			})
+			c, err := New(f.pool, f.js, cfg, newRecorder("grp"), WithRegisterer(f.reg))
+			testenv.Must(t, err, "new consumer")
+			runCancelled(t, ctx, c)
+		})
+	}
+}
+
+// runCancelled runs c on ctx, which is cancelled during its set-up, and
+// checks that Run returns an error wrapping context.Canceled.
+func runCancelled(t *testing.T, ctx context.Context, c *Consumer) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("Run did not return after its context was cancelled during the set-up")
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run = %v, want an error wrapping context.Canceled", err)
+	}
+}

@@ -65,6 +65,9 @@ type Member struct {
 	straysDue   time.Time            // when the coordinator loop looks for strays next
 
 	roster *roster // the live members, kept by watchRoster
+	// started is set by the first assignment (of the coordinator loop,
+	// read by Run after it returned).
+	started bool
 }
 
 // memberInfo is a member's heartbeat value.
@@ -86,7 +89,22 @@ func New(cfg Config, js jetstream.JetStream, strm jetstream.Stream, log *zap.Log
 // the member TTL, and hands its partitions off: the host's workers, on
 // settleCtx, which outlives ctx, settle what is in flight. Run returns
 // after every goroutine it started has returned.
+//
+// A ctx that ends before the member's first assignment is an error, not a
+// shutdown (ErrSetUpCancelled wrapping ctx's error): the member never
+// consumed.
 func (g *Member) Run(ctx, settleCtx context.Context, host Host) error {
+	err := g.run(ctx, settleCtx, host)
+	if cerr := ctx.Err(); cerr != nil && !g.started {
+		if err != nil && !errors.Is(err, cerr) {
+			return fmt.Errorf("%w: group %s before its first assignment: %w: %w", ErrSetUpCancelled, g.cfg.Name, cerr, err)
+		}
+		return fmt.Errorf("%w: group %s before its first assignment: %w", ErrSetUpCancelled, g.cfg.Name, cerr)
+	}
+	return err
+}
+
+func (g *Member) run(ctx, settleCtx context.Context, host Host) error {
 	if err := g.setUp(ctx, host); err != nil {
 		return err
 	}
@@ -667,6 +685,7 @@ func assignment(members []string, member string, partitions int) []int {
 // assign starts the partitions of gen this member now owns and hands off
 // the others.
 func (g *Member) assign(pullCtx context.Context, members []string, gen *generation) {
+	g.started = true
 	var mine []int
 	want := map[string]bool{}
 	if gen != nil {
