@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/contract"
@@ -332,8 +333,12 @@ func TestAttackBudgetLeakAfterHandOff(t *testing.T) {
 		})
 		publish()
 		publish()
-		stop := f.runMember(cfg, h, "m2")
-		f.waitFor("m1 hands a partition off", 30*time.Second, func() bool { return handOffs.Load() > i })
+		reg2 := prometheus.NewRegistry()
+		stop := f.runMember(cfg, h, "m2", WithRegisterer(reg2))
+		f.waitFor("m1 hands a partition off, m2 owns it", 30*time.Second, func() bool {
+			owned, _ := f.metricOf(reg2, "outbox_consumer_group_partitions_owned")
+			return handOffs.Load() > i && owned == 1
+		})
 		publish()
 		stop()
 		publish()

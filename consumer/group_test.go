@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 
@@ -317,7 +318,13 @@ func TestGroupMetrics(t *testing.T) {
 // that carry the given label name/value pairs.
 func (f *fixture) metric(name string, labels ...string) (sum float64, series int) {
 	f.t.Helper()
-	mfs, err := f.reg.Gather()
+	return f.metricOf(f.reg, name, labels...)
+}
+
+// metricOf is metric of the registry reg.
+func (f *fixture) metricOf(reg prometheus.Gatherer, name string, labels ...string) (sum float64, series int) {
+	f.t.Helper()
+	mfs, err := reg.Gather()
 	testenv.Must(f.t, err, "gather")
 	for _, mf := range mfs {
 		if mf.GetName() != name {

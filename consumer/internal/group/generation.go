@@ -98,6 +98,15 @@ func (g *Member) strays(ctx context.Context, gens map[int]*generation, current i
 		return err
 	}
 	n, _, _ := contract.SubjectPartition(g.source, subject)
+	if info, err := g.strm.Info(ctx); err != nil {
+		return fmt.Errorf("stream %s info: %w", g.cfg.Stream, err)
+	} else if g.countIs(info, n) {
+		// The count changed to n since this step's stream info: the next
+		// step creates its durables. This one must not assign: it would
+		// give out the count it read, whatever of it was stored after n's
+		// events included.
+		return errCountChanged
+	}
 	g.markDraining(n)
 	fix := fmt.Sprintf("no event of the %d-partition count was stored after it, so set nats.partitions to %d, run `outbox-relay setup` and restart the members with Group.Partitions %d: the %d-partition durables drain first, then the %d-partition ones, in order",
 		current, n, n, current, n)
@@ -193,4 +202,14 @@ func (g *Member) generationFrom(ctx context.Context, partitions int, lastSeq uin
 		return 0, fmt.Errorf("look for %d-partition events stored before its durables: %w", partitions, err)
 	}
 	return min(lastSeq, msg.Sequence-1), nil
+}
+
+// errCountChanged ends a step that found the stream's partition count
+// changed since it read the stream's info: the next step starts over.
+var errCountChanged = errors.New("the stream's partition count changed during the step")
+
+// countIs reports whether the stream's info shows the partition count n.
+func (g *Member) countIs(info *jetstream.StreamInfo, n int) bool {
+	_, current, err := StreamPartitions(info.Config)
+	return err == nil && current == n
 }

@@ -446,6 +446,9 @@ func (g *Member) step(ctx, pullCtx context.Context) error {
 		g.assign(pullCtx, nil, nil)
 	}
 	gens, active, err := g.activeGeneration(ctx, current, info.State.LastSeq)
+	if errors.Is(err, errCountChanged) {
+		return nil // nothing assigned: the next step reads the new count
+	}
 	if errors.Is(err, ErrMismatch) {
 		g.assign(pullCtx, nil, nil)
 		g.observe(gens, 0)
