@@ -289,24 +289,7 @@ func TestAttackBudgetLeakAfterHandOff(t *testing.T) {
 	const pending = 8
 	cfg.Workers, cfg.MaxAckPending, cfg.BatchSize = 4, pending, 1
 	cfg.RetryBase, cfg.RetryMax = 400*time.Millisecond, 400*time.Millisecond
-	var mu sync.Mutex
-	var b *budget
-	hookGroupBudget = func(member string, got *budget) {
-		if member == "m1" {
-			mu.Lock()
-			b = got
-			mu.Unlock()
-		}
-	}
-	t.Cleanup(func() { hookGroupBudget = nil })
-	inUse := func() int {
-		mu.Lock()
-		defer mu.Unlock()
-		if b == nil {
-			return -1
-		}
-		return b.inUse()
-	}
+	inUse := budgetInUse(t, "m1")
 	var handOffs, busyHandOffs atomic.Int32 // m1's, and those with slots in use
 	group.HookHandOffUnpin = func(member, _, _ string) {
 		if member == "m1" {
@@ -361,4 +344,55 @@ func TestAttackBudgetLeakAfterHandOff(t *testing.T) {
 	if !testenv.WaitFor(30*time.Second, func() bool { return inUse() == 0 }) {
 		t.Errorf("member m1's budget has %d slots in use at the end, want 0", inUse())
 	}
+}
+
+// budgetInUse returns a function reading the slots in use of member's
+// budget (-1 before the member runs).
+func budgetInUse(t *testing.T, member string) func() int {
+	var mu sync.Mutex
+	var b *budget
+	hookGroupBudget = func(m string, got *budget) {
+		if m == member {
+			mu.Lock()
+			b = got
+			mu.Unlock()
+		}
+	}
+	t.Cleanup(func() { hookGroupBudget = nil })
+	return func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		if b == nil {
+			return -1
+		}
+		return b.inUse()
+	}
+}
+
+// TestGroupBudgetRetriedMessageLeftStream: two messages naked for a retry
+// leave the stream before they come back (deleted here; a retention limit
+// or a purge does the same). The worker releases their aggregates once it
+// learns they are gone; their budget slots must come back too. Before, the
+// feed kept them until the partition was handed off: 2 of 8 slots in use
+// with the member idle, and each such message one slot less for good.
+func TestGroupBudgetRetriedMessageLeftStream(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 2)
+	cfg.Workers, cfg.MaxAckPending, cfg.BatchSize = 4, 8, 1
+	cfg.RetryBase, cfg.RetryMax = 2*time.Second, 2*time.Second
+	inUse := budgetInUse(t, "m1")
+	f.runMember(cfg, retryEvery{next: rec}, "m1")
+	f.publishVersions(6, 1, 1) // the third and sixth fail first (stream sequences 3 and 6)
+	f.waitApplied(4)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	strm, err := f.js.Stream(ctx, f.stream)
+	testenv.Must(t, err, "stream")
+	for _, seq := range []uint64{3, 6} {
+		testenv.Must(t, strm.DeleteMsg(ctx, seq), "delete a retried message")
+	}
+	if !testenv.WaitFor(30*time.Second, func() bool { return inUse() == 0 }) {
+		t.Errorf("member m1's budget has %d of %d slots in use with the member idle, want 0", inUse(), cfg.MaxAckPending)
+	}
+	f.publishVersions(6, 2, 2)
+	f.waitApplied(10)
 }
