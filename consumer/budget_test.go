@@ -310,18 +310,13 @@ func TestAttackBudgetLeakAfterHandOff(t *testing.T) {
 		f.publishVersions(aggs, v, v)
 	}
 	for i := range int32(rounds) {
-		f.waitFor("m1 owns both partitions", 30*time.Second, func() bool {
-			owned, _ := f.metric("outbox_consumer_group_partitions_owned")
-			return owned == 2
-		})
+		f.waitOwns(f.reg, func(n float64) bool { return n == 2 })
 		publish()
 		publish()
 		reg2 := prometheus.NewRegistry()
 		stop := f.runMember(cfg, h, "m2", WithRegisterer(reg2))
-		f.waitFor("m1 hands a partition off, m2 owns it", 30*time.Second, func() bool {
-			owned, _ := f.metricOf(reg2, "outbox_consumer_group_partitions_owned")
-			return handOffs.Load() > i && owned == 1
-		})
+		f.waitFor("m1 hands a partition off", 30*time.Second, func() bool { return handOffs.Load() > i })
+		f.waitOwns(reg2, func(n float64) bool { return n == 1 })
 		publish()
 		stop()
 		publish()

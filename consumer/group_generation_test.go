@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
@@ -230,13 +231,17 @@ func (f *fixture) waitApplied(n int) {
 // counts in turn, storing the next version of every aggregate under each.
 func (f *fixture) changeWhileStopped(cfg Config, h Handler, aggs int, counts ...int) {
 	f.t.Helper()
-	stopA := f.runMember(cfg, h, "a")
-	stopB := f.runMember(cfg, h, "b")
+	regA, regB := prometheus.NewRegistry(), prometheus.NewRegistry()
+	stopA := f.runMember(cfg, h, "a", WithRegisterer(regA))
+	stopB := f.runMember(cfg, h, "b", WithRegisterer(regB))
 	f.publishVersions(aggs, 1, 1)
 	f.waitFor("version 1 applied", 30*time.Second, func() bool {
 		return queryInt(f.t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) == int64(aggs)
 	})
 	f.waitGroupSettled("grp", 4, 30*time.Second)
+	for _, reg := range []prometheus.Gatherer{regA, regB} {
+		f.waitOwns(reg, func(n float64) bool { return n == 2 }) // both past their first assignment
+	}
 	stopA()
 	stopB()
 	for i, n := range counts {

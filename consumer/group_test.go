@@ -116,7 +116,8 @@ func TestGroupMembersShareAndHandOff(t *testing.T) {
 	f.partitionedStream(8)
 	cfg := groupConfig(f, 8)
 	rec := newRecorder("grp")
-	stopA := f.runMember(cfg, rec, "a")
+	regA := prometheus.NewRegistry()
+	stopA := f.runMember(cfg, rec, "a", WithRegisterer(regA))
 	f.runMember(cfg, rec, "b")
 	f.runMember(cfg, rec, "c")
 	f.waitMembers("grp", 3)
@@ -132,6 +133,9 @@ func TestGroupMembersShareAndHandOff(t *testing.T) {
 			f.waitFor("some applied", 30*time.Second, func() bool {
 				return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= aggs*5
 			})
+			// A member stopped before its first assignment is an error
+			// (TestGroupRunCancelledBeforeAssignment): a leaves once it owns.
+			f.waitOwns(regA, func(n float64) bool { return n > 0 })
 			stopA() // leaves: its partitions are handed off
 		case 20:
 			f.runMember(cfg, rec, "d")
@@ -319,6 +323,16 @@ func TestGroupMetrics(t *testing.T) {
 func (f *fixture) metric(name string, labels ...string) (sum float64, series int) {
 	f.t.Helper()
 	return f.metricOf(f.reg, name, labels...)
+}
+
+// waitOwns waits until the member registered with reg owns a number of
+// partitions that ok accepts.
+func (f *fixture) waitOwns(reg prometheus.Gatherer, ok func(owned float64) bool) {
+	f.t.Helper()
+	f.waitFor("the member's partitions", 30*time.Second, func() bool {
+		owned, _ := f.metricOf(reg, "outbox_consumer_group_partitions_owned")
+		return ok(owned)
+	})
 }
 
 // metricOf is metric of the registry reg.
