@@ -119,19 +119,47 @@ func (b *budget) give(n int) {
 	b.mu.Unlock()
 }
 
+// forget gives back the slot of a message naked for a retry that will not
+// come back: it left the stream, or was settled elsewhere (worker.heartbeat
+// releases its aggregate then). Its feed would keep the slot for the
+// redelivery until it closes, one slot less for every such message.
+func (b *budget) forget(seq uint64) {
+	if b == nil {
+		return
+	}
+	for _, f := range b.members() {
+		if f.returned(seq) { // the slot would have passed to the redelivery
+			b.give(1)
+		}
+	}
+}
+
+// inUse is the number of slots taken.
+func (b *budget) inUse() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.used
+}
+
 // stuck reports whether no slot can come back but with a retried
 // message's redelivery: every delivery handed out waits for one.
 func (b *budget) stuck() bool {
-	b.mu.Lock()
-	feeds := make([]*feed, 0, len(b.feeds))
-	for f := range b.feeds {
-		feeds = append(feeds, f)
-	}
-	b.mu.Unlock()
-	for _, f := range feeds { // f.mu is never held while b.mu is
+	for _, f := range b.members() {
 		if f.busy() > 0 {
 			return false
 		}
 	}
 	return true
+}
+
+// members returns the feeds sharing the budget, for a caller to visit
+// without b.mu: f.mu is never held while b.mu is.
+func (b *budget) members() []*feed {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	feeds := make([]*feed, 0, len(b.feeds))
+	for f := range b.feeds {
+		feeds = append(feeds, f)
+	}
+	return feeds
 }

@@ -6,11 +6,14 @@ import (
 	"fmt"
 	"hash/fnv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -259,4 +262,132 @@ func TestGroupBudgetHeldBehindRetries(t *testing.T) {
 		FROM applied WHERE consumer = 'grp') o WHERE version <> pos`); n != 0 {
 		t.Errorf("%d applications out of version order", n)
 	}
+}
+
+// retryEvery fails the first delivery of every third event for a retry,
+// and takes a few milliseconds over each, so that a member holds queued
+// messages, retried ones and those held behind them at any moment.
+type retryEvery struct{ next Handler }
+
+func (h retryEvery) Handle(ctx context.Context, tx pgx.Tx, m *Message) error {
+	time.Sleep(3 * time.Millisecond)
+	var n int
+	_, _ = fmt.Sscanf(m.Event.ID[len(m.Event.ID)-6:], "%d", &n)
+	if n%3 == 0 && m.Deliveries == 1 {
+		return Transient(errors.New("first delivery fails"))
+	}
+	return h.next.Handle(ctx, tx, m)
+}
+
+// TestAttackBudgetLeakAfterHandOff hands a partition off and back, four
+// times, while a member's deliveries of it are queued in its workers,
+// naked for a retry and held behind retried ones. Every slot of the
+// member's budget must come back: once the group is idle the budget has
+// none in use, and the member goes on consuming with the whole of it.
+func TestAttackBudgetLeakAfterHandOff(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 2)
+	const pending = 8
+	cfg.Workers, cfg.MaxAckPending, cfg.BatchSize = 4, pending, 1
+	cfg.RetryBase, cfg.RetryMax = 400*time.Millisecond, 400*time.Millisecond
+	inUse := budgetInUse(t, "m1")
+	var handOffs, busyHandOffs atomic.Int32 // m1's, and those with slots in use
+	group.HookHandOffUnpin = func(member, _, _ string) {
+		if member == "m1" {
+			if n := inUse(); n > 0 {
+				t.Logf("m1 hands a partition off with %d budget slots in use", n)
+				busyHandOffs.Add(1)
+			}
+			handOffs.Add(1)
+		}
+	}
+	t.Cleanup(func() { group.HookHandOffUnpin = nil })
+	h := retryEvery{next: rec}
+	f.runMember(cfg, h, "m1", WithRegisterer(f.reg))
+	const aggs, rounds = 12, 4
+	v := 0
+	publish := func() {
+		v++
+		f.publishVersions(aggs, v, v)
+	}
+	for i := range int32(rounds) {
+		f.waitOwns(f.reg, func(n float64) bool { return n == 2 })
+		publish()
+		publish()
+		reg2 := prometheus.NewRegistry()
+		stop := f.runMember(cfg, h, "m2", WithRegisterer(reg2))
+		f.waitFor("m1 hands a partition off", 30*time.Second, func() bool { return handOffs.Load() > i })
+		f.waitOwns(reg2, func(n float64) bool { return n == 1 })
+		publish()
+		stop()
+		publish()
+	}
+	if busyHandOffs.Load() == 0 {
+		t.Errorf("none of m1's %d hand-offs had budget slots in use: the test proves nothing", handOffs.Load())
+	}
+	f.waitApplied(aggs * v)
+	f.waitGroupSettled("grp", 2, 30*time.Second)
+	if !testenv.WaitFor(30*time.Second, func() bool { return inUse() == 0 }) {
+		t.Errorf("member m1's budget has %d of %d slots in use with the group idle, want 0", inUse(), pending)
+	}
+	// Going on: more than the budget at once, applied.
+	for range 3 {
+		publish()
+	}
+	f.waitApplied(aggs * v)
+	f.waitGroupSettled("grp", 2, 30*time.Second)
+	f.checkApplied("grp", aggs, v)
+	if !testenv.WaitFor(30*time.Second, func() bool { return inUse() == 0 }) {
+		t.Errorf("member m1's budget has %d slots in use at the end, want 0", inUse())
+	}
+}
+
+// budgetInUse returns a function reading the slots in use of member's
+// budget (-1 before the member runs).
+func budgetInUse(t *testing.T, member string) func() int {
+	var mu sync.Mutex
+	var b *budget
+	hookGroupBudget = func(m string, got *budget) {
+		if m == member {
+			mu.Lock()
+			b = got
+			mu.Unlock()
+		}
+	}
+	t.Cleanup(func() { hookGroupBudget = nil })
+	return func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		if b == nil {
+			return -1
+		}
+		return b.inUse()
+	}
+}
+
+// TestGroupBudgetRetriedMessageLeftStream: two messages naked for a retry
+// leave the stream before they come back (deleted here; a retention limit
+// or a purge does the same). The worker releases their aggregates once it
+// learns they are gone; their budget slots must come back too. Before, the
+// feed kept them until the partition was handed off: 2 of 8 slots in use
+// with the member idle, and each such message one slot less for good.
+func TestGroupBudgetRetriedMessageLeftStream(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 2)
+	cfg.Workers, cfg.MaxAckPending, cfg.BatchSize = 4, 8, 1
+	cfg.RetryBase, cfg.RetryMax = 2*time.Second, 2*time.Second
+	inUse := budgetInUse(t, "m1")
+	f.runMember(cfg, retryEvery{next: rec}, "m1")
+	f.publishVersions(6, 1, 1) // the third and sixth fail first (stream sequences 3 and 6)
+	f.waitApplied(4)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	strm, err := f.js.Stream(ctx, f.stream)
+	testenv.Must(t, err, "stream")
+	for _, seq := range []uint64{3, 6} {
+		testenv.Must(t, strm.DeleteMsg(ctx, seq), "delete a retried message")
+	}
+	if !testenv.WaitFor(30*time.Second, func() bool { return inUse() == 0 }) {
+		t.Errorf("member m1's budget has %d of %d slots in use with the member idle, want 0", inUse(), cfg.MaxAckPending)
+	}
+	f.publishVersions(6, 2, 2)
+	f.waitApplied(10)
 }

@@ -82,7 +82,7 @@ func (e *engine) run(ctx context.Context) error {
 	})
 	err := lg.Wait()
 	wcancel()
-	if werr := wg.Wait(); werr != nil || ctx.Err() != nil {
+	if werr := wg.Wait(); werr != nil || ctx.Err() != nil && !errors.Is(err, errSetUpCancelled) {
 		return werr // the cause, when a worker ended the run; nil on shutdown
 	}
 	return err

@@ -2,10 +2,8 @@ package consumer
 
 import (
 	"context"
-	"errors"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -49,16 +47,7 @@ func TestRunCancelledDuringSetUp(t *testing.T) {
 			db := &cancelAt{DB: f.pool, at: "current_database()", cancel: cancel}
 			c, err := New(db, f.js, cfg, newRecorder(cfg.Name), WithRegisterer(f.reg))
 			testenv.Must(t, err, "new consumer")
-			done := make(chan error, 1)
-			go func() { done <- c.Run(ctx) }()
-			select {
-			case err = <-done:
-			case <-time.After(30 * time.Second):
-				t.Fatalf("Run did not return after its context was cancelled during the set-up")
-			}
-			if !errors.Is(err, context.Canceled) {
-				t.Fatalf("Run = %v, want an error wrapping context.Canceled", err)
-			}
+			runCancelled(t, ctx, c)
 		})
 	}
 }

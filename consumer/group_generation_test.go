@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap/zaptest"
 
 	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/contract"
@@ -201,4 +204,149 @@ func TestGroupMemberStartsDespiteTimeouts(t *testing.T) {
 	if calls.Load() < 3 {
 		t.Errorf("%d start-up durable calls, want the 2 failed ones retried", calls.Load())
 	}
+}
+
+// newUnversionedGroup is a fixture over a stream of partitions, the
+// group configuration for it without VersionCheck (so that only the
+// group keeps the order), and a recorder.
+func newUnversionedGroup(t *testing.T, partitions int) (*fixture, Config, *recorder) {
+	f := newFixture(t)
+	f.partitionedStream(partitions)
+	cfg := groupConfig(f, partitions)
+	cfg.VersionCheck, cfg.InitialVersion = false, 0
+	return f, cfg, newRecorder("grp")
+}
+
+// waitApplied waits until the group grp applied n events.
+func (f *fixture) waitApplied(n int) {
+	f.t.Helper()
+	f.waitFor(fmt.Sprintf("%d events applied", n), 30*time.Second, func() bool {
+		return queryInt(f.t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= int64(n)
+	})
+}
+
+// changeWhileStopped runs two members over a 4-partition stream until
+// version 1 of aggs aggregates is applied and settled, stops them, and
+// then, with no member running, changes the stream's count to each of
+// counts in turn, storing the next version of every aggregate under each.
+func (f *fixture) changeWhileStopped(cfg Config, h Handler, aggs int, counts ...int) {
+	f.t.Helper()
+	regA, regB := prometheus.NewRegistry(), prometheus.NewRegistry()
+	stopA := f.runMember(cfg, h, "a", WithRegisterer(regA))
+	stopB := f.runMember(cfg, h, "b", WithRegisterer(regB))
+	f.publishVersions(aggs, 1, 1)
+	f.waitFor("version 1 applied", 30*time.Second, func() bool {
+		return queryInt(f.t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) == int64(aggs)
+	})
+	f.waitGroupSettled("grp", 4, 30*time.Second)
+	for _, reg := range []prometheus.Gatherer{regA, regB} {
+		f.waitOwns(reg, func(n float64) bool { return n == 2 }) // both past their first assignment
+	}
+	stopA()
+	stopB()
+	for i, n := range counts {
+		f.setPartitions(n)
+		f.publishVersions(aggs, i+2, i+2)
+	}
+}
+
+// memberConfig is cfg for member with partitions.
+func memberConfig(cfg Config, member string, partitions int) Config {
+	g := *cfg.Group
+	g.Member, g.Partitions = member, partitions
+	cfg.Group = &g
+	return cfg
+}
+
+// refusedFor waits until the draining gauge of f's registry reports the
+// partition count n, or anything beyond version upTo is applied; it
+// reports whether the refusal came.
+func (f *fixture) refusedFor(n int, upTo int) bool {
+	f.t.Helper()
+	refused := func() bool {
+		_, series := f.metric("outbox_consumer_group_generation_draining_seconds", "partitions", strconv.Itoa(n))
+		return series > 0
+	}
+	beyond := func() int64 {
+		return queryInt(f.t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp' AND version > $1`, upTo)
+	}
+	f.waitFor("the refusal or an application", 30*time.Second, func() bool { return refused() || beyond() > 0 })
+	if !refused() {
+		f.t.Errorf("no refusal: the draining gauge of generation %d is not set", n)
+	}
+	if owned, _ := f.metric("outbox_consumer_group_partitions_owned"); owned != 0 {
+		f.t.Errorf("a member owns %v partitions while refusing", owned)
+	}
+	if testenv.WaitFor(5*time.Second, func() bool { return beyond() > 0 }) {
+		f.t.Errorf("%d events beyond version %d applied, want none while refusing", beyond(), upTo)
+	}
+	return refused()
+}
+
+// TestGroupPartitionCountBackWhileStopped changes the count 4 → 8 → 4
+// while every member is stopped, with events stored under each count:
+// generation 8 never had durables, so its events sit on subjects no
+// durable filters, and generation 4's durables hold the events stored
+// after them. Members started again with 4 must consume nothing of it and
+// refuse (ErrGroupMismatch, the draining gauge for 8 set), not apply the
+// later events and lose generation 8's. Before the check the members
+// applied version 3 of every aggregate and never version 2. The fix the
+// error names is no way out here: members restarted with the count set to
+// 8 again must go on refusing, not apply generation 4's version 3 before
+// generation 8's version 2.
+func TestGroupPartitionCountBackWhileStopped(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 4)
+	f.changeWhileStopped(cfg, rec, 10, 8, 4)
+	stopA := f.runMember(cfg, rec, "a")
+	f.start(memberConfig(cfg, "b", 4), rec)
+	f.refusedFor(8, 1)
+	stopA()
+	// As the wrong fix would: back to 8, members with 8.
+	f.setPartitions(8)
+	f.runMember(memberConfig(cfg, "c", 8), rec, "c")
+	f.waitMembers("grp", 2)
+	f.refusedFor(4, 1)
+	f.checkOrder("grp")
+}
+
+// TestGroupPartitionCountBackWhileStoppedRecovers: 4 → 8 → 4 while every
+// member is stopped, with events stored under 8 only. Members started
+// with 4 refuse; set to 8 again, as the error says, the group applies
+// every event once and in order, generation 4's durables removed.
+func TestGroupPartitionCountBackWhileStoppedRecovers(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 4)
+	const aggs = 10
+	f.changeWhileStopped(cfg, rec, aggs, 8)
+	f.setPartitions(4)
+	stopA := f.runMember(cfg, rec, "a", WithRegisterer(f.reg))
+	f.refusedFor(8, 1)
+	stopA()
+	f.setPartitions(8)
+	f.runMember(memberConfig(cfg, "a", 8), rec, "a")
+	f.runMember(memberConfig(cfg, "b", 8), rec, "b")
+	f.publishVersions(aggs, 3, 3)
+	f.waitApplied(aggs * 3)
+	f.waitFor("the 4-partition durables removed", 30*time.Second, func() bool { return f.durableGone(PartitionDurable("grp", 4, 0)) })
+	f.checkApplied("grp", aggs, 3)
+}
+
+// TestGroupPartitionCountChangedWhileStopped: 4 → 8 while every member is
+// stopped, with events stored before the change that generation 4 has not
+// delivered yet and events after it. A member started with 4 is refused;
+// members started with 8 apply generation 4's events, then generation 8's.
+func TestGroupPartitionCountChangedWhileStopped(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 4)
+	const aggs = 10
+	f.changeWhileStopped(cfg, rec, aggs, 4, 8) // version 2 under 4, undelivered
+	old, err := New(f.pool, f.js, memberConfig(cfg, "a", 4), rec, WithLogger(zaptest.NewLogger(t)))
+	testenv.Must(t, err, "new member")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := old.Run(ctx); !errors.Is(err, ErrGroupMismatch) {
+		t.Fatalf("member with the old count: %v, want ErrGroupMismatch", err)
+	}
+	f.runMember(memberConfig(cfg, "a", 8), rec, "a")
+	f.runMember(memberConfig(cfg, "b", 8), rec, "b")
+	f.waitApplied(aggs * 3)
+	f.checkApplied("grp", aggs, 3)
 }

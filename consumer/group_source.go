@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"maps"
+	"sync/atomic"
 
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/zap"
@@ -14,9 +15,10 @@ import (
 // member (consumer/internal/group) owns, each pulled through a feed of the
 // engine. The member knows the engine only as a group.Host.
 type groupSource struct {
-	c  *Consumer
-	m  *group.Member
-	id identity // set by setUp
+	c      *Consumer
+	m      *group.Member
+	id     identity               // set by setUp
+	budget atomic.Pointer[budget] // set by run; the workers read it in gone
 }
 
 func (c *Consumer) newGroupSource(strm jetstream.Stream) *groupSource {
@@ -41,12 +43,35 @@ func (s *groupSource) setUp(ctx context.Context) error {
 func (s *groupSource) run(ctx, settleCtx context.Context, e *engine) error {
 	h := &groupHost{e: e, id: s.id, log: s.c.log.With(zap.String("member", s.c.cfg.Group.Member)),
 		budget: newBudget(s.c.cfg.MaxAckPending)}
+	s.budget.Store(h.budget)
+	if hookGroupBudget != nil {
+		hookGroupBudget(s.c.cfg.Group.Member, h.budget)
+	}
 	return s.m.Run(ctx, settleCtx, h)
 }
 
+// hookGroupBudget, set by tests, is given each member's budget as its run
+// begins.
+var hookGroupBudget func(member string, b *budget)
+
+// gone reports which retried messages need no redelivery (group.Member.Gone);
+// the slots of those naked for a retry come back to the budget, since
+// their redeliveries will not.
 func (s *groupSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
-	return s.m.Gone(ctx, seqs)
+	gone := s.m.Gone(ctx, seqs)
+	for seq, ok := range gone {
+		if ok {
+			s.budget.Load().forget(seq)
+		}
+	}
+	return gone
 }
+
+// errSetUpCancelled ends a source's run whose ctx ended before the source
+// was set up (a group member before its first assignment): engine.run
+// returns it, since nothing ran, where other errors after ctx ended are a
+// shutdown.
+var errSetUpCancelled = group.ErrSetUpCancelled
 
 // groupHost is the engine as a group member sees it.
 type groupHost struct {

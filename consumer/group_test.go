@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 
@@ -52,12 +53,13 @@ func groupConfig(f *fixture, partitions int) Config {
 }
 
 // runMember runs a group member until stop is called.
-func (f *fixture) runMember(cfg Config, h Handler, member string) (stop func()) {
+func (f *fixture) runMember(cfg Config, h Handler, member string, opts ...Option) (stop func()) {
 	f.t.Helper()
 	g := *cfg.Group
 	g.Member = member
 	cfg.Group = &g
-	c, err := New(f.pool, f.js, cfg, h, WithLogger(zaptest.NewLogger(f.t).Named(member)))
+	opts = append([]Option{WithLogger(zaptest.NewLogger(f.t).Named(member))}, opts...)
+	c, err := New(f.pool, f.js, cfg, h, opts...)
 	testenv.Must(f.t, err, "new member")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -87,15 +89,22 @@ func (f *fixture) checkApplied(name string, aggs, versions int) {
 	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM (SELECT event_id FROM applied WHERE consumer = $1 GROUP BY event_id HAVING count(*) > 1) d`, name); n != 0 {
 		f.t.Errorf("%d events applied more than once", n)
 	}
+	f.checkOrder(name)
+	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = $1`, name); n != 0 {
+		f.t.Errorf("%d dead letters", n)
+	}
+}
+
+// checkOrder checks that each aggregate's events were applied in version
+// order, from version 1.
+func (f *fixture) checkOrder(name string) {
+	f.t.Helper()
 	if n := queryInt(f.t, f.pool, `
 		SELECT count(*) FROM (
 			SELECT version, row_number() OVER (PARTITION BY aggregate_id ORDER BY n) AS pos
 			FROM applied WHERE consumer = $1) o
 		WHERE version <> pos`, name); n != 0 {
 		f.t.Errorf("%d applications out of version order", n)
-	}
-	if n := queryInt(f.t, f.pool, `SELECT count(*) FROM consumer_dead_letter WHERE consumer = $1`, name); n != 0 {
-		f.t.Errorf("%d dead letters", n)
 	}
 }
 
@@ -107,7 +116,8 @@ func TestGroupMembersShareAndHandOff(t *testing.T) {
 	f.partitionedStream(8)
 	cfg := groupConfig(f, 8)
 	rec := newRecorder("grp")
-	stopA := f.runMember(cfg, rec, "a")
+	regA := prometheus.NewRegistry()
+	stopA := f.runMember(cfg, rec, "a", WithRegisterer(regA))
 	f.runMember(cfg, rec, "b")
 	f.runMember(cfg, rec, "c")
 	f.waitMembers("grp", 3)
@@ -123,6 +133,9 @@ func TestGroupMembersShareAndHandOff(t *testing.T) {
 			f.waitFor("some applied", 30*time.Second, func() bool {
 				return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`) >= aggs*5
 			})
+			// A member stopped before its first assignment is an error
+			// (TestGroupRunCancelledBeforeAssignment): a leaves once it owns.
+			f.waitOwns(regA, func(n float64) bool { return n > 0 })
 			stopA() // leaves: its partitions are handed off
 		case 20:
 			f.runMember(cfg, rec, "d")
@@ -309,7 +322,23 @@ func TestGroupMetrics(t *testing.T) {
 // that carry the given label name/value pairs.
 func (f *fixture) metric(name string, labels ...string) (sum float64, series int) {
 	f.t.Helper()
-	mfs, err := f.reg.Gather()
+	return f.metricOf(f.reg, name, labels...)
+}
+
+// waitOwns waits until the member registered with reg owns a number of
+// partitions that ok accepts.
+func (f *fixture) waitOwns(reg prometheus.Gatherer, ok func(owned float64) bool) {
+	f.t.Helper()
+	f.waitFor("the member's partitions", 30*time.Second, func() bool {
+		owned, _ := f.metricOf(reg, "outbox_consumer_group_partitions_owned")
+		return ok(owned)
+	})
+}
+
+// metricOf is metric of the registry reg.
+func (f *fixture) metricOf(reg prometheus.Gatherer, name string, labels ...string) (sum float64, series int) {
+	f.t.Helper()
+	mfs, err := reg.Gather()
 	testenv.Must(f.t, err, "gather")
 	for _, mf := range mfs {
 		if mf.GetName() != name {
@@ -327,4 +356,62 @@ func (f *fixture) metric(name string, labels ...string) (sum float64, series int
 		}
 	}
 	return sum, series
+}
+
+// TestGroupRunCancelledBeforeAssignment: a member's context cancelled
+// while it creates its partition durables, or after that while it waits
+// for its first assignment, makes Run return an error wrapping ctx's, as
+// a plain durable's set-up does (TestRunCancelledDuringSetUp): the member
+// never consumed, so it is not a shutdown. Before, Run returned nil.
+func TestGroupRunCancelledBeforeAssignment(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		ok   bool // the durable is created before the cancel
+	}{{"creating the partition durables", false}, {"waiting for the first assignment", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.partitionedStream(2)
+			cfg := groupConfig(f, 2)
+			cfg.Group.Member = "m1"
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			last := PartitionDurable("grp", 2, 1)
+			group.EnsureDurable = func(ectx context.Context, host group.Host, c jetstream.ConsumerConfig, update bool) (jetstream.Consumer, error) {
+				if c.Durable != last {
+					return host.EnsureDurable(ectx, c, update)
+				}
+				if tc.ok {
+					defer cancel()
+				} else {
+					cancel()
+				}
+				return host.EnsureDurable(ectx, c, update)
+			}
+			t.Cleanup(func() {
+				group.EnsureDurable = func(ctx context.Context, host group.Host, c jetstream.ConsumerConfig, update bool) (jetstream.Consumer, error) {
+					return host.EnsureDurable(ctx, c, update)
+				}
+			})
+			c, err := New(f.pool, f.js, cfg, newRecorder("grp"), WithRegisterer(f.reg))
+			testenv.Must(t, err, "new consumer")
+			runCancelled(t, ctx, c)
+		})
+	}
+}
+
+// runCancelled runs c on ctx, which is cancelled during its set-up, and
+// checks that Run returns an error wrapping context.Canceled.
+func runCancelled(t *testing.T, ctx context.Context, c *Consumer) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("Run did not return after its context was cancelled during the set-up")
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run = %v, want an error wrapping context.Canceled", err)
+	}
 }

@@ -210,6 +210,9 @@ var (
 	// ErrMismatch means this member disagrees with the stream or with
 	// another live member about the group's partition count.
 	ErrMismatch = errors.New("consumer group configuration mismatch")
+	// ErrSetUpCancelled means the member's context ended before its first
+	// assignment: it never consumed, so that is an error, not a shutdown.
+	ErrSetUpCancelled = errors.New("consumer group member cancelled during its set-up")
 )
 
 // isGone reports an error meaning the consumer no longer exists.

@@ -62,8 +62,12 @@ type Member struct {
 	lastOwner   map[string]time.Time // durable -> when it last had an owner or nothing pending
 	drainLogged time.Time            // reportDraining's last report
 	drainSince  time.Time            // since an older generation blocks the current one
+	straysDue   time.Time            // when the coordinator loop looks for strays next
 
 	roster *roster // the live members, kept by watchRoster
+	// started is set by the first assignment (of the coordinator loop,
+	// read by Run after it returned).
+	started bool
 }
 
 // memberInfo is a member's heartbeat value.
@@ -85,7 +89,22 @@ func New(cfg Config, js jetstream.JetStream, strm jetstream.Stream, log *zap.Log
 // the member TTL, and hands its partitions off: the host's workers, on
 // settleCtx, which outlives ctx, settle what is in flight. Run returns
 // after every goroutine it started has returned.
+//
+// A ctx that ends before the member's first assignment is an error, not a
+// shutdown (ErrSetUpCancelled wrapping ctx's error): the member never
+// consumed.
 func (g *Member) Run(ctx, settleCtx context.Context, host Host) error {
+	err := g.run(ctx, settleCtx, host)
+	if cerr := ctx.Err(); cerr != nil && !g.started {
+		if err != nil && !errors.Is(err, cerr) {
+			return fmt.Errorf("%w: group %s before its first assignment: %w: %w", ErrSetUpCancelled, g.cfg.Name, cerr, err)
+		}
+		return fmt.Errorf("%w: group %s before its first assignment: %w", ErrSetUpCancelled, g.cfg.Name, cerr)
+	}
+	return err
+}
+
+func (g *Member) run(ctx, settleCtx context.Context, host Host) error {
 	if err := g.setUp(ctx, host); err != nil {
 		return err
 	}
@@ -100,7 +119,11 @@ func (g *Member) Run(ctx, settleCtx context.Context, host Host) error {
 		return err
 	}
 	if err := g.retryTimeouts(ctx, "create the partition durables", func() error {
-		return g.ensureGeneration(ctx, g.current, g.startSeq, true)
+		from, err := g.generationFrom(ctx, g.current, g.startSeq)
+		if err != nil {
+			return err
+		}
+		return g.ensureGeneration(ctx, g.current, from, true)
 	}); err != nil {
 		return err
 	}
@@ -337,6 +360,7 @@ type generation struct {
 	// has it, as durables created by earlier versions do not).
 	from      uint64
 	fromKnown bool
+	fromMax   uint64 // the greatest metaFrom of the durables
 	// until is the last stream sequence of the generation that may be
 	// consumed now: everything while it is the current count; while it
 	// drains as an older one, what was stored before the newer counts
@@ -411,6 +435,7 @@ func (g *Member) step(ctx, pullCtx context.Context) error {
 			zap.Int("from", g.current), zap.Int("to", current))
 		g.current = current
 		g.beatCount.Store(int64(current))
+		g.straysDue = time.Time{}
 	}
 	var herr error
 	if e := g.beatErr.Load(); e != nil {
@@ -421,6 +446,9 @@ func (g *Member) step(ctx, pullCtx context.Context) error {
 		g.assign(pullCtx, nil, nil)
 	}
 	gens, active, err := g.activeGeneration(ctx, current, info.State.LastSeq)
+	if errors.Is(err, errCountChanged) {
+		return nil // nothing assigned: the next step reads the new count
+	}
 	if errors.Is(err, ErrMismatch) {
 		g.assign(pullCtx, nil, nil)
 		g.observe(gens, 0)
@@ -461,12 +489,22 @@ func (g *Member) activeGeneration(ctx context.Context, current int, lastSeq uint
 	if _, ok := gens[current]; !ok || len(gens[current].durables) < current {
 		// The partition count changed: create the new generation; it is
 		// consumed once every older one is drained.
-		if err := g.ensureGeneration(ctx, current, lastSeq, false); err != nil {
+		from, err := g.generationFrom(ctx, current, lastSeq)
+		if err != nil {
+			return nil, 0, err
+		}
+		if err := g.ensureGeneration(ctx, current, from, false); err != nil {
 			return nil, 0, err
 		}
 		if gens, err = g.generations(ctx); err != nil {
 			return nil, 0, err
 		}
+	}
+	if time.Now().After(g.straysDue) {
+		if err := g.strays(ctx, gens, current); err != nil {
+			return gens, 0, err // checked again at the next step
+		}
+		g.straysDue = time.Now().Add(straysInterval)
 	}
 	var older []*generation
 	for n, gen := range gens {
@@ -541,10 +579,7 @@ func (g *Member) missingGone(ctx context.Context, gen *generation) bool {
 // generation that keep the group from moving to the current one: a
 // message retried without limit there blocks every new partition.
 func (g *Member) reportDraining(gen *generation) {
-	if g.drainSince.IsZero() {
-		g.drainSince = time.Now()
-	}
-	g.met.draining.WithLabelValues(g.met.name, strconv.Itoa(gen.partitions)).Set(time.Since(g.drainSince).Seconds())
+	g.markDraining(gen.partitions)
 	if time.Since(g.drainLogged) < time.Minute {
 		return
 	}
@@ -558,6 +593,15 @@ func (g *Member) reportDraining(gen *generation) {
 	slices.Sort(busy)
 	g.log.Info("waiting for an older partition generation to drain before consuming the current one",
 		zap.Int("partitions", gen.partitions), zap.Ints("undrained", busy), zap.Duration("since_created", time.Since(gen.created)))
+}
+
+// markDraining sets the draining gauge of a partition count that keeps
+// the group from consuming the current one.
+func (g *Member) markDraining(partitions int) {
+	if g.drainSince.IsZero() {
+		g.drainSince = time.Now()
+	}
+	g.met.draining.WithLabelValues(g.met.name, strconv.Itoa(partitions)).Set(time.Since(g.drainSince).Seconds())
 }
 
 // generations lists the group's partition durables by partition count.
@@ -579,6 +623,7 @@ func (g *Member) generations(ctx context.Context) (map[int]*generation, error) {
 		}
 		if from, err := strconv.ParseUint(ci.Config.Metadata[metaFrom], 10, 64); err == nil {
 			gen.from = min(gen.from, from)
+			gen.fromMax = max(gen.fromMax, from)
 		} else {
 			gen.fromKnown = false
 		}
@@ -643,6 +688,7 @@ func assignment(members []string, member string, partitions int) []int {
 // assign starts the partitions of gen this member now owns and hands off
 // the others.
 func (g *Member) assign(pullCtx context.Context, members []string, gen *generation) {
+	g.started = true
 	var mine []int
 	want := map[string]bool{}
 	if gen != nil {
