@@ -255,7 +255,14 @@ func run() error {
 			return srv.Shutdown(sctx)
 		})
 	}
-	return g.Wait()
+	err = g.Wait()
+	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+		// Told to stop (SIGTERM, Ctrl-C) before the consumer had set up
+		// (Run says so with ctx's error): stopping is what was asked for.
+		log.Info("stopped before the consumer started", zap.Error(err))
+		return nil
+	}
+	return err
 }
 
 // crashAfterCommit simulates a crash between commit and ack: it reports the

@@ -269,6 +269,20 @@ func TestThreeCopiesShareAStreamAsAGroup(t *testing.T) {
 	if p := r.queryInt(`SELECT count(*) FROM reward_account WHERE player_id::text LIKE 'dddddddd%' AND points <> 10`); p != 0 {
 		t.Fatalf("%d players without exactly 10 points", p)
 	}
+	// A copy told to stop while it joins, before its first assignment,
+	// stops as asked: exit 0 (it exited 1 with "context canceled").
+	late := r.startWith([]string{"--log-level", "info"}, "REWARD_CONSUMER_GROUP_PARTITIONS=6", "REWARD_CONSUMER_GROUP_MEMBER=copy-late")
+	lateLog := late.Stdout.(*os.File).Name()
+	if !testenv.WaitFor(30*time.Second, func() bool {
+		b, _ := os.ReadFile(lateLog)
+		return strings.Contains(string(b), "consuming as a group member")
+	}) {
+		t.Fatal("the late copy did not start consuming as a group member in 30 s")
+	}
+	testenv.Must(t, late.Process.Signal(syscall.SIGTERM), "SIGTERM")
+	if err := late.Wait(); err != nil {
+		t.Fatalf("a copy stopped while joining exited with %v, want 0", err)
+	}
 	for _, c := range copies[1:] {
 		testenv.Must(t, c.Process.Signal(syscall.SIGTERM), "SIGTERM")
 		if err := c.Wait(); err != nil {

@@ -198,14 +198,6 @@ func (s *scenario) stop(id string) {
 		return
 	}
 	m.exited = true
-	// A member stopped before its first assignment never consumed, and
-	// its Run says so with ctx's error (exit status 1): a member that
-	// joined late is stopped once it has been assigned.
-	testenv.WaitFor(30*time.Second, func() bool {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		return strings.Contains(m.out.String(), "partition assignment")
-	})
 	_ = m.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case err := <-m.err:

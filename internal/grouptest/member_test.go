@@ -2,6 +2,7 @@ package grouptest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -123,5 +124,11 @@ func runMember() error {
 	if err != nil {
 		return err
 	}
-	return c.Run(ctx)
+	err = c.Run(ctx)
+	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+		// SIGTERM before the first assignment (Run says so with ctx's
+		// error): as cmd/reward-consumer, a stop that was asked for.
+		return nil
+	}
+	return err
 }
