@@ -667,14 +667,17 @@ func (m *trackedMsg) InProgress() error { return m.current().InProgress() }
 // tracked again, and the aggregate stays in flight meanwhile. A
 // redelivered message is a new trackedMsg, so the count of the naked one
 // must go: it is settled when its redelivery is forwarded.
+//
+// The release comes first: from then on a repetition of the message is
+// its return (feed.returned) and takes over its budget slot. Fixed first,
+// a repetition forwarded in between took a slot of its own, and if it was
+// acknowledged the naked delivery never came back to give its slot up.
 func (m *trackedMsg) Nak() error {
-	msg := m.finalMsg()
 	m.f.release(m, settleNaked)
-	return msg.Nak()
+	return m.finalMsg().Nak()
 }
 
 func (m *trackedMsg) NakWithDelay(d time.Duration) error {
-	msg := m.finalMsg()
 	m.f.release(m, settleNaked)
-	return msg.NakWithDelay(d)
+	return m.finalMsg().NakWithDelay(d)
 }

@@ -78,7 +78,11 @@ func (c *Consumer) process(ctx context.Context, it *item) result {
 // not called and the dedup row records the rejection instead of an effect.
 func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) result {
 	tx, recorded, err := c.beginRecorded(ctx, it, reject)
-	if tx == nil {
+	var waited insertWaited
+	switch {
+	case errors.As(err, &waited):
+		return c.blockedInsert(ctx, stepIn{it: it, reject: reject}, waited.err).res
+	case tx == nil:
 		return failedBegin(err)
 	}
 	committed := false
@@ -90,7 +94,7 @@ func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) res
 		}
 	}()
 	if err != nil {
-		return failed(err, "record consumed message")
+		return c.blockedInsert(ctx, stepIn{it: it, reject: reject}, err).res
 	}
 	s := c.step(ctx, tx, stepIn{it: it, reject: reject, recorded: recorded})
 	switch {

@@ -14,7 +14,8 @@ import (
 // INSERT wrote the row. With any other DB the transaction is begun alone,
 // recorded is false and the step writes the row.
 //
-// tx is nil when BEGIN failed: err is its error, nothing is left open. tx
+// tx is nil when BEGIN failed: err is its error, nothing is left open;
+// an insertWaited error when its answer did not come before ctx ended. tx
 // is set with err when the INSERT failed: the caller rolls tx back. Either
 // error is the one the same statement gives when sent on its own, so the
 // results (failedBegin, "record consumed message") are classified as
@@ -36,6 +37,12 @@ func (c *Consumer) beginRecorded(ctx context.Context, it *item, reject *RejectEr
 		// The transaction is closed, or on a broken connection: this only
 		// gives the connection back to the pool.
 		_ = tx.Rollback(ctx)
+		if ctx.Err() != nil {
+			// The server answers the batch's statements together, so an
+			// answer to BEGIN that did not come in time is most likely the
+			// INSERT waiting (for the dedup row's lock: zombie.go).
+			return nil, false, insertWaited{err}
+		}
 		return nil, false, err
 	}
 	tag, err := br.Exec()
@@ -47,3 +54,11 @@ func (c *Consumer) beginRecorded(ctx context.Context, it *item, reject *RejectEr
 	}
 	return tx, tag.RowsAffected() == 1, nil
 }
+
+// insertWaited is the error of a pipelined BEGIN unanswered until the
+// deadline: the wait was the INSERT's, and is judged as a blocked INSERT
+// (blockedInsert), as it is when the two are sent one after the other.
+type insertWaited struct{ err error }
+
+func (e insertWaited) Error() string { return e.err.Error() }
+func (e insertWaited) Unwrap() error { return e.err }
