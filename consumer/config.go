@@ -13,6 +13,7 @@ import (
 const (
 	DefaultWorkers            = 8
 	DefaultPendingPerWorker   = 64
+	DefaultMinMaxAckPending   = 4096
 	DefaultAckWait            = 30 * time.Second
 	DefaultMaxAttempts        = 5
 	DefaultRetryBase          = 200 * time.Millisecond
@@ -61,7 +62,8 @@ type Config struct {
 	// DefaultPendingPerWorker and 4*BatchSize (a batch in flight and three
 	// queued per worker: with one, the acknowledgements of a batch and the
 	// deliveries that refill the queue race the next take, and batches run
-	// short). In a group it bounds the member whatever it owns: each
+	// short), at least DefaultMinMaxAckPending (with few workers, a worker
+	// whose aggregates are busy waits for the budget others hold). In a group it bounds the member whatever it owns: each
 	// partition durable's max_ack_pending is MaxAckPending, and the
 	// partitions a member owns share MaxAckPending for the messages in its
 	// workers; their pull buffers hold up to MaxAckPending more
@@ -159,8 +161,11 @@ func (c *Config) setDefaults() {
 	if c.MaxAckPending == 0 {
 		// Room for a batch in flight and a full one queued behind it per
 		// worker: with less, a worker waits for its acks to be answered
-		// with new messages between batches.
-		c.MaxAckPending = c.Workers * max(DefaultPendingPerWorker, 4*c.BatchSize)
+		// with new messages between batches. And room for the aggregates
+		// not to be spread evenly over the workers: at Workers x 256 the
+		// group members of bench/README.md's batch handler runs waited
+		// for the budget (issue 23, the member-wide MaxAckPending).
+		c.MaxAckPending = max(DefaultMinMaxAckPending, c.Workers*max(DefaultPendingPerWorker, 4*c.BatchSize))
 	}
 	if c.AckWait == 0 {
 		c.AckWait = DefaultAckWait

@@ -201,3 +201,24 @@ func TestMetricsStartAtZero(t *testing.T) {
 			series["outbox_consumer_retries_total"], series["outbox_consumer_dead_lettered_total"])
 	}
 }
+
+// MaxAckPending's default: a batch in flight and three queued per worker,
+// and never below DefaultMinMaxAckPending (a group member of three
+// workers once defaulted to 768 and waited for its budget).
+func TestMaxAckPendingDefault(t *testing.T) {
+	for _, tc := range []struct {
+		workers, batch, want int
+	}{
+		{0, 0, 4096},    // 8 workers x 4 x 64 = 2048, below the floor
+		{3, 0, 4096},    // 768
+		{24, 0, 6144},   // 24 x 256
+		{8, 512, 16384}, // 8 x 4 x 512
+		{2, 1, 4096},    // 2 x 64
+	} {
+		c := Config{Workers: tc.workers, BatchSize: tc.batch}
+		c.setDefaults()
+		if c.MaxAckPending != tc.want {
+			t.Errorf("Workers %d, BatchSize %d: MaxAckPending %d, want %d", tc.workers, tc.batch, c.MaxAckPending, tc.want)
+		}
+	}
+}
