@@ -151,23 +151,7 @@ func errorClasses(t *testing.T, batchSize int) {
 	t.Parallel()
 	f := newFixture(t)
 	r := newRecorder("cls")
-	r.fail = func(m *Message, call int) error {
-		switch m.AggregateID {
-		case "perm":
-			return Permanent(errors.New("payload schema v2 is not supported"))
-		case "reject":
-			return Reject("registration was cancelled")
-		case "unknown":
-			return errors.New("something odd")
-		case "panic":
-			panic("kaboom")
-		case "flaky":
-			if call < 3 {
-				return Transient(errors.New("downstream busy"))
-			}
-		}
-		return nil
-	}
+	r.fail = classFailure
 	cfg := f.baseConfig("cls")
 	cfg.MaxAttempts = 3
 	cfg.BatchSize = batchSize
@@ -229,6 +213,26 @@ func errorClasses(t *testing.T, batchSize int) {
 	f.waitFor("open dead-letter gauge", 5*time.Second, func() bool {
 		return metricValue(t, vec.openDLQ.WithLabelValues("cls", "team-rewards")) == 3
 	})
+}
+
+// classFailure is TestErrorClasses's handler outcome per aggregate: one of
+// each class, and a transient failure that succeeds on the third call.
+func classFailure(m *Message, call int) error {
+	switch m.AggregateID {
+	case "perm":
+		return Permanent(errors.New("payload schema v2 is not supported"))
+	case "reject":
+		return Reject("registration was cancelled")
+	case "unknown":
+		return errors.New("something odd")
+	case "panic":
+		panic("kaboom")
+	case "flaky":
+		if call < 3 {
+			return Transient(errors.New("downstream busy"))
+		}
+	}
+	return nil
 }
 
 // checkClassDeadLetters checks TestErrorClasses's dead letters: the
