@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -64,6 +65,68 @@ func (f *fixture) onePool() *pgxpool.Pool {
 	testenv.Must(f.t, err, "open a pool of one connection")
 	f.t.Cleanup(pool.Close)
 	return pool
+}
+
+// failFirstOfEveryThird fails the first delivery of every third event for
+// a retry and keeps each such event, so that the test can record it as
+// applied elsewhere.
+type failFirstOfEveryThird struct {
+	next Handler
+	mu   sync.Mutex
+	evs  map[uint64]*Message // by stream sequence
+}
+
+func (h *failFirstOfEveryThird) Handle(ctx context.Context, tx pgx.Tx, m *Message) error {
+	var n int
+	_, _ = fmt.Sscanf(m.Event.ID[len(m.Event.ID)-6:], "%d", &n)
+	if n%3 == 0 && m.Deliveries == 1 {
+		h.mu.Lock()
+		cp := *m
+		h.evs[m.StreamSeq] = &cp
+		h.mu.Unlock()
+		return Transient(fmt.Errorf("first delivery of %s fails", m.ID))
+	}
+	return h.next.Handle(ctx, tx, m)
+}
+
+// TestGroupBudgetRetriedMessageAppliedElsewhereLeftStream: two messages
+// naked for a retry are applied elsewhere meanwhile (their own dedup rows
+// committed: another process of the consumer's name, or this member's
+// commit whose outcome was in doubt) and then leave the stream before they
+// come back. The worker releases their aggregates by their dedup rows
+// (worker.gone); their budget slots must come back as for any retried
+// message that left the stream (TestGroupBudgetRetriedMessageLeftStream).
+func TestGroupBudgetRetriedMessageAppliedElsewhereLeftStream(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 2)
+	cfg.Workers, cfg.MaxAckPending, cfg.BatchSize = 4, 8, 1
+	cfg.RetryBase, cfg.RetryMax = 4*time.Second, 4*time.Second // the test acts before the retries
+	inUse := budgetInUse(t, "m1")
+	h := &failFirstOfEveryThird{next: rec, evs: map[uint64]*Message{}}
+	f.runMember(cfg, h, "m1")
+	f.publishVersions(6, 1, 1) // the third and sixth fail first (stream sequences 3 and 6)
+	f.waitApplied(4)
+	f.waitFor("both retried messages failed", 10*time.Second, func() bool {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		return len(h.evs) == 2
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	strm, err := f.js.Stream(ctx, f.stream)
+	testenv.Must(t, err, "stream")
+	h.mu.Lock()
+	for seq, m := range h.evs {
+		// Waits for the failed attempt's rollback, if it is still running.
+		mustExec(t, f.pool, `INSERT INTO consumed_message (consumer, event_id, content_hash, outcome) VALUES ($1, $2, $3, 'applied')`,
+			cfg.Name, m.ID, ContentHash(&m.Event))
+		testenv.Must(t, strm.DeleteMsg(ctx, seq), "delete a retried message")
+	}
+	h.mu.Unlock()
+	if !testenv.WaitFor(30*time.Second, func() bool { return inUse() == 0 }) {
+		t.Errorf("member m1's budget has %d of %d slots in use with the member idle, want 0", inUse(), cfg.MaxAckPending)
+	}
+	f.publishVersions(6, 2, 2)
+	f.waitApplied(10)
 }
 
 // slowRecorder is a recorder whose handler works for its pause after its
