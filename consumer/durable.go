@@ -184,3 +184,7 @@ func (s *durableSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool
 	}
 	return gone
 }
+
+// forget has nothing to give back: a plain durable's feed has no budget,
+// and a naked message it keeps counted goes when the feed closes.
+func (s *durableSource) forget([]uint64) {}

@@ -40,6 +40,10 @@ type source interface {
 	// this consumer (acknowledged, or no longer in the stream); one whose
 	// state cannot be learnt is not gone.
 	gone(ctx context.Context, seqs []uint64) map[uint64]bool
+	// forget tells the source that the messages at seqs, naked for a
+	// retry, need no redelivery here (found applied by their dedup rows,
+	// without asking gone): what the source keeps for their return goes.
+	forget(seqs []uint64)
 }
 
 // errWorkerStopped ends a run whose worker returned early.

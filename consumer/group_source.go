@@ -59,12 +59,23 @@ var hookGroupBudget func(member string, b *budget)
 // their redeliveries will not.
 func (s *groupSource) gone(ctx context.Context, seqs []uint64) map[uint64]bool {
 	gone := s.m.Gone(ctx, seqs)
+	var left []uint64
 	for seq, ok := range gone {
 		if ok {
-			s.budget.Load().forget(seq)
+			left = append(left, seq)
 		}
 	}
+	s.forget(left)
 	return gone
+}
+
+// forget gives the budget slots of the naked messages at seqs back
+// (budget.forget): their redeliveries, if any, take slots of their own.
+func (s *groupSource) forget(seqs []uint64) {
+	b := s.budget.Load()
+	for _, seq := range seqs {
+		b.forget(seq)
+	}
 }
 
 // errSetUpCancelled ends a source's run whose ctx ended before the source

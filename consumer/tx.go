@@ -15,7 +15,8 @@ import (
 // recorded is false and the step writes the row.
 //
 // tx is nil when BEGIN failed: err is its error, nothing is left open;
-// an insertWaited error when its answer did not come before ctx ended. tx
+// an insertWaited error when it was sent and its answer did not come
+// before ctx ended (one that waited for a connection is Begin's error). tx
 // is set with err when the INSERT failed: the caller rolls tx back. Either
 // error is the one the same statement gives when sent on its own, so the
 // results (failedBegin, "record consumed message") are classified as
@@ -33,11 +34,14 @@ func (c *Consumer) beginRecorded(ctx context.Context, it *item, reject *RejectEr
 	br := pool.SendBatch(ctx, b)
 	tx = br.Tx()
 	if _, err := br.Exec(); err != nil {
+		// Without a connection (the pool had none to give before ctx
+		// ended) nothing was sent: the Begin's failure, as alone.
+		sent := tx.Conn() != nil
 		_ = br.Close()
 		// The transaction is closed, or on a broken connection: this only
 		// gives the connection back to the pool.
 		_ = tx.Rollback(ctx)
-		if ctx.Err() != nil {
+		if sent && ctx.Err() != nil {
 			// The server answers the batch's statements together, so an
 			// answer to BEGIN that did not come in time is most likely the
 			// INSERT waiting (for the dedup row's lock: zombie.go).

@@ -305,8 +305,17 @@ func (w *worker) gone(ctx context.Context, overdue []*block) map[uint64]bool {
 		lctx, cancel := context.WithTimeout(ctx, min(w.c.cfg.AckWait/3, 5*time.Second))
 		found, _ := w.c.recordedAmong(lctx, ids, hashes)
 		cancel()
+		var applied []uint64
 		for i, b := range look {
 			gone[b.head] = found[i]
+			if found[i] {
+				applied = append(applied, b.head)
+			}
+		}
+		if len(applied) > 0 {
+			// Not asked about, the source would keep their slots for
+			// redeliveries that may never come (they can leave the stream).
+			w.src.forget(applied)
 		}
 	}
 	var ask []uint64
