@@ -184,7 +184,7 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 	committed := false
 	defer func() {
 		if !committed {
-			_ = tx.Rollback(ctx)
+			c.rollback(ctx, tx)
 		}
 	}()
 	fresh, err := c.insertBatch(ctx, tx, its, todo, rejects)

@@ -90,7 +90,7 @@ func (c *Consumer) runTx(ctx context.Context, it *item, reject *RejectError) res
 		if !committed {
 			// A failed rollback means a broken connection, which the pool
 			// discards; nothing of the transaction survives it.
-			_ = tx.Rollback(ctx)
+			c.rollback(ctx, tx)
 		}
 	}()
 	if err != nil {

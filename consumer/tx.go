@@ -66,3 +66,18 @@ type insertWaited struct{ err error }
 
 func (e insertWaited) Error() string { return e.err.Error() }
 func (e insertWaited) Unwrap() error { return e.err }
+
+// rollback ends tx on a context of its own, bounded by HandlerTimeout.
+// After the attempt's deadline (a handler that overran in Go, no statement
+// in flight) a ROLLBACK on the attempt's ctx is never sent: pgx closes the
+// connection instead, and the server holds the transaction's locks, the
+// dedup rows among them, until its backend notices; on a loaded machine
+// the next attempt of the same messages waited for them past its own
+// deadline. Sent, the ROLLBACK releases them before the attempt ends, and
+// the connection goes back to the pool. On a broken connection it fails at
+// once.
+func (c *Consumer) rollback(ctx context.Context, tx pgx.Tx) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
+	defer cancel()
+	_ = tx.Rollback(rctx)
+}
