@@ -19,18 +19,24 @@ import (
 // event that nothing is wrong with. endZombies ends such a backend; the
 // attempt that found it is in doubt (resInDoubt), retried and not charged.
 
-// zombieQuery terminates the backends that block the backend $1 and are
+// zombieQuery looks at the backends that block the backend $1 and may be
 // zombies: the same login role as this session (terminating them needs no
-// further privilege), idle in a transaction that began over $2 seconds ago,
-// longer than any live attempt with the consumer's HandlerTimeout can last.
-// It returns how many it signalled.
+// further privilege) and idle in a transaction. It terminates those whose
+// transaction began over $2 seconds ago, AckWait: longer than a live
+// attempt of any process of this consumer can last (its HandlerTimeout is
+// below the durable's AckWait), even one whose HandlerTimeout is longer
+// than this process's, as in a rolling deploy that lowers it. It returns
+// how many it found and how many it signalled. CASE, not AND, keeps the
+// age test ahead of pg_terminate_backend: PostgreSQL may evaluate an AND's
+// operands in any order.
 const zombieQuery = `
-	SELECT count(*) FILTER (WHERE pg_terminate_backend(a.pid))
+	SELECT count(*),
+	       count(*) FILTER (WHERE CASE WHEN a.xact_start < now() - make_interval(secs => $2)
+	                              THEN pg_terminate_backend(a.pid) ELSE false END)
 	FROM pg_stat_activity a
 	WHERE a.pid = ANY (pg_blocking_pids($1))
 	  AND a.usesysid = (SELECT usesysid FROM pg_stat_activity WHERE pid = pg_backend_pid())
-	  AND a.state = 'idle in transaction'
-	  AND a.xact_start < now() - make_interval(secs => $2)`
+	  AND a.state = 'idle in transaction'`
 
 // zombiePoll is how often endZombies looks for what blocks its probe.
 const zombiePoll = 25 * time.Millisecond
@@ -39,8 +45,11 @@ const zombiePoll = 25 * time.Millisecond
 // deadline. The attempt's backend no longer waits (pgx broke or cancelled
 // it), so a probe waits in its place: it writes the dedup row again in a
 // transaction it rolls back, and while it waits, the backends blocking it
-// that are zombies are terminated. It reports whether it ended any and the
-// probe then got through. It is bounded by HandlerTimeout of its own.
+// that are zombies are terminated. It reports whether a backend of this
+// role idle in a transaction held the row: one ended, or one too young to
+// be judged abandoned (a live attempt elsewhere, or a zombie that has not
+// outlived AckWait yet); either way the attempt was not the message's
+// fault. It is bounded by HandlerTimeout of its own.
 func (c *Consumer) endZombies(ctx context.Context, it *item) (bool, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
@@ -66,23 +75,30 @@ func (c *Consumer) endZombies(ctx context.Context, it *item) (bool, error) {
 			<-probed
 		}
 	}()
-	ended := false
+	held := false
 	tick := time.NewTicker(zombiePoll)
 	defer tick.Stop()
 	for {
 		select {
 		case err := <-probed:
 			done = true
-			return ended, err
+			return held, err
 		case <-ctx.Done():
+			if held {
+				return true, nil // still held by a transaction too young to end
+			}
 			return false, fmt.Errorf("zombie probe still blocked: %w", ctx.Err())
 		case <-tick.C:
 		}
-		var n int
-		if err := c.db.QueryRow(ctx, zombieQuery, pid, c.cfg.HandlerTimeout.Seconds()).Scan(&n); err != nil {
-			return false, fmt.Errorf("look up blocking backends: %w", err)
+		var found, ended int
+		if err := c.db.QueryRow(ctx, zombieQuery, pid, c.cfg.AckWait.Seconds()).Scan(&found, &ended); err != nil {
+			return held, fmt.Errorf("look up blocking backends: %w", err)
 		}
-		ended = ended || n > 0
+		if ended > 0 {
+			c.log.Warn("terminated an abandoned transaction of this role that held a message's dedup row",
+				zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq), zap.Int("backends", ended))
+		}
+		held = held || found > 0
 	}
 }
 
@@ -98,16 +114,14 @@ func (c *Consumer) blockedInsert(ctx context.Context, in stepIn, err error) step
 	if res.outcome != stepBroken || in.shared {
 		return res
 	}
-	ended, zerr := c.endZombies(ctx, it)
-	if !ended {
+	held, zerr := c.endZombies(ctx, it)
+	if !held {
 		if zerr != nil {
 			c.log.Debug("no zombie found behind a blocked dedup insert", zap.String(fieldEventID, it.m.ID), zap.Error(zerr))
 		}
 		return res
 	}
-	c.log.Warn("terminated an abandoned transaction of this role that held a message's dedup row; retrying the message uncharged",
-		zap.String(fieldEventID, it.m.ID), zap.Uint64(fieldSeq, it.m.StreamSeq))
 	res.res = result{kind: resInDoubt, class: ClassTransient,
-		err: fmt.Errorf("record consumed message: %w; an abandoned transaction held the row and was terminated", err)}
+		err: fmt.Errorf("record consumed message: %w; another transaction of this role held the row (ended once idle in it for over AckWait)", err)}
 	return res
 }
