@@ -346,6 +346,9 @@ func printRepair(w io.Writer, cfg config.Config, r *reconcile.RepairReport) {
 	fmt.Fprintf(w, "\nRepair: %d republished, %d acknowledged as duplicates, %d already in the stream (not republished), %d rows gone, %d failed\n", r.Published, r.Duplicates, r.AlreadyInStream, r.Gone, len(r.Failed))
 	if r.Duplicates > 0 {
 		fmt.Fprintf(w, "  The stream still holds the ids of %d events in its duplicate window (nats.duplicate_window %s) and dropped them: rerun after the window passed.\n", r.Duplicates, cfg.NATS.DuplicateWindow)
+		if r.HeldBehindDuplicates > 0 {
+			fmt.Fprintf(w, "  %d later events of their aggregates were held back to keep each aggregate's order; the rerun republishes them too.\n", r.HeldBehindDuplicates)
+		}
 	}
 	for i, f := range r.Failed {
 		if i == 20 {

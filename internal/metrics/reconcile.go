@@ -46,7 +46,7 @@ func NewReconcile(reg prometheus.Registerer) *Reconcile {
 		}),
 		repaired: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_relay_reconcile_repaired_events_total",
-			Help: "Events republished by `reconcile --repair`, by result (published, duplicate, failed).",
+			Help: "Events republished by `reconcile --repair`, by result (published, duplicate, held: behind a duplicate of their aggregate, failed).",
 		}, []string{"result"}),
 	}
 	reg.MustRegister(m.missing, m.unexpected, m.pending, m.deadLettered, m.duplicates, m.rows, m.runs, m.lastSuccess, m.duration, m.repaired)
@@ -87,5 +87,6 @@ func (m *Reconcile) Repaired(rep *reconcile.RepairReport) {
 	}
 	m.repaired.WithLabelValues("published").Add(float64(rep.Published))
 	m.repaired.WithLabelValues("duplicate").Add(float64(rep.Duplicates))
+	m.repaired.WithLabelValues("held").Add(float64(rep.HeldBehindDuplicates))
 	m.repaired.WithLabelValues("failed").Add(float64(len(rep.Failed)))
 }

@@ -63,6 +63,11 @@ type RepairReport struct {
 	// stored meanwhile). Rerun after the window passes if reconcile still
 	// reports them missing.
 	Duplicates int `json:"duplicates"`
+	// HeldBehindDuplicates is the events not republished because an
+	// earlier event of their aggregate was acknowledged as a duplicate: it
+	// may still be missing, and storing them first would break the
+	// aggregate's order. The rerun after the window republishes both.
+	HeldBehindDuplicates int `json:"held_behind_duplicates"`
 	// Gone is the events whose row was deleted since reconcile read it.
 	Gone int `json:"gone"`
 	// AlreadyInStream is the events not republished because a look-up of
@@ -112,7 +117,7 @@ func Repair(ctx context.Context, db DB, js jetstream.JetStream, cfg RepairConfig
 	}
 	evs := append([]Event(nil), events...)
 	SortEvents(evs)
-	rp := &repairer{db: db, js: js, cfg: cfg, rt: rt, layout: layout, log: o.log, rep: &RepairReport{}, failedKeys: map[string]string{},
+	rp := &repairer{db: db, js: js, cfg: cfg, rt: rt, layout: layout, log: o.log, rep: &RepairReport{}, failedKeys: map[string]string{}, dupKeys: map[string]bool{},
 		repairedAt: o.now().UTC().Format(time.RFC3339Nano)}
 	for start := 0; start < len(evs); {
 		// A chunk holds one table's events.
@@ -145,6 +150,7 @@ type repairer struct {
 	mu         sync.Mutex
 	rep        *RepairReport
 	failedKeys map[string]string // aggregate key -> event id that failed
+	dupKeys    map[string]bool   // aggregates with an event acknowledged as a duplicate
 }
 
 func (rp *repairer) fail(ev Event, aggKey, reason string) {
@@ -335,14 +341,28 @@ func streamLayout(ctx context.Context, js jetstream.JetStream, stream string) (c
 	return provision.StreamLayout(s.CachedInfo().Config), nil
 }
 
-// publish sends one event unless an earlier event of its aggregate failed.
-// It returns an error only when ctx ends.
+// publish sends one event unless an earlier event of its aggregate failed
+// or was acknowledged as a duplicate. Such an event was missing from the
+// stream when reconcile read it, and the stream dropped it for its id
+// still in the duplicate window (deleted within it, say): stored now, the
+// later one would go ahead of it once the rerun stores it (on a loaded
+// machine the window's end fell between an aggregate's events: versions
+// 3, 4, 5 stored at sequences 407, 409, 401). It returns an error only
+// when ctx ends.
 func (rp *repairer) publish(ctx context.Context, r routed) error {
+	key := aggKey(r.ev)
 	rp.mu.Lock()
-	blocker, blocked := rp.failedKeys[aggKey(r.ev)]
+	blocker, blocked := rp.failedKeys[key]
+	held := rp.dupKeys[key]
+	if held && !blocked {
+		rp.rep.HeldBehindDuplicates++
+	}
 	rp.mu.Unlock()
-	if blocked {
-		rp.fail(r.ev, aggKey(r.ev), "held back: the earlier event "+blocker+" of the aggregate was not republished")
+	switch {
+	case blocked:
+		rp.fail(r.ev, key, "held back: the earlier event "+blocker+" of the aggregate was not republished")
+		return nil
+	case held:
 		return nil
 	}
 	msg := &nats.Msg{Subject: r.msg.Subject, Header: r.hdr, Data: r.msg.Data}
@@ -353,6 +373,7 @@ func (rp *repairer) publish(ctx context.Context, r routed) error {
 			rp.mu.Lock()
 			if ack.Duplicate {
 				rp.rep.Duplicates++
+				rp.dupKeys[key] = true
 			} else {
 				rp.rep.Published++
 			}
