@@ -483,14 +483,7 @@ func (r *Relay) stream(ctx context.Context) error {
 			standby.reset()
 		}
 		attempt++
-		wait := backoff.Jitter(backoff.Step(r.cfg.ReconnectMin, r.cfg.ReconnectMax, attempt))
-		if replication.IsConnectFailure(err) {
-			// No host took the session (a primary down, a standby not yet
-			// promoted): asking again costs one connection attempt, and a
-			// backoff grown during the outage would delay streaming long
-			// after a promotion.
-			wait = min(wait, max(r.cfg.ReconnectMin, connectRetryMax))
-		}
+		wait := reconnectWait(r.cfg, err, attempt)
 		switch {
 		case errors.Is(err, ErrPublicationGap):
 			// Waiting for an operator's fix, noticed within a check
@@ -514,6 +507,20 @@ func (r *Relay) stream(ctx context.Context) error {
 		case <-time.After(wait):
 		}
 	}
+}
+
+// reconnectWait is how long the relay waits before its attempt-th
+// reconnection after err: a jittered backoff between cfg.ReconnectMin and
+// cfg.ReconnectMax, capped at connectRetryMax when no host took the
+// session or its server went away (a primary down, a standby not yet
+// promoted). Asking again then costs one connection attempt, and a backoff
+// grown during the outage would delay streaming long after a promotion.
+func reconnectWait(cfg Config, err error, attempt int) time.Duration {
+	wait := backoff.Jitter(backoff.Step(cfg.ReconnectMin, cfg.ReconnectMax, attempt))
+	if replication.IsConnectFailure(err) || replication.IsServerGone(err) {
+		wait = min(wait, max(cfg.ReconnectMin, connectRetryMax))
+	}
+	return wait
 }
 
 // connectRetryMax caps the wait after a failed connection attempt.

@@ -5,9 +5,11 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgerrcode"
@@ -35,6 +37,23 @@ func IsConnectFailure(err error) bool {
 		return false
 	}
 	return true
+}
+
+// IsServerGone reports whether err is a session that its server ended
+// under the relay: the connection closed mid-exchange (EOF, reset, broken
+// pipe) or the server shutting down or crashing (SQLSTATE 57P01, 57P02).
+// In a failover it is the old primary's last word, met by whichever of the
+// relay's sessions speaks to it next (the stream, the publication check),
+// and like IsConnectFailure it is retried within a second: the next
+// attempt is one connection, which finds the new primary or fails with a
+// connect error.
+func IsServerGone(err error) bool {
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.AdminShutdown || pgErr.Code == pgerrcode.CrashShutdown)
 }
 
 // connectFailure adds ErrNoPrimary, with the fix, to a connection error

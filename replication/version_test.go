@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/replication"
 	"github.com/outbox-relay/outbox-relay/watermark"
@@ -92,5 +94,35 @@ func TestIsConnectFailure(t *testing.T) {
 				t.Fatalf("IsConnectFailure(%v) = %v, want %v", err, got, c.want)
 			}
 		})
+	}
+}
+
+// TestIsServerGone: a session its server ended (here terminated by an
+// administrator, as a shutdown or a killed primary would) is retried within
+// a second; a statement's own error is not.
+func TestIsServerGone(t *testing.T) {
+	env := testenv.Get(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, env.PG.URL("postgres"))
+	testenv.Must(t, err, "connect")
+	defer conn.Close(context.Background())
+	admin, err := pgx.Connect(ctx, env.PG.URL("postgres"))
+	testenv.Must(t, err, "connect admin")
+	defer admin.Close(context.Background())
+
+	var one int
+	err = conn.QueryRow(ctx, "SELECT 1 FROM no_such_table").Scan(&one)
+	if err == nil || replication.IsServerGone(err) {
+		t.Fatalf("a statement's error %v: IsServerGone must be false", err)
+	}
+	_, err = admin.Exec(ctx, "SELECT pg_terminate_backend($1)", conn.PgConn().PID())
+	testenv.Must(t, err, "terminate")
+	err = conn.QueryRow(ctx, "SELECT 1").Scan(&one)
+	if err == nil {
+		t.Fatal("the terminated session still answers")
+	}
+	if err := fmt.Errorf("read the WAL position: %w", err); !replication.IsServerGone(err) {
+		t.Fatalf("IsServerGone(%v) = false, want true", err)
 	}
 }
