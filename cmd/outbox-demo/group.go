@@ -43,6 +43,7 @@ type groupMember struct {
 	name string
 	nc   *nats.Conn
 	pool *pgxpool.Pool
+	reg  *prometheus.Registry // the member's metrics: the partitions it owns
 	stop context.CancelFunc
 	done chan error
 }
@@ -88,8 +89,22 @@ func (d *demo) groupRewards(ctx context.Context) error {
 	if !poll(ctx, d.opts.wait, func() bool { return d.groupMembers(ctx) == 2 }) {
 		return errors.New("the two members did not join the group")
 	}
-	d.out.detail("member-a and member-b joined group %s; partition p goes to the (p mod 2)-th live member, each partition pinned to one member by JetStream", groupName)
-	d.out.detail("the group reads the stream from its start: the %d registrations of the first stage are mapped in this service's database too, so the members credit them once and dead-letter nothing", len(history))
+	// Joined is a heartbeat; a member consumes once the assignment gave it
+	// its partitions. Without this wait the first registrations could all
+	// land on member-a's partitions while member-b is still starting, and
+	// "share the load" would show nothing.
+	share := demoPartitions / len(members)
+	if !poll(ctx, d.opts.wait, func() bool {
+		for _, m := range members {
+			if metricSum(m.reg, "outbox_consumer_group_partitions_owned") != float64(share) {
+				return false
+			}
+		}
+		return true
+	}) {
+		return fmt.Errorf("the two members did not take %d partitions each", share)
+	}
+	d.out.detail("member-a and member-b joined group %s and own %d partitions each; partition p goes to the (p mod 2)-th live member, each partition pinned to one member by JetStream", groupName, share)
 
 	players := map[string]string{}
 	confirmN := func(n int) ([]confirmedEvent, error) {
@@ -118,15 +133,17 @@ func (d *demo) groupRewards(ctx context.Context) error {
 		}
 		return evs, nil
 	}
-	collect := func(n int) (map[string][]string, error) {
+	// collect waits for n credits of this stage's registrations, or with
+	// old for those of the first stage's (history).
+	collect := func(n int, old bool) (map[string][]string, error) {
 		by := map[string][]string{}
 		timeout := time.NewTimer(d.opts.wait + 15*time.Second)
 		defer timeout.Stop()
 		for n > 0 {
 			select {
 			case c := <-credits:
-				if _, old := history[c.registration]; old {
-					continue // the first stage's, credited when the group started
+				if _, hist := history[c.registration]; hist != old {
+					continue
 				}
 				n--
 				by[c.member] = append(by[c.member], short(c.registration))
@@ -149,10 +166,20 @@ func (d *demo) groupRewards(ctx context.Context) error {
 		}
 	}
 
+	// The first stage's events come first in the stream: once they are
+	// credited, the check at the end cannot race their application (a
+	// member that crashes before applying them leaves them to the takeover).
+	by, err := collect(len(history), true)
+	if err != nil {
+		return fmt.Errorf("the first stage's registrations: %w", err)
+	}
+	d.out.detail("the group reads the stream from its start: the %d registrations of the first stage are mapped in this service's database too, so the members credit them once and dead-letter nothing", len(history))
+	printBy(by)
+
 	if _, err := confirmN(groupPhase1); err != nil {
 		return err
 	}
-	by, err := collect(groupPhase1)
+	by, err = collect(groupPhase1, false)
 	if err != nil {
 		return err
 	}
@@ -172,7 +199,7 @@ func (d *demo) groupRewards(ctx context.Context) error {
 	if _, err := confirmN(groupPhase2); err != nil {
 		return err
 	}
-	by, err = collect(groupPhase2)
+	by, err = collect(groupPhase2, false)
 	if err != nil {
 		return err
 	}
@@ -247,6 +274,7 @@ func (d *demo) startMember(ctx context.Context, url, name string, credits chan<-
 		pool.Close()
 		return nil, err
 	}
+	reg := prometheus.NewRegistry()
 	var mu sync.Mutex
 	pending := map[string]credit{}
 	h := reward.Handler{Ledger: rewardLedger, Points: rewardPoints, Applied: func(m *consumer.Message, registration, player uuid.UUID) {
@@ -275,14 +303,14 @@ func (d *demo) startMember(ctx context.Context, url, name string, credits chan<-
 		RetryMax:   500 * time.Millisecond,
 		EventTypes: []string{rewardEvent},
 		Group:      &consumer.GroupConfig{Partitions: demoPartitions, Member: name, MemberTTL: 2 * time.Second},
-	}, &h, consumer.WithLogger(d.log.Named(name).WithOptions(zap.IncreaseLevel(zap.ErrorLevel))), consumer.WithRegisterer(prometheus.NewRegistry()), consumer.WithAfterCommit(after))
+	}, &h, consumer.WithLogger(d.log.Named(name).WithOptions(zap.IncreaseLevel(zap.ErrorLevel))), consumer.WithRegisterer(reg), consumer.WithAfterCommit(after))
 	if err != nil {
 		nc.Close()
 		pool.Close()
 		return nil, err
 	}
 	mctx, stop := context.WithCancel(ctx)
-	m := &groupMember{name: name, nc: nc, pool: pool, stop: stop, done: make(chan error, 1)}
+	m := &groupMember{name: name, nc: nc, pool: pool, reg: reg, stop: stop, done: make(chan error, 1)}
 	go func() {
 		err := c.Run(mctx)
 		nc.Close()

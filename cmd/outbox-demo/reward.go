@@ -172,7 +172,7 @@ func (d *demo) rewardFlow(ctx context.Context, pool *pgxpool.Pool, reg *promethe
 		return fmt.Errorf("the duplicate of event %s was applied again for player %s", dup.EventID, c.player)
 	default:
 	}
-	hits := counterValue(reg, "outbox_consumer_idempotency_hits_total")
+	hits := metricSum(reg, "outbox_consumer_idempotency_hits_total")
 	d.out.detail("event %s delivered again: found in consumed_message, acknowledged without calling the handler (idempotency hits: %.0f)", short(dup.EventID), hits)
 
 	// Check the effect in the database, not only what the handler said.
@@ -200,8 +200,8 @@ func (d *demo) rewardFlow(ctx context.Context, pool *pgxpool.Pool, reg *promethe
 	return nil
 }
 
-// counterValue sums a counter family of the registry (0 when absent).
-func counterValue(reg *prometheus.Registry, name string) float64 {
+// metricSum sums a counter or gauge family of the registry (0 when absent).
+func metricSum(reg *prometheus.Registry, name string) float64 {
 	mfs, err := reg.Gather()
 	if err != nil {
 		return 0
@@ -212,7 +212,7 @@ func counterValue(reg *prometheus.Registry, name string) float64 {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
-			sum += m.GetCounter().GetValue()
+			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
 		}
 	}
 	return sum
