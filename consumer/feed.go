@@ -403,9 +403,9 @@ func (f *feed) settledBefore(seq uint64, msg jetstream.Msg) bool {
 	if !done {
 		return false
 	}
-	_ = msg.Ack() // lost: it comes again, and is acknowledged again
-	f.c.met.idem.Inc()
+	f.c.met.idem.Inc() // before the ack, as worker.settle counts
 	f.c.met.processed(outcomeDuplicate)
+	_ = msg.Ack() // lost: it comes again, and is acknowledged again
 	return true
 }
 

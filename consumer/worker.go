@@ -431,11 +431,8 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 	switch res.kind {
 	case resApplied, resRejected, resDuplicate, resSkipped:
 		w.forget(seq)
-		if err := it.msg.Ack(); err != nil {
-			// The transaction committed; a lost ack means a redelivery that
-			// the dedup row turns into a duplicate.
-			w.msgLog(it).Warn("ack failed", zap.Error(err))
-		}
+		// Counted before the ack: whoever sees the message settled (the
+		// consumer's ack floor) sees it counted too.
 		switch res.kind {
 		case resApplied:
 			c.met.processed(outcomeApplied)
@@ -446,6 +443,11 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 			c.met.processed(outcomeDuplicate)
 		default:
 			c.met.processed(outcomeSkipped)
+		}
+		if err := it.msg.Ack(); err != nil {
+			// The transaction committed; a lost ack means a redelivery that
+			// the dedup row turns into a duplicate.
+			w.msgLog(it).Warn("ack failed", zap.Error(err))
 		}
 		return 0, false
 	case resGap:
