@@ -273,16 +273,26 @@ func (c *Consumer) insertBatch(ctx context.Context, tx pgx.Tx, its []*item, todo
 }
 
 // batchCommitted tells whether a batch whose commit returned an error went
-// through after all, by the dedup row of one of its applied messages (the
-// transaction commits entirely or not at all).
+// through after all, by the dedup rows of the messages it wrote. One row
+// does not tell: a transaction commits entirely or not at all, but another
+// transaction may have written that event's row meanwhile (a group member
+// that took the partition over while this process stalled past its
+// deadline, and ended this transaction as a zombie), and reading this batch
+// as committed by it acknowledged the batch's other messages unapplied.
+// Done needs every row recorded: then each event is applied, by this
+// transaction or another, and acknowledging them all is right. One absent
+// means this transaction rolled back.
 func (c *Consumer) batchCommitted(ctx context.Context, its []*item, todo []int, res []result) commitState {
+	state := commitUnknown // nothing was written that could tell
 	for k, i := range todo {
 		if res[k].kind == resApplied || res[k].kind == resRejected {
-			state, _ := c.wasCommitted(ctx, its[i])
-			return state
+			if s, _ := c.wasCommitted(ctx, its[i]); s != commitDone {
+				return s
+			}
+			state = commitDone
 		}
 	}
-	return commitUnknown // nothing was written that could tell
+	return state
 }
 
 // callBatchHandler runs HandleBatch, turning a panic into an error.

@@ -673,3 +673,104 @@ func TestRetriedMessageAppliedElsewhereReleasesItsAggregate(t *testing.T) {
 		t.Fatalf("took %d messages after the release, want h2", len(got))
 	}
 }
+
+// batchTakenOver is a database whose first batch transaction (a dedup
+// statement over several events) does not commit: as when the process
+// stalled past its deadline, another group member took the partition over
+// and applied the batch's first event, and this transaction's backend was
+// ended as a zombie. Its Commit rolls back, commits the first event's dedup
+// row and effect as that member would, and returns an error.
+type batchTakenOver struct {
+	*pgxpool.Pool
+	name string
+	lied atomic.Bool
+}
+
+func (d *batchTakenOver) Begin(ctx context.Context) (pgx.Tx, error) {
+	tx, err := d.Pool.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &takenOverTx{Tx: tx, d: d}, nil
+}
+
+type takenOverTx struct {
+	pgx.Tx
+	d     *batchTakenOver
+	first []any // the dedup statement's values of the batch's first event
+}
+
+func (t *takenOverTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if strings.Contains(sql, "unnest") && len(args) >= 7 {
+		if ids, _ := args[1].([]string); len(ids) > 1 {
+			t.first = []any{args[1].([]string)[0], args[2].([][]byte)[0], args[3].([]string)[0], args[4].([]string)[0],
+				args[5].([]string)[0], args[6].([]int64)[0]}
+		}
+	}
+	return t.Tx.Query(ctx, sql, args...)
+}
+
+func (t *takenOverTx) Commit(ctx context.Context) error {
+	if t.first == nil || !t.d.lied.CompareAndSwap(false, true) {
+		return t.Tx.Commit(ctx)
+	}
+	if err := t.Tx.Rollback(ctx); err != nil {
+		return err
+	}
+	other, err := t.d.Pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = other.Rollback(ctx) }()
+	if _, err := other.Exec(ctx, `INSERT INTO consumed_message (consumer, event_id, content_hash, event_type, aggregate_type,
+		aggregate_id, aggregate_version, outcome) VALUES ($1, $2, $3, $4, $5, $6, $7, 'applied')`, append([]any{t.d.name}, t.first...)...); err != nil {
+		return err
+	}
+	if _, err := other.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version) VALUES ($1, $2, $3, $4)`,
+		"other member", t.first[0], t.first[4], t.first[5]); err != nil {
+		return err
+	}
+	if err := other.Commit(ctx); err != nil {
+		return err
+	}
+	return fmt.Errorf("commit: %w", context.DeadlineExceeded)
+}
+
+// A batch whose commit failed is applied only if every event it wrote is
+// recorded. The dedup row of one event does not tell: another member that
+// took the partition over (the process had stalled) may have applied that
+// event in a transaction of its own while this one rolled back. Reading
+// the batch as committed then acknowledged its other events unapplied, and
+// the stalled member went on with their aggregates' later events, ahead of
+// the new owner (internal/grouptest TestGroupMemberPaused, out of order).
+func TestBatchCommitErrorAfterTakeoverIsNotApplied(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	r := newRecorder("takeover")
+	r.fail = func(m *Message, call int) error {
+		if m.AggregateID == "slow" {
+			time.Sleep(300 * time.Millisecond) // the others queue up behind it
+		}
+		return nil
+	}
+	evs := []event{{ID: uuidN(1), AggID: "slow", Version: 1}}
+	for i := range 4 {
+		evs = append(evs, event{ID: uuidN(10 + i), AggID: fmt.Sprintf("agg-%d", i), Version: 1})
+	}
+	f.publish(evs...)
+	cfg := f.baseConfig("takeover")
+	cfg.Workers = 1
+	db := &batchTakenOver{Pool: f.pool, name: "takeover"}
+	c, err := New(db, f.js, cfg, r, WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
+	testenv.Must(t, err, "new consumer")
+	f.run(c)
+	f.waitSettled("takeover", 20*time.Second)
+	if !db.lied.Load() {
+		t.Fatal("no batch transaction of several events was committed: the test did not run its case")
+	}
+	for _, e := range evs {
+		if n := queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE event_id = $1`, e.ID); n != 1 {
+			t.Errorf("event %s (%s) applied %d times, want 1", e.ID, e.AggID, n)
+		}
+	}
+}
