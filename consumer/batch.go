@@ -143,6 +143,16 @@ const insertConsumedBatch = `
 	ON CONFLICT (consumer, event_id) DO NOTHING
 	RETURNING event_id`
 
+// insertAppliedBatch is insertConsumedBatch for a batch without a
+// rejection, nearly every one: the outcome and reason are constants rather
+// than two more arrays to encode per batch.
+const insertAppliedBatch = `
+	INSERT INTO consumed_message (consumer, event_id, content_hash, event_type, aggregate_type,
+		aggregate_id, aggregate_version, outcome, reason)
+	SELECT $1, u.*, '` + outcomeApplied + `', NULL FROM unnest($2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[], $7::bigint[]) AS u
+	ON CONFLICT (consumer, event_id) DO NOTHING
+	RETURNING event_id`
+
 // batchEnd is how a batch's transaction ended.
 type batchEnd int
 
@@ -233,20 +243,30 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 func (c *Consumer) insertBatch(ctx context.Context, tx pgx.Tx, its []*item, todo []int, rejects map[int]*RejectError) ([]bool, error) {
 	n := len(todo)
 	var (
-		ids, types, aggTypes, aggIDs, outcomes = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-		hashes                                 = make([][]byte, n)
-		versions                               = make([]int64, n)
-		reasons                                = make([]*string, n)
+		ids, types, aggTypes, aggIDs = make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+		hashes                       = make([][]byte, n)
+		versions                     = make([]int64, n)
 	)
 	for k, i := range todo {
 		ev := &its[i].m.Event
 		ids[k], hashes[k], types[k], aggTypes[k], aggIDs[k], versions[k] = ev.ID, its[i].hash, ev.Type, ev.AggregateType, ev.AggregateID, ev.AggregateVersion
-		outcomes[k] = outcomeApplied
-		if r := rejects[i]; r != nil {
-			outcomes[k], reasons[k] = outcomeRejected, &r.Reason
-		}
 	}
-	rows, err := tx.Query(ctx, insertConsumedBatch, c.cfg.Name, ids, hashes, types, aggTypes, aggIDs, versions, outcomes, reasons)
+	var (
+		rows pgx.Rows
+		err  error
+	)
+	if len(rejects) == 0 {
+		rows, err = tx.Query(ctx, insertAppliedBatch, c.cfg.Name, ids, hashes, types, aggTypes, aggIDs, versions)
+	} else {
+		outcomes, reasons := make([]string, n), make([]*string, n)
+		for k, i := range todo {
+			outcomes[k] = outcomeApplied
+			if r := rejects[i]; r != nil {
+				outcomes[k], reasons[k] = outcomeRejected, &r.Reason
+			}
+		}
+		rows, err = tx.Query(ctx, insertConsumedBatch, c.cfg.Name, ids, hashes, types, aggTypes, aggIDs, versions, outcomes, reasons)
+	}
 	if err != nil {
 		return nil, err
 	}

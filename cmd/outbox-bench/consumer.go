@@ -496,7 +496,7 @@ const (
 	ON CONFLICT (consumer, event_id) DO NOTHING`
 	ceilingDedupBatch = `INSERT INTO consumed_message (consumer, event_id, content_hash, event_type, aggregate_type,
 		aggregate_id, aggregate_version, outcome, reason)
-	SELECT $1, u.* FROM unnest($2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[], $7::bigint[], $8::text[], $9::text[]) AS u
+	SELECT $1, u.*, 'applied', NULL FROM unnest($2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[], $7::bigint[]) AS u
 	ON CONFLICT (consumer, event_id) DO NOTHING
 	RETURNING event_id`
 )
@@ -514,13 +514,13 @@ func ceilingTx(ctx context.Context, conn *pgx.Conn, evs []contract.Event, hashes
 		}
 	} else {
 		n := len(evs)
-		ids, types, aggTypes, aggIDs, outcomes := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-		versions, reasons := make([]int64, n), make([]*string, n)
+		ids, types, aggTypes, aggIDs := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+		versions := make([]int64, n)
 		for i := range evs {
 			e := &evs[i]
-			ids[i], types[i], aggTypes[i], aggIDs[i], versions[i], outcomes[i] = e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, "applied"
+			ids[i], types[i], aggTypes[i], aggIDs[i], versions[i] = e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion
 		}
-		rows, err := tx.Query(ctx, ceilingDedupBatch, "ceiling", ids, hashes, types, aggTypes, aggIDs, versions, outcomes, reasons)
+		rows, err := tx.Query(ctx, ceilingDedupBatch, "ceiling", ids, hashes, types, aggTypes, aggIDs, versions)
 		if err != nil {
 			return err
 		}
