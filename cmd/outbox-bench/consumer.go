@@ -52,14 +52,17 @@ type consumerPhase struct {
 
 // consumerFigure is one apply ceiling or one consumer run.
 type consumerFigure struct {
-	Name      string  `json:"name"`
-	Handler   string  `json:"handler"` // per-message or batch
-	BatchSize int     `json:"batch_size"`
-	Processes int     `json:"processes,omitempty"`
-	Workers   int     `json:"workers_per_process,omitempty"` // group runs
-	Events    int     `json:"events"`
-	Seconds   float64 `json:"seconds"`
-	Rate      float64 `json:"events_per_sec"`
+	Name      string `json:"name"`
+	Handler   string `json:"handler"` // per-message or batch
+	BatchSize int    `json:"batch_size"`
+	Processes int    `json:"processes,omitempty"`
+	Workers   int    `json:"workers_per_process,omitempty"` // group runs
+	// Plain: a member process consuming a plain durable, not a group (the
+	// group runs' control).
+	Plain   bool    `json:"plain_durable,omitempty"`
+	Events  int     `json:"events"`
+	Seconds float64 `json:"seconds"`
+	Rate    float64 `json:"events_per_sec"`
 	// Ceiling is the rate of the apply ceiling with the same SQL and batch
 	// size; Ratio the run's rate over it.
 	Ceiling       float64 `json:"ceiling_per_sec,omitempty"`
@@ -68,8 +71,12 @@ type consumerFigure struct {
 	BenchCores    float64 `json:"bench_cores"`
 	// MemberCores is the member processes' CPU in a group run (BenchCores
 	// is then the bench process alone: mostly the NATS server it hosts).
-	MemberCores  float64 `json:"member_cores,omitempty"`
-	MachineCores float64 `json:"machine_cores"`
+	MemberCores float64 `json:"member_cores,omitempty"`
+	// BenchMicrosPerEvent is the bench process's CPU per event in a group
+	// run, from the members' start to the last commit: the NATS server's
+	// cost of delivering the events and taking their acks.
+	BenchMicrosPerEvent float64 `json:"bench_us_per_event,omitempty"`
+	MachineCores        float64 `json:"machine_cores"`
 	// MeanBatch is the messages per batch transaction the consumer made
 	// (its batch size histogram; single-consumer runs only).
 	MeanBatch float64 `json:"mean_batch,omitempty"`
@@ -154,6 +161,9 @@ type consumerSpec struct {
 	batchSize int
 	processes int // group member processes; 0: one consumer in the bench process
 	workers   int // a group member's workers; 0: --consumer-workers
+	// plain: the member processes consume one plain durable, not a group's
+	// partitions (the control that group overhead is measured against).
+	plain bool
 }
 
 func (s consumerSpec) handler() string {

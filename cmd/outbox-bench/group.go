@@ -61,6 +61,7 @@ func partitionedBacklog(ctx context.Context, env *benchEnv, events, aggs, pad, p
 // memberProgress is the last progress line of one member process.
 type memberProgress struct {
 	applied, first, last atomic.Int64 // count; unix ns of the first and last commit
+	batches, batched     atomic.Int64 // at exit: batch transactions, the messages in them
 	exited               atomic.Bool  // its stdout closed: the process ended
 }
 
@@ -68,7 +69,11 @@ type memberProgress struct {
 // group into a fresh database.
 func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, events int, s consumerSpec) (consumerFigure, error) {
 	workers := cmp.Or(s.workers, o.consumerWorkers)
-	f := consumerFigure{Name: s.name, Handler: s.handler(), BatchSize: s.batchSize, Processes: s.processes, Workers: workers, Events: events}
+	f := consumerFigure{Name: s.name, Handler: s.handler(), BatchSize: s.batchSize, Processes: s.processes, Workers: workers, Events: events, Plain: s.plain}
+	partitions := o.groupPartitions
+	if s.plain {
+		partitions = 0 // runMember: a plain durable
+	}
 	db, err := consumerDB(ctx, env)
 	if err != nil {
 		return f, err
@@ -96,7 +101,7 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 		}
 	}
 	if o.profileDir != "" { // the bench process: mostly the NATS server
-		stop, err := startProfile(filepath.Join(o.profileDir, fmt.Sprintf("bench-group-server-%s-%dp.pprof", s.handler(), s.processes)))
+		stop, err := startProfile(filepath.Join(o.profileDir, fmt.Sprintf("bench-group-server-%s-%dp%s.pprof", s.handler(), s.processes, plainTag(s))))
 		if err != nil {
 			return f, err
 		}
@@ -107,11 +112,11 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 	for i := range s.processes {
 		args := []string{memberCommand,
 			"--postgres-url", db.url, "--nats-url", env.natsURL, "--stream", stream, "--name", group,
-			"--member", fmt.Sprintf("m%d", i), "--partitions", fmt.Sprint(o.groupPartitions),
+			"--member", fmt.Sprintf("m%d", i), "--partitions", fmt.Sprint(partitions),
 			"--workers", fmt.Sprint(workers), "--batch", fmt.Sprint(s.batchSize),
 			"--max-ack-pending", fmt.Sprint(o.consumerPending), "--handler", s.handler(), "--log-level", "debug"}
 		if o.profileDir != "" {
-			args = append(args, "--cpuprofile", filepath.Join(o.profileDir, fmt.Sprintf("bench-group-%s-%dp-m%d.pprof", s.handler(), s.processes, i)))
+			args = append(args, "--cpuprofile", filepath.Join(o.profileDir, fmt.Sprintf("bench-group-%s-%dp%s-m%d.pprof", s.handler(), s.processes, plainTag(s), i)))
 		}
 		cmd := exec.CommandContext(ctx, self, args...)
 		logPath := filepath.Join(os.TempDir(), fmt.Sprintf("%s-m%d.log", group, i))
@@ -143,6 +148,9 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 					p.applied.Store(n)
 					p.first.Store(first)
 					p.last.Store(last)
+				} else if _, err := fmt.Sscanf(sc.Text(), "batches %d messages %d", &n, &first); err == nil {
+					p.batches.Store(n)
+					p.batched.Store(first)
 				}
 			}
 		}(progress[i])
@@ -189,10 +197,18 @@ func groupRun(ctx context.Context, o *options, env *benchEnv, stream string, eve
 		last = max(last, p.last.Load())
 	}
 	span := time.Duration(last - first)
+	var batches, batched int64
+	for _, p := range progress {
+		batches, batched = batches+p.batches.Load(), batched+p.batched.Load()
+	}
+	if batches > 0 {
+		f.MeanBatch = float64(batched) / float64(batches)
+	}
 	f.Seconds, f.Rate = span.Seconds(), float64(events)/span.Seconds()
 	f.MachineCores = busyCores(m0, m1)
 	f.PostgresCores = (pg1 - pg0).Seconds() / el.Seconds()
 	f.BenchCores, f.MemberCores = (b1-b0).Seconds()/el.Seconds(), members.Seconds()/el.Seconds()
+	f.BenchMicrosPerEvent = float64((b1 - b0).Microseconds()) / float64(events)
 	if n := dbCount(ctx, db.pool, "SELECT count(*) FROM bench_effect"); n != int64(events) {
 		return f, fmt.Errorf("%d processes applied %d effect rows for %d events", s.processes, n, events)
 	}
@@ -318,6 +334,7 @@ func runMember(args []string) error {
 	wg.Wait()
 	report()
 	batches, batched := batchStats(reg)
+	fmt.Printf("batches %d messages %.0f\n", batches, batched)
 	log.Info("member done", zap.Int64("applied", applied.Load()), zap.Uint64("batches", batches), zap.Float64("batched_messages", batched))
 	if errors.Is(err, context.Canceled) {
 		err = nil
@@ -381,18 +398,31 @@ func groupPhase(ctx context.Context, o *options, env *benchEnv, p *consumerPhase
 		}
 		p.GroupRuns = append(p.GroupRuns, r)
 	}
-	// The control: as many workers as the n-process groups have, in one
-	// consumer inside the bench process, on the same stream. It shows what
-	// the extra connections to the one database cost without any process
-	// or group in between.
+	// The controls: as many workers as the n-process groups have, in one
+	// consumer of a plain durable on the same stream. In a process of its
+	// own, like the members, it is what the group's overhead is measured
+	// against: the members differ from it only in being a group (n
+	// processes, their partitions' durables and the coordination). Inside
+	// the bench process it shows what the extra connections to the one
+	// database cost without any process or group in between.
 	n := o.groupProcesses * o.consumerWorkers
 	for _, s := range specs {
 		if s.batchSize == 1 {
 			continue
 		}
+		proc := s
+		proc.processes, proc.workers, proc.plain = 1, n, true
+		proc.name = fmt.Sprintf("%s, one consumer process with %d workers", s.name, n)
+		logf("consumer groups: control, %s", proc.name)
+		r, err := groupRun(ctx, o, env, stream, int(o.events), proc)
+		if err != nil {
+			return fmt.Errorf("%s: %w", proc.name, err)
+		}
+		p.GroupRuns = append(p.GroupRuns, r)
+
 		s.workers, s.name = n, fmt.Sprintf("%s, one consumer with %d workers", s.name, n)
 		logf("consumer groups: control, %s", s.name)
-		r, err := consumerRun(ctx, env, stream, int(o.events), s, n, o.consumerPending, "")
+		r, err = consumerRun(ctx, env, stream, int(o.events), s, n, o.consumerPending, "")
 		if err != nil {
 			return fmt.Errorf("%s: %w", s.name, err)
 		}
@@ -400,4 +430,12 @@ func groupPhase(ctx context.Context, o *options, env *benchEnv, p *consumerPhase
 		p.GroupRuns = append(p.GroupRuns, r)
 	}
 	return nil
+}
+
+// plainTag marks the profile files of a plain-durable control run.
+func plainTag(s consumerSpec) string {
+	if s.plain {
+		return "-plain"
+	}
+	return ""
 }

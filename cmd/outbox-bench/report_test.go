@@ -50,3 +50,33 @@ func TestBudgetLine(t *testing.T) {
 		t.Error("a budget line without figures")
 	}
 }
+
+func TestGroupOverheadTarget(t *testing.T) {
+	r := &results{Consumer: &consumerPhase{Workers: 8, GroupRuns: []consumerFigure{
+		{Handler: "batch", BatchSize: 64, Processes: 1, Workers: 8, Rate: 30000},
+		{Handler: "batch", BatchSize: 64, Processes: 3, Workers: 8, Rate: 18000, BenchMicrosPerEvent: 20},
+		{Handler: "batch", BatchSize: 64, Processes: 1, Workers: 24, Plain: true, Rate: 20000, BenchMicrosPerEvent: 10},
+	}}}
+	var overhead, server, perProcess *target
+	for _, tg := range judgeConsumer(r) {
+		switch {
+		case strings.HasPrefix(tg.Name, "group overhead"):
+			overhead = &tg
+		case strings.Contains(tg.Name, "NATS server CPU per event"):
+			server = &tg
+		case strings.Contains(tg.Name, "3 processes ÷ 1 process"):
+			perProcess = &tg
+		}
+	}
+	// The group against the plain durable with its 24 workers, not against
+	// the 1-process group (the old target, now a figure to read it by).
+	if overhead == nil || overhead.Value != 0.9 || overhead.Limit != 0.9 || !overhead.OK || overhead.Info {
+		t.Errorf("group overhead target %+v, want 18,000 ÷ 20,000 = 0.9 judged ≥ 0.9", overhead)
+	}
+	if server == nil || server.Value != 2 || !server.Info {
+		t.Errorf("server CPU ratio %+v, want 20 ÷ 10 µs = 2, not judged", server)
+	}
+	if perProcess == nil || perProcess.Value != 0.6 || !perProcess.Info {
+		t.Errorf("3 ÷ 1 process %+v, want 0.6, not judged", perProcess)
+	}
+}
