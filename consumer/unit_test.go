@@ -3,6 +3,7 @@ package consumer
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -133,6 +134,40 @@ func TestConfigValidation(t *testing.T) {
 	}
 }
 
+// TestContentHashIsStable pins ContentHash's bytes: they are stored in
+// consumed_message and compared with every redelivery, so a change would
+// turn every stored event's duplicate into a conflict. The values are the
+// first implementation's (a hash.Hash written field by field), on both
+// sides of the stack buffer's size.
+func TestContentHashIsStable(t *testing.T) {
+	for _, tc := range []struct {
+		ev   contract.Event
+		want string
+	}{
+		{contract.Event{Type: "order.placed", AggregateType: "order", AggregateID: "42", AggregateVersion: 7, Payload: []byte(`{"total":12}`)},
+			"10d4f95d4b9a01e81c0cd4dca13ad9e927d9c7fcf7a61e254460a92570f8df67"},
+		{contract.Event{AggregateVersion: -3},
+			"8138e6e62a581964d8e532001018594e20dfc3a4a82fff49eb6db446f3df9786"},
+		{contract.Event{Type: "t", AggregateType: "a", AggregateID: "x/y", AggregateVersion: 1 << 40, Payload: []byte(strings.Repeat("p", 5000))},
+			"03caf5b3edbdeabc5980c44817dbed27abe360f09ac44f0afb05c896c05ec88c"},
+	} {
+		if got := hex.EncodeToString(ContentHash(&tc.ev)); got != tc.want {
+			t.Errorf("ContentHash(%s/%s v%d, %d payload bytes) = %s, want %s", tc.ev.AggregateType, tc.ev.AggregateID, tc.ev.AggregateVersion, len(tc.ev.Payload), got, tc.want)
+		}
+	}
+	// At the stack buffer's edge, both ways of hashing agree.
+	for n := contentHashStack - contentHashFixed - 40; n < contentHashStack; n++ {
+		ev := contract.Event{Type: "order.placed", AggregateType: "order", AggregateID: "42", AggregateVersion: 7, Payload: bytes.Repeat([]byte{'x'}, n)}
+		if a, b := ContentHash(&ev), contentHashLarge(&ev); !bytes.Equal(a, b) {
+			t.Fatalf("payload of %d bytes: %x on the stack, %x streamed", n, a, b)
+		}
+	}
+	ev := contract.Event{Type: "order.placed", AggregateType: "order", AggregateID: "42", AggregateVersion: 7, Payload: bytes.Repeat([]byte{'x'}, 256)}
+	if n := testing.AllocsPerRun(100, func() { ContentHash(&ev) }); n > 1 {
+		t.Errorf("ContentHash of a 256-byte event: %.0f allocations, want the result's alone", n)
+	}
+}
+
 func TestContentHashCoversIdentityAndPayload(t *testing.T) {
 	base := contract.Event{ID: "id", Type: "T", AggregateType: "a", AggregateID: "1", AggregateVersion: 2, Payload: []byte(`{"x":1}`)}
 	h := ContentHash(&base)
@@ -220,5 +255,13 @@ func TestMaxAckPendingDefault(t *testing.T) {
 		if c.MaxAckPending != tc.want {
 			t.Errorf("Workers %d, BatchSize %d: MaxAckPending %d, want %d", tc.workers, tc.batch, c.MaxAckPending, tc.want)
 		}
+	}
+}
+
+func BenchmarkContentHash(b *testing.B) {
+	ev := contract.Event{Type: "order.placed", AggregateType: "order", AggregateID: "agg-417", AggregateVersion: 12, Payload: bytes.Repeat([]byte{'x'}, 256)}
+	b.ReportAllocs()
+	for b.Loop() {
+		ContentHash(&ev)
 	}
 }
