@@ -149,7 +149,7 @@ func (s *durableSource) run(ctx, _ context.Context, e *engine) error {
 	c.log.Info("consuming", zap.String("stream", c.cfg.Stream), zap.Strings("filter_subjects", c.cfg.FilterSubjects),
 		zap.Int("workers", c.cfg.Workers), zap.Int("max_ack_pending", c.cfg.MaxAckPending),
 		zap.Duration("ack_wait", c.cfg.AckWait), zap.Bool("version_check", c.cfg.VersionCheck))
-	f := newFeed(e, cons, c.cfg.Name, c.log, jetstream.PullMaxMessages(min(c.cfg.MaxAckPending, 500)))
+	f := newFeed(e, cons, c.cfg.Name, c.log, jetstream.PullMaxMessages(min(c.cfg.MaxAckPending, 500)), jetstream.PullHeartbeat(pullHeartbeat))
 	// Several processes may share a plain durable (feed.go). With
 	// VersionCheck the feed keeps resetting on their gaps: a reset delivers
 	// what is pending in stream order again, which resolves the version

@@ -150,6 +150,19 @@ const sharedRecheck = 10 * time.Second
 // explains before a shareable feed counts as shared.
 const straysToShare = 2
 
+// pullHeartbeat is the idle heartbeat a plain durable's pull asks for (a
+// group's partitions get the same from their 2 s expiry). It bounds a
+// stall nats.go cannot see otherwise: it asks for more messages only when
+// fewer than half of those it asked for are on their way, so a pull
+// request that the server never holds — lost, or never sent while its
+// bookkeeping counted it (bench/README.md, the plain durable's 30 s
+// stall) — leaves it waiting for deliveries the server does not owe, and
+// the server sends heartbeats only for requests it holds. Two missed
+// heartbeats make nats.go ask afresh (TestLostPullRequestDoesNotStallTheFeed):
+// with its default of half the 30 s expiry that took 30 s. An idle pull
+// costs one heartbeat a second.
+const pullHeartbeat = time.Second
+
 // open resets the consumer to its ack floor and opens a new pull
 // subscription: deliveries made before the reset went to the previous
 // subscription's inbox and are not received here.
@@ -261,7 +274,11 @@ func (f *feed) recv(ctx context.Context) (delivery, error) {
 			// The subscription lives on; a delivery lost meanwhile shows
 			// as a gap in the consumer sequence.
 			f.run.interrupted = true
-			f.log.Debug("pull interrupted; pulling on", zap.String("durable", f.name), zap.Error(err))
+			if errors.Is(err, jetstream.ErrNoHeartbeat) {
+				f.logSilence(ctx, err)
+			} else {
+				f.log.Debug("pull interrupted; pulling on", zap.String("durable", f.name), zap.Error(err))
+			}
 			continue
 		case errors.Is(err, errFeedGap):
 			f.why = resumeGap
@@ -277,6 +294,24 @@ func (f *feed) recv(ctx context.Context) (delivery, error) {
 			return delivery{}, err
 		}
 	}
+}
+
+// logSilence reports a pull that received nothing, not even the server's
+// idle heartbeats, for two heartbeat intervals, with what the server and
+// the feed hold: with a live connection that is a stall of its own (the
+// server waited for acks, or had no pull request of ours), worth a look.
+func (f *feed) logSilence(ctx context.Context, err error) {
+	f.c.met.silences.Inc()
+	fields := []zap.Field{zap.String("durable", f.name), zap.Int("unsettled", f.unsettled()), zap.Error(err)}
+	ictx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	info, ierr := f.cons.Info(ictx)
+	cancel()
+	if ierr == nil {
+		fields = append(fields, zap.Int("server_ack_pending", info.NumAckPending),
+			zap.Int("server_waiting", info.NumWaiting), zap.Uint64("server_pending", info.NumPending),
+			zap.Uint64("server_delivered", info.Delivered.Consumer), zap.Uint64("server_ack_floor", info.AckFloor.Consumer))
+	}
+	f.log.Info("no delivery nor heartbeat for two heartbeat intervals; pulling on", fields...)
 }
 
 // errRecheck asks a shared feed to reset, to learn whether it is alone.

@@ -48,6 +48,7 @@ type metricVecs struct {
 	openDLQ      *prometheus.GaugeVec
 	oldestDLQ    *prometheus.GaugeVec
 	resumes      *prometheus.CounterVec
+	silences     *prometheus.CounterVec
 }
 
 // metrics are one consumer's series.
@@ -66,6 +67,8 @@ type metrics struct {
 	oldest    prometheus.Gauge
 	// resumes counts the feed's resets to the ack floor (feed.go), by why.
 	resumes map[string]prometheus.Counter
+	// silences counts pulls that heard nothing for two heartbeats (feed.go).
+	silences prometheus.Counter
 	// outcomes are the processed counters, looked up once: one of them
 	// counts every message.
 	outcomes map[string]prometheus.Counter
@@ -145,6 +148,10 @@ func newCounterVecs() *metricVecs {
 			Name: "outbox_consumer_resumes_total",
 			Help: "Times a durable or partition was reset to its ack floor to be delivered again in stream order, by reason: start (a run or a takeover), gap (deliveries missed, e.g. lost with a pull that ended), ended (the pull subscription ended).",
 		}, []string{"consumer", "reason"}),
+		silences: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_consumer_pull_silences_total",
+			Help: "Pulls of a durable or partition that received neither a delivery nor a heartbeat for two heartbeat intervals (2 s) and were asked afresh: a lost pull request, or the NATS server unreachable or too busy to answer.",
+		}, []string{"consumer"}),
 	}
 }
 
@@ -192,6 +199,9 @@ func (v *metricVecs) register(reg prometheus.Registerer) error {
 	if err == nil {
 		v.resumes, err = register(reg, v.resumes)
 	}
+	if err == nil {
+		v.silences, err = register(reg, v.silences)
+	}
 	return err
 }
 
@@ -216,6 +226,7 @@ func (v *metricVecs) series(name, owner string) *metrics {
 	}
 	return &metrics{
 		resumes:   resumes,
+		silences:  v.silences.WithLabelValues(name),
 		outcomes:  outcomes,
 		vecs:      v,
 		name:      name,
