@@ -243,7 +243,7 @@ func serveHTTP(ctx context.Context, g *errgroup.Group, c config.HTTP, h http.Han
 // are waited for, with backoff; refusals that need an operator end it at
 // once), builds the relay and streams until ctx ends.
 func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs relay.Observer, reg prometheus.Registerer,
-	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool, opts ...relay.Option) error {
+	rlp *atomic.Pointer[relay.Relay], ncp *atomic.Pointer[nats.Conn], ready *atomic.Bool, opts ...relay.Option) (err error) {
 	// The pollers and the reconcile loop share a small pool, apart from
 	// the replication connection; it connects on first use.
 	pool, err := sqlPool(ctx, cfg.Postgres.URL, 2)
@@ -265,6 +265,15 @@ func startAndRun(ctx context.Context, cfg config.Config, log *zap.Logger, obs re
 	defer func() {
 		stopSlots()
 		<-slotsDone
+		if err != nil && ctx.Err() == nil {
+			// The relay stops on a refusal (a lost slot among them) and
+			// run lingers to show why on /metrics: the gauges must show
+			// the slot as it is now. A refusal can come before the first
+			// poll finished (stopSlots cancelled it: a loaded machine, in
+			// TestSlotInvalidatedStatus), or after the last poll saw the
+			// slot still whole.
+			_ = slots.Poll(ctx)
+		}
 	}()
 	attempts := &natsAttempts{}
 	nc, err := dialNATS(cfg.NATS, log.Named("nats"), "outbox-relay "+cfg.Postgres.Slot, attempts)
