@@ -150,18 +150,20 @@ const sharedRecheck = 10 * time.Second
 // explains before a shareable feed counts as shared.
 const straysToShare = 2
 
-// pullHeartbeat is the idle heartbeat a plain durable's pull asks for (a
-// group's partitions get the same from their 2 s expiry). It bounds a
-// stall nats.go cannot see otherwise: it asks for more messages only when
-// fewer than half of those it asked for are on their way, so a pull
-// request that the server never holds — lost, or never sent while its
-// bookkeeping counted it (bench/README.md, the plain durable's 30 s
+// pullHeartbeat is the idle heartbeat a plain durable's pull asks for. It
+// bounds a stall nats.go cannot see otherwise: it asks for more messages
+// only when fewer than half of those it asked for are on their way, so a
+// pull request that the server never holds — lost, or never sent while
+// its bookkeeping counted it (bench/README.md, the plain durable's 30 s
 // stall) — leaves it waiting for deliveries the server does not owe, and
 // the server sends heartbeats only for requests it holds. Two missed
 // heartbeats make nats.go ask afresh (TestLostPullRequestDoesNotStallTheFeed):
-// with its default of half the 30 s expiry that took 30 s. An idle pull
-// costs one heartbeat a second.
-const pullHeartbeat = time.Second
+// with its default of half the 30 s expiry that took 30 s. Much shorter
+// would end pulls over hiccups a 30 s pull rode out: on a durable shared by
+// processes each such end costs a reset (silence). An idle pull costs a
+// heartbeat every 2 s. A group's partitions, whose pulls expire every 2 s,
+// have nats.go's 1 s heartbeat.
+const pullHeartbeat = 2 * time.Second
 
 // open resets the consumer to its ack floor and opens a new pull
 // subscription: deliveries made before the reset went to the previous
@@ -269,16 +271,24 @@ func (f *feed) recv(ctx context.Context) (delivery, error) {
 		switch {
 		case isGone(err), errors.Is(err, jetstream.ErrConnectionClosed):
 			return delivery{}, err
-		case errors.Is(err, jetstream.ErrNoHeartbeat), errors.Is(err, jetstream.ErrPinIDMismatch),
+		case errors.Is(err, jetstream.ErrNoHeartbeat) && f.silence(ctx, err):
+			// The server answers: nats.go asks afresh on the next pull.
+			f.run.interrupted = true
+			continue
+		case errors.Is(err, jetstream.ErrNoHeartbeat):
+			// The server does not answer either (silence logged it). With
+			// the link back, nats.go would ask afresh beside the requests
+			// the server still holds, and the server deliver all of them
+			// into a buffer sized for one: they would overflow it (slow
+			// consumer drops, a gap). A pull of its own after a reset
+			// gets only what it asks for.
+			f.why = resumeEnded
+		case errors.Is(err, jetstream.ErrPinIDMismatch),
 			errors.Is(err, jetstream.ErrConsumerLeadershipChanged), errors.Is(err, nats.ErrTimeout):
 			// The subscription lives on; a delivery lost meanwhile shows
 			// as a gap in the consumer sequence.
 			f.run.interrupted = true
-			if errors.Is(err, jetstream.ErrNoHeartbeat) {
-				f.logSilence(ctx, err)
-			} else {
-				f.log.Debug("pull interrupted; pulling on", zap.String("durable", f.name), zap.Error(err))
-			}
+			f.log.Debug("pull interrupted; pulling on", zap.String("durable", f.name), zap.Error(err))
 			continue
 		case errors.Is(err, errFeedGap):
 			f.why = resumeGap
@@ -296,22 +306,28 @@ func (f *feed) recv(ctx context.Context) (delivery, error) {
 	}
 }
 
-// logSilence reports a pull that received nothing, not even the server's
-// idle heartbeats, for two heartbeat intervals, with what the server and
-// the feed hold: with a live connection that is a stall of its own (the
-// server waited for acks, or had no pull request of ours), worth a look.
-func (f *feed) logSilence(ctx context.Context, err error) {
+// silence handles a pull that received nothing, not even the server's
+// idle heartbeats, for two heartbeat intervals: it counts and logs it with
+// what the server and the feed hold, and reports whether the server
+// answers. If it does, the link works and the server held no request of
+// ours (pullHeartbeat): pulling on is right. If not, the link or the
+// server is down, and the pull is better ended (recv).
+func (f *feed) silence(ctx context.Context, err error) (answers bool) {
 	f.c.met.silences.Inc()
 	fields := []zap.Field{zap.String("durable", f.name), zap.Int("unsettled", f.unsettled()), zap.Error(err)}
 	ictx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	info, ierr := f.cons.Info(ictx)
 	cancel()
-	if ierr == nil {
-		fields = append(fields, zap.Int("server_ack_pending", info.NumAckPending),
-			zap.Int("server_waiting", info.NumWaiting), zap.Uint64("server_pending", info.NumPending),
-			zap.Uint64("server_delivered", info.Delivered.Consumer), zap.Uint64("server_ack_floor", info.AckFloor.Consumer))
+	if ierr != nil {
+		f.log.Warn("no delivery nor heartbeat for two heartbeat intervals, and no answer from the server; resuming in order from the ack floor once it answers",
+			append(fields, zap.NamedError("info_error", ierr))...)
+		return false
 	}
-	f.log.Info("no delivery nor heartbeat for two heartbeat intervals; pulling on", fields...)
+	f.log.Info("no delivery nor heartbeat for two heartbeat intervals; pulling on",
+		append(fields, zap.Int("server_ack_pending", info.NumAckPending),
+			zap.Int("server_waiting", info.NumWaiting), zap.Uint64("server_pending", info.NumPending),
+			zap.Uint64("server_delivered", info.Delivered.Consumer), zap.Uint64("server_ack_floor", info.AckFloor.Consumer))...)
+	return true
 }
 
 // errRecheck asks a shared feed to reset, to learn whether it is alone.

@@ -169,8 +169,15 @@ func (f *fixture) baseConfig(name string) Config {
 // start runs a consumer until the test ends.
 func (f *fixture) start(cfg Config, h Handler, opts ...Option) *Consumer {
 	f.t.Helper()
+	return f.startOn(f.js, cfg, h, opts...)
+}
+
+// startOn runs a consumer on js (another connection than the fixture's)
+// until the test ends.
+func (f *fixture) startOn(js jetstream.JetStream, cfg Config, h Handler, opts ...Option) *Consumer {
+	f.t.Helper()
 	opts = append([]Option{WithLogger(zaptest.NewLogger(f.t)), WithRegisterer(f.reg)}, opts...)
-	c, err := New(f.pool, f.js, cfg, h, opts...)
+	c, err := New(f.pool, js, cfg, h, opts...)
 	testenv.Must(f.t, err, "new consumer")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -224,17 +231,13 @@ func (f *fixture) waitSettled(name string, timeout time.Duration) {
 	f.t.Helper()
 	var last *jetstream.ConsumerInfo
 	ok := testenv.WaitFor(timeout, func() bool {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		c, err := f.js.Consumer(ctx, f.stream, name)
-		if err != nil {
-			return false
-		}
-		info, err := c.Info(ctx)
-		if err != nil {
+		info, ok := f.consumerInfo(name)
+		if !ok {
 			return false
 		}
 		last = info
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
 		// The ack floor at the stream's last sequence means everything was
 		// delivered and acknowledged (the counters alone can be read before
 		// a just-created consumer has computed them).
@@ -249,6 +252,18 @@ func (f *fixture) waitSettled(name string, timeout time.Duration) {
 	if !ok {
 		f.t.Fatalf("consumer %s not settled within %s: %+v", name, timeout, last)
 	}
+}
+
+// consumerInfo asks the server for the durable consumer's state.
+func (f *fixture) consumerInfo(name string) (*jetstream.ConsumerInfo, bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	c, err := f.js.Consumer(ctx, f.stream, name)
+	if err != nil {
+		return nil, false
+	}
+	info, err := c.Info(ctx)
+	return info, err == nil
 }
 
 func (f *fixture) waitFor(what string, timeout time.Duration, cond func() bool) {

@@ -150,7 +150,7 @@ func newCounterVecs() *metricVecs {
 		}, []string{"consumer", "reason"}),
 		silences: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_consumer_pull_silences_total",
-			Help: "Pulls of a durable or partition that received neither a delivery nor a heartbeat for two heartbeat intervals (2 s) and were asked afresh: a lost pull request, or the NATS server unreachable or too busy to answer.",
+			Help: "Pulls of a durable or partition that received neither a delivery nor a heartbeat for two heartbeat intervals: asked afresh when the server answers (it held no request of ours), ended and resumed from the ack floor when it does not (the link or NATS down).",
 		}, []string{"consumer"}),
 	}
 }

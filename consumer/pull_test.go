@@ -3,6 +3,7 @@ package consumer
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -12,6 +13,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -55,6 +59,72 @@ func TestLostPullRequestDoesNotStallTheFeed(t *testing.T) {
 	}
 	if n := metricValue(t, c.met.silences); n < 1 {
 		t.Errorf("outbox_consumer_pull_silences_total = %v after a silent pull, want ≥ 1", n)
+	}
+}
+
+// TestStalledLinkEndsThePullInsteadOfPilingUpRequests: the consumer's link
+// to NATS stops carrying bytes for 12 s (the TCP connection stays up)
+// while events are published on another connection. Pulling on after each
+// missed-heartbeat check would make nats.go ask afresh every few seconds
+// beside the requests the server still holds, and on heal the server
+// would deliver them all into nats.go's buffer sized for one request:
+// slow-consumer drops and a gap (with 1 s heartbeats and pulling on: 1–2
+// drops and 1 gap reset in every run). The feed ends such a pull instead
+// and resumes from the ack floor once the server answers.
+func TestStalledLinkEndsThePullInsteadOfPilingUpRequests(t *testing.T) {
+	env := testenv.Get(t)
+	f := newFixture(t)
+	proxy, err := testenv.StartProxy(strings.TrimPrefix(env.NATS.URL, "nats://"))
+	testenv.Must(t, err, "proxy")
+	t.Cleanup(proxy.Close)
+	var slow atomic.Int64
+	nc, err := nats.Connect("nats://"+proxy.Addr, nats.MaxReconnects(-1),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			if errors.Is(err, nats.ErrSlowConsumer) {
+				slow.Add(1)
+			}
+		}))
+	testenv.Must(t, err, "connect through the proxy")
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	testenv.Must(t, err, "jetstream")
+
+	const name = "stalled"
+	cfg := f.baseConfig(name)
+	cfg.AckWait = 30 * time.Second
+	c := f.startOn(js, cfg, newRecorder(name))
+	f.waitFor("the pull held by the server", 30*time.Second, func() bool {
+		info, ok := f.consumerInfo(name)
+		return ok && info.NumWaiting >= 1
+	})
+	proxy.Stall(testenv.Both)
+	healAt := time.Now().Add(12 * time.Second)
+	const events = 4000
+	for i := range events {
+		e := event{ID: uuidN(i + 1), AggID: fmt.Sprintf("agg-%d", i%100), Version: int64(i/100 + 1)}
+		if _, err := f.js.PublishMsgAsync(e.msg(f.stream)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	<-f.js.PublishAsyncComplete()
+	f.waitFor("two missed-heartbeat checks", time.Until(healAt)+time.Minute, func() bool {
+		return metricValue(t, c.met.silences) >= 1 && !time.Now().Before(healAt)
+	})
+	proxy.Heal()
+	f.waitFor("every event applied", 3*time.Minute, func() bool {
+		return queryInt(t, f.pool, `SELECT count(DISTINCT event_id) FROM applied`) >= events
+	})
+	f.waitSettled(name, 2*time.Minute)
+	twice := queryInt(t, f.pool, `SELECT count(*) FROM (SELECT event_id FROM applied GROUP BY event_id HAVING count(*) > 1) d`)
+	disorder := queryInt(t, f.pool, `SELECT count(*) FROM (
+		SELECT version, row_number() OVER (PARTITION BY aggregate_id ORDER BY n) AS pos FROM applied) o WHERE version <> pos`)
+	res := resumesByReason(t, f.reg)
+	t.Logf("silences %.0f, resumes %v, slow-consumer reports %d", metricValue(t, c.met.silences), res, slow.Load())
+	if twice != 0 || disorder != 0 {
+		t.Errorf("applied twice %d, out of version order %d", twice, disorder)
+	}
+	if slow.Load() != 0 || res[resumeGap] != 0 {
+		t.Errorf("the stalled link made %d slow-consumer drops and %.0f gap resets", slow.Load(), res[resumeGap])
 	}
 }
 
