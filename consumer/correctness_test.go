@@ -442,14 +442,8 @@ func TestShutdownKeepsHeldMessagesBehindTheFailedOne(t *testing.T) {
 	f.publish(event{ID: uuidN(1), AggID: "a", Version: 1}, event{ID: uuidN(2), AggID: "a", Version: 2})
 	stop := f.run(f.newConsumer(cfg, first))
 	f.waitFor("version 1 failed and version 2 delivered", 15*time.Second, func() bool {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		c, err := f.js.Consumer(ctx, f.stream, "rolling")
-		if err != nil {
-			return false
-		}
-		info, err := c.Info(ctx)
-		return err == nil && failed.Load() && info.Delivered.Stream >= 2
+		info, ok := f.consumerInfo("rolling")
+		return ok && failed.Load() && info.Delivered.Stream >= 2
 	})
 	testenv.Must(t, stop(), "first process")
 	f.run(f.newConsumer(cfg, newRecorder("rolling"))) // the next process of a rolling deploy

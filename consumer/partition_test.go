@@ -1,7 +1,6 @@
 package consumer
 
 import (
-	"context"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -13,14 +12,8 @@ import (
 
 // pinOf is the client partition durable name is pinned to ("" for none).
 func (f *fixture) pinOf(name string) string {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	c, err := f.js.Consumer(ctx, f.stream, name)
-	if err != nil {
-		return ""
-	}
-	info, err := c.Info(ctx)
-	if err != nil {
+	info, ok := f.consumerInfo(name)
+	if !ok {
 		return ""
 	}
 	for _, pg := range info.PriorityGroups {
