@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
@@ -128,15 +129,81 @@ func DropSlot(ctx context.Context, cfg Config) (bool, error) {
 	if err := checkSlotOwner(ctx, conn, cfg.Slot, st, "it is not this relay's slot: leave it to its owner, or check postgres.url and postgres.slot"); err != nil {
 		return false, err
 	}
+	if st, err = awaitRelease(ctx, conn, cfg.Slot, st); err != nil {
+		return false, err
+	}
 	if st.Active {
-		return false, actionable(ErrSlotInUse, "stop the relay before dropping its slot", "slot %q is streaming to pid %d", cfg.Slot, st.ActivePID)
+		return false, slotInUse(cfg.Slot, st.ActivePID)
 	}
 	if _, err := conn.Exec(ctx, "SELECT pg_drop_replication_slot($1)", cfg.Slot); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse {
+			// A relay started between the look and the drop.
+			return false, slotInUse(cfg.Slot, 0)
+		}
 		return false, fmt.Errorf("drop slot %q: %w", cfg.Slot, err)
 	}
 	// A record of an interrupted backfill belonged to the dropped slot; a
 	// slot created later without a backfill must not be refused for it.
 	return true, forgetBackfill(ctx, conn, cfg)
+}
+
+// SlotReleaseGrace is how long a look at an active slot waits for it to be
+// released before it says the slot is in use. A relay that has just stopped
+// has closed its replication connection, but its walsender exits in its own
+// time and keeps the slot active until then: on a loaded server, after a
+// `teardown` run right after the stop has looked. A relay still streaming
+// holds the slot past the grace.
+const SlotReleaseGrace = 5 * time.Second
+
+// slotReleasePoll is how often an active slot is looked at again.
+const slotReleasePoll = 50 * time.Millisecond
+
+// awaitRelease reads the slot's status again while st says it is active,
+// until it is released or SlotReleaseGrace has passed, and returns the last
+// status read.
+func awaitRelease(ctx context.Context, conn *pgx.Conn, slot string, st SlotStatus) (SlotStatus, error) {
+	giveUp := time.Now().Add(SlotReleaseGrace)
+	for st.Active && time.Now().Before(giveUp) {
+		t := time.NewTimer(slotReleasePoll)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return st, ctx.Err()
+		case <-t.C:
+		}
+		var err error
+		if st, err = slotStatus(ctx, conn, slot); err != nil {
+			return st, err
+		}
+	}
+	return st, nil
+}
+
+// slotInUse is the refusal to drop a slot a relay streams from (pid 0: not
+// known).
+func slotInUse(slot string, pid int32) error {
+	const fix = "stop the relay before dropping its slot"
+	if pid == 0 {
+		return actionable(ErrSlotInUse, fix, "slot %q is streaming to a relay", slot)
+	}
+	return actionable(ErrSlotInUse, fix, "slot %q is streaming to pid %d (still after %s)", slot, pid, SlotReleaseGrace)
+}
+
+// ReleasedStatus is Status, except that an active slot is read again until
+// it is released or SlotReleaseGrace has passed: an answer for a command
+// that must not act while a relay streams, run right after one stopped.
+func ReleasedStatus(ctx context.Context, url, slot string) (SlotStatus, error) {
+	conn, err := connectSQL(ctx, url)
+	if err != nil {
+		return SlotStatus{}, err
+	}
+	defer conn.Close(ctx)
+	st, err := slotStatus(ctx, conn, slot)
+	if err != nil {
+		return st, err
+	}
+	return awaitRelease(ctx, conn, slot, st)
 }
 
 // checkSlotOwner fails with ErrSlotMismatch, naming the slot's owner, when

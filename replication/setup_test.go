@@ -106,6 +106,48 @@ func TestSetupErrors(t *testing.T) {
 	})
 }
 
+// teardown right after a relay stopped: the relay closed its replication
+// connection, but its walsender exits in its own time and holds the slot
+// until then (on a loaded machine CI saw teardown refused, "slot is
+// streaming to pid N", after a clean stop). DropSlot waits for the release,
+// within SlotReleaseGrace, and still refuses a slot a relay streams from.
+func TestDropSlotWaitsForARelease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, cfg := outboxDB(t, testenv.Get(t).PG)
+	if _, err := replication.Setup(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	st, err := replication.Open(ctx, cfg, watermark.NewTracker(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	_, err = replication.DropSlot(ctx, cfg)
+	if !errors.Is(err, replication.ErrSlotInUse) || !strings.Contains(err.Error(), "stop the relay") {
+		t.Fatalf("DropSlot while streaming: %v, want ErrSlotInUse", err)
+	}
+	if waited := time.Since(start); waited < replication.SlotReleaseGrace {
+		t.Fatalf("refused after %s, want the grace of %s first", waited, replication.SlotReleaseGrace)
+	}
+	// Released while DropSlot looks: the slot is dropped.
+	released := make(chan error, 1)
+	go func() {
+		time.Sleep(time.Second) // DropSlot's first look sees the slot active
+		released <- st.Close(ctx)
+	}()
+	dropped, err := replication.DropSlot(ctx, cfg)
+	if err != nil || !dropped {
+		t.Fatalf("DropSlot as the slot is released: dropped %v, %v", dropped, err)
+	}
+	if err := <-released; err != nil {
+		t.Logf("close: %v", err)
+	}
+	if s, err := replication.Status(ctx, cfg.URL, cfg.Slot); err != nil || s.Exists {
+		t.Fatalf("slot after DropSlot: %+v, %v", s, err)
+	}
+}
+
 func TestWalLevelNotLogical(t *testing.T) {
 	t.Parallel()
 	if testing.Short() {

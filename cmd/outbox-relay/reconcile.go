@@ -51,7 +51,7 @@ func sqlPool(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 // a second time — stored twice once the relay lags by more than the
 // duplicate window.
 func refuseActiveSlot(ctx context.Context, cfg config.Config) error {
-	st, err := replication.Status(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
+	st, err := replication.ReleasedStatus(ctx, cfg.Postgres.URL, cfg.Postgres.Slot)
 	if err != nil {
 		return err
 	}
