@@ -85,13 +85,12 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 		}
 	}
 	c.met.batchSize.Observe(float64(len(todo)))
-	rejects := map[int]*RejectError{}
 	for redo := 0; len(todo) > 0; redo++ {
 		if redo > maxBatchRedo {
 			return oneByOne(out, todo)
 		}
 		start := time.Now()
-		try := c.batchTx(ctx, its, todo, rejects)
+		try := c.batchTx(ctx, its, todo)
 		c.met.batchTx.Observe(time.Since(start).Seconds())
 		switch try.end {
 		case batchBroken:
@@ -105,7 +104,10 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 		}
 		f := todo[try.at]
 		if try.failed.kind == resRejectRedo {
-			rejects[f] = try.failed.reject
+			// Kept on the item, not in this loop: taken one at a time
+			// after all (oneByOne), it is recorded as rejected there too,
+			// without a second call of the handler.
+			its[f].rejected = try.failed.reject
 			continue
 		}
 		out.res[f] = try.failed
@@ -183,7 +185,7 @@ type batchTry struct {
 // batchTx runs one transaction over the items its[todo[k]]: the batch's
 // dedup statement, then each message's step, then HandleBatch and the
 // commit.
-func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects map[int]*RejectError) batchTry {
+func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int) batchTry {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
 	broken := func() batchTry { return batchTry{end: batchBroken, overran: ctx.Err() != nil} }
@@ -197,7 +199,7 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 			c.rollback(ctx, tx)
 		}
 	}()
-	fresh, err := c.insertBatch(ctx, tx, its, todo, rejects)
+	fresh, err := c.insertBatch(ctx, tx, its, todo)
 	if err != nil {
 		return broken()
 	}
@@ -205,14 +207,14 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 	var apply []*Message // for a BatchHandler
 	bh, _ := c.h.(BatchHandler)
 	for k, i := range todo {
-		s := c.step(ctx, tx, stepIn{it: its[i], reject: rejects[i], recorded: fresh[k], deferred: bh != nil, shared: true})
+		s := c.step(ctx, tx, stepIn{it: its[i], reject: its[i].rejected, recorded: fresh[k], deferred: bh != nil, shared: true})
 		switch s.outcome {
 		case stepBroken:
 			return broken()
 		case stepFailed:
 			return batchTry{end: batchOneFailed, at: k, failed: s.res}
 		case stepWrote:
-			if bh != nil && rejects[i] == nil {
+			if bh != nil && its[i].rejected == nil {
 				apply = append(apply, &its[i].m)
 			}
 		}
@@ -240,28 +242,30 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int, rejects
 // insertBatch runs the batch's dedup statement and reports, per todo entry,
 // whether its row was written now (the first message of an id new to the
 // consumer).
-func (c *Consumer) insertBatch(ctx context.Context, tx pgx.Tx, its []*item, todo []int, rejects map[int]*RejectError) ([]bool, error) {
+func (c *Consumer) insertBatch(ctx context.Context, tx pgx.Tx, its []*item, todo []int) ([]bool, error) {
 	n := len(todo)
 	var (
 		ids, types, aggTypes, aggIDs = make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 		hashes                       = make([][]byte, n)
 		versions                     = make([]int64, n)
+		rejected                     bool
 	)
 	for k, i := range todo {
 		ev := &its[i].m.Event
 		ids[k], hashes[k], types[k], aggTypes[k], aggIDs[k], versions[k] = ev.ID, its[i].hash, ev.Type, ev.AggregateType, ev.AggregateID, ev.AggregateVersion
+		rejected = rejected || its[i].rejected != nil
 	}
 	var (
 		rows pgx.Rows
 		err  error
 	)
-	if len(rejects) == 0 {
+	if !rejected {
 		rows, err = tx.Query(ctx, insertAppliedBatch, c.cfg.Name, ids, hashes, types, aggTypes, aggIDs, versions)
 	} else {
 		outcomes, reasons := make([]string, n), make([]*string, n)
 		for k, i := range todo {
 			outcomes[k] = outcomeApplied
-			if r := rejects[i]; r != nil {
+			if r := its[i].rejected; r != nil {
 				outcomes[k], reasons[k] = outcomeRejected, &r.Reason
 			}
 		}

@@ -161,6 +161,10 @@ type item struct {
 	hash     []byte
 	replay   *replayRequest
 	received time.Time
+	// rejected: the handler rejected this delivery in an attempt that was
+	// rolled back (a batch's). Every later attempt records the rejection
+	// instead of calling the handler again, as a message alone is redone.
+	rejected *RejectError
 	span     trace.Span // nil unless tracing (tracing.go)
 	spanDead bool       // dead-lettered: the span's outcome
 }

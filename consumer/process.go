@@ -66,9 +66,10 @@ func (c *Consumer) process(ctx context.Context, it *item) result {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
 	start := time.Now()
-	res := c.runTx(ctx, it, nil)
+	res := c.runTx(ctx, it, it.rejected)
 	if res.kind == resRejectRedo {
-		res = c.runTx(ctx, it, res.reject)
+		it.rejected = res.reject
+		res = c.runTx(ctx, it, it.rejected)
 	}
 	c.met.handle.Observe(time.Since(start).Seconds())
 	return res
