@@ -76,12 +76,15 @@ func newWorker(c *Consumer, src source, id int) *worker {
 
 // run applies the worker's messages until ctx is cancelled, then waits for
 // the message in flight and gives the rest back to the broker. The message
-// being processed runs on a goroutine of its own, started and waited for
-// here, while this goroutine keeps taking messages from the dispatcher and
-// keeping them alive: a slow handler, or one that ignores its context and
-// hangs, delays this worker's aggregates only, never the dispatcher and so
-// never the other workers. Only this goroutine touches the worker's state;
-// the processing goroutine gets the item and hands back a result.
+// being processed runs on a goroutine of its own, the worker's processor,
+// started here and waited for on return, while this goroutine keeps taking
+// messages from the dispatcher and keeping them alive: a slow handler, or
+// one that ignores its context and hangs, delays this worker's aggregates
+// only, never the dispatcher and so never the other workers. Only this
+// goroutine touches the worker's state; the processor gets the items and
+// hands back a result. One processor for the worker's life, not a goroutine
+// per message: a new goroutine grew its stack again through pgx for every
+// message, a few percent of the consumer's CPU at moderate rates.
 func (w *worker) run(ctx context.Context) error {
 	tick := time.NewTicker(w.c.cfg.AckWait / 3)
 	defer tick.Stop()
@@ -90,6 +93,17 @@ func (w *worker) run(ctx context.Context) error {
 		busy chan batchOutcome // cur's results; nil while idle
 		stop = ctx.Done()
 	)
+	jobs, results, exited := make(chan []*item, 1), make(chan batchOutcome, 1), make(chan struct{})
+	go func() {
+		defer close(exited)
+		for its := range jobs {
+			results <- w.c.processItems(ctx, its)
+		}
+	}()
+	defer func() { // returns only while idle: the processor ends at once
+		close(jobs)
+		<-exited
+	}()
 	for {
 		if busy == nil {
 			if ctx.Err() != nil {
@@ -97,8 +111,8 @@ func (w *worker) run(ctx context.Context) error {
 				return nil
 			}
 			if cur = w.take(); len(cur) > 0 {
-				busy = make(chan batchOutcome, 1)
-				go func(its []*item, out chan<- batchOutcome) { out <- w.c.processItems(ctx, its) }(cur, busy)
+				busy = results
+				jobs <- cur
 			}
 		}
 		select {
