@@ -62,6 +62,7 @@ func partitionedBacklog(ctx context.Context, env *benchEnv, events, aggs, pad, p
 type memberProgress struct {
 	applied, first, last atomic.Int64 // count; unix ns of the first and last commit
 	batches, batched     atomic.Int64 // at exit: batch transactions, the messages in them
+	reported             atomic.Bool  // batches and batched were reported
 	exited               atomic.Bool  // its stdout closed: the process ended
 }
 

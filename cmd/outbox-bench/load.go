@@ -71,6 +71,32 @@ type loadPoint struct {
 	Walsender        procCost `json:"postgres_walsender"`
 	ConsumerBackends procCost `json:"postgres_consumer_backends"`
 	MachineCores     float64  `json:"machine_cores"`
+	// ConsumerBatches and ConsumerBatched are the consumer's batch
+	// transactions over the run and the messages in them, as the member
+	// reports them at exit; ConsumerTx is every transaction, the lone
+	// messages' too (0: the member reported nothing). How much a batch
+	// size above 1 batched at this load.
+	ConsumerBatches int64 `json:"consumer_batches"`
+	ConsumerBatched int64 `json:"consumer_batched_messages"`
+	ConsumerTx      int64 `json:"consumer_transactions,omitempty"`
+}
+
+// messagesPerTx is how many messages the consumer's transactions carried
+// on average in pt, 0 when not known.
+func (pt *loadPoint) messagesPerTx() float64 {
+	if pt.ConsumerTx == 0 {
+		return 0
+	}
+	return float64(pt.Events) / float64(pt.ConsumerTx)
+}
+
+// setBatches records what the stopped member reported of its batches.
+func (pt *loadPoint) setBatches(m *memberProc) {
+	if !m.progress.reported.Load() {
+		return
+	}
+	pt.ConsumerBatches, pt.ConsumerBatched = m.progress.batches.Load(), m.progress.batched.Load()
+	pt.ConsumerTx = pt.ConsumerBatches + int64(pt.Events) - pt.ConsumerBatched
 }
 
 func costOf(s procSample, events int, seconds float64) procCost {
@@ -275,6 +301,7 @@ func (st *loadStage) atRate(ctx context.Context, rate, batch int) (loadPoint, er
 	if err := p.consumer.stop(); err != nil {
 		return pt, fmt.Errorf("consumer: %w", err)
 	}
+	pt.setBatches(p.consumer)
 	lat, err := readAppliedTimes(latPath, from)
 	if err != nil {
 		return pt, err
@@ -371,6 +398,10 @@ func (st *loadStage) drain(ctx context.Context) (loadPoint, error) {
 	pt.Consumer = costOf(marks[3].s.sub(marks[2].s), int(marks[3].n-marks[2].n), 1)
 	pt.Relay.Cores, pt.Consumer.Cores = 0, 0 // not over the run's window
 	pt.Achieved = float64(n) / pt.Seconds
+	if err := p.consumer.stop(); err != nil {
+		return pt, fmt.Errorf("consumer: %w", err)
+	}
+	pt.setBatches(p.consumer)
 	return pt, nil
 }
 
@@ -422,6 +453,10 @@ func startMemberProc(ctx context.Context, o *options, env *benchEnv, db *benchDB
 			var n, first, last int64
 			if _, err := fmt.Sscanf(sc.Text(), "applied %d first %d last %d", &n, &first, &last); err == nil {
 				m.progress.applied.Store(n)
+			} else if _, err := fmt.Sscanf(sc.Text(), "batches %d messages %d", &n, &first); err == nil {
+				m.progress.batches.Store(n)
+				m.progress.batched.Store(first)
+				m.progress.reported.Store(true)
 			}
 		}
 	}()

@@ -46,7 +46,7 @@ func (p *loadPhase) floorAt(rate int) *e2eFloor {
 // loadRows is the load phase as table rows: a header and one row per run,
 // the drain first.
 func loadRows(p *loadPhase) [][]string {
-	head := []string{"offered/s", "consumer batch", "achieved/s", "insert→applied p50 ms", "p99 ms", "floor p50 ms", "floor p99 ms",
+	head := []string{"offered/s", "consumer batch", "messages/tx", "achieved/s", "insert→applied p50 ms", "p99 ms", "floor p50 ms", "floor p99 ms",
 		"relay", "consumer", "NATS server", "PostgreSQL", "walsender", "consumer backends",
 		"relay wake-ups/event", "consumer", "NATS", "PostgreSQL", "machine cores"}
 	rows := [][]string{head}
@@ -59,7 +59,11 @@ func loadRows(p *loadPhase) [][]string {
 		if pt.Offered == 0 {
 			p50, p99 = "", ""
 		}
-		rows = append(rows, []string{label, fmt.Sprint(pt.BatchSize), num(pt.Achieved), p50, p99, fp50, fp99,
+		perTx := ""
+		if n := pt.messagesPerTx(); n > 0 {
+			perTx = f2(n)
+		}
+		rows = append(rows, []string{label, fmt.Sprint(pt.BatchSize), perTx, num(pt.Achieved), p50, p99, fp50, fp99,
 			f4(pt.Relay.CPUPer1k), f4(pt.Consumer.CPUPer1k), f4(pt.NATS.CPUPer1k), f4(pt.Postgres.CPUPer1k), f4(pt.Walsender.CPUPer1k), f4(pt.ConsumerBackends.CPUPer1k),
 			f2(pt.Relay.WakeupsPerEvent), f2(pt.Consumer.WakeupsPerEvent), f2(pt.NATS.WakeupsPerEvent), f2(pt.Postgres.WakeupsPerEvent), f2(pt.MachineCores)})
 	}
@@ -72,7 +76,7 @@ func loadRows(p *loadPhase) [][]string {
 	return rows
 }
 
-const loadCaption = "CPU in seconds per 1,000 events; wake-ups are voluntary context switches per event (all threads); PostgreSQL is the whole cluster, of which the walsender and the consumer's backends; the floor is the same load's two durable commits back to back (writer, then the consumer's transaction) with a bare reader decoding meanwhile"
+const loadCaption = "messages/tx is how many messages the consumer's transactions carried on average; CPU in seconds per 1,000 events; wake-ups are voluntary context switches per event (all threads); PostgreSQL is the whole cluster, of which the walsender and the consumer's backends; the floor is the same load's two durable commits back to back (writer, then the consumer's transaction) with a bare reader decoding meanwhile"
 
 func printLoad(w io.Writer, r *results) {
 	p := r.Load

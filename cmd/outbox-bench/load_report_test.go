@@ -83,3 +83,36 @@ func TestLoadFilesAreWellFormed(t *testing.T) {
 		t.Errorf("markdown:\n%s", md)
 	}
 }
+
+func TestMessagesPerTx(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		pt   loadPoint
+		want float64
+	}{
+		{"not reported", loadPoint{BatchSize: 64, Events: 1000}, 0},
+		{"every message alone", loadPoint{BatchSize: 64, Events: 1000, ConsumerTx: 1000}, 1},
+		{"half in batches of 4", loadPoint{BatchSize: 64, Events: 1000, ConsumerBatches: 125, ConsumerBatched: 500, ConsumerTx: 625}, 1000.0 / 625},
+		{"all in batches of 10", loadPoint{BatchSize: 64, Events: 1000, ConsumerBatches: 100, ConsumerBatched: 1000, ConsumerTx: 100}, 10},
+	} {
+		if got := c.pt.messagesPerTx(); got != c.want {
+			t.Errorf("%s: %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+func TestSetBatches(t *testing.T) {
+	m := &memberProc{progress: &memberProgress{}}
+	pt := loadPoint{BatchSize: 64, Events: 1000}
+	pt.setBatches(m) // exited without its report
+	if pt.messagesPerTx() != 0 {
+		t.Fatalf("unreported: %v messages/tx", pt.messagesPerTx())
+	}
+	m.progress.batches.Store(125)
+	m.progress.batched.Store(500)
+	m.progress.reported.Store(true)
+	pt.setBatches(m)
+	if pt.ConsumerTx != 625 || pt.messagesPerTx() != 1.6 {
+		t.Fatalf("125 batches of 500 messages in 1,000 events: %d transactions, %v messages/tx", pt.ConsumerTx, pt.messagesPerTx())
+	}
+}
