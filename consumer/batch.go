@@ -87,7 +87,7 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 	c.met.batchSize.Observe(float64(len(todo)))
 	for redo := 0; len(todo) > 0; redo++ {
 		if redo > maxBatchRedo {
-			return oneByOne(out, todo)
+			return oneByOne(out, its, todo)
 		}
 		start := time.Now()
 		try := c.batchTx(ctx, its, todo)
@@ -95,7 +95,7 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 		switch try.end {
 		case batchBroken:
 			out.overran = try.overran
-			return oneByOne(out, todo)
+			return oneByOne(out, its, todo)
 		case batchCommitted:
 			for k, i := range todo {
 				out.res[i] = try.res[k]
@@ -116,6 +116,8 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 			switch {
 			case i == f:
 			case i > f && its[i].key == its[f].key:
+				// Judged after f's effect, which does not commit here.
+				its[i].rejected = nil
 				out.res[i] = result{kind: resRequeue}
 			default:
 				rest = append(rest, i)
@@ -127,8 +129,16 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 }
 
 // oneByOne sends the untried messages todo back to be taken one at a time.
-func oneByOne(out batchOutcome, todo []int) batchOutcome {
+// A rejection learnt in the batch is kept only by a message without an
+// earlier one of its aggregate among them: it was judged with those
+// applied in the same transaction, and alone each of them may yet fail.
+func oneByOne(out batchOutcome, its []*item, todo []int) batchOutcome {
+	before := make(map[string]bool, len(todo))
 	for _, i := range todo {
+		if before[its[i].key] {
+			its[i].rejected = nil
+		}
+		before[its[i].key] = true
 		out.res[i] = result{kind: resRequeue}
 	}
 	out.solo = true
