@@ -21,24 +21,39 @@ import (
 // two seconds and then lets it commit, and mode 'stubborn' does so through
 // cancel requests, as a commit waiting for its WAL flush does (pgx sends
 // one when it loses a connection).
+//
+// A cancel caught in one block is not enough: PostgreSQL 15's postmaster
+// delivers a cancel request as two SIGINTs (to the backend and to its
+// process group), and when the second arrives after the first was caught,
+// PL/pgSQL raises it at the handler's CHECK_FOR_INTERRUPTS, outside the
+// block, and the commit rolls back ('canceling statement due to user
+// request', STATEMENT: commit). hold_commit nests its waits depth+1 deep: a
+// cancel that escapes one level's handler is caught by the level around
+// it, so the commit outlasts depth such escapes
+// (TestStubbornFuseOutlastsADoubledCancel).
 func (f *fixture) fuse() {
 	f.t.Helper()
 	mustExec(f.t, f.pool, `CREATE TABLE commit_fuse (mode text NOT NULL)`)
+	mustExec(f.t, f.pool, `CREATE FUNCTION hold_commit(until timestamptz, depth int) RETURNS void LANGUAGE plpgsql AS $$
+		BEGIN
+			WHILE clock_timestamp() < until LOOP
+				BEGIN
+					IF depth = 0 THEN
+						PERFORM pg_sleep(EXTRACT(EPOCH FROM until - clock_timestamp()));
+					ELSE
+						PERFORM hold_commit(until, depth - 1);
+					END IF;
+				EXCEPTION WHEN query_canceled THEN NULL;
+				END;
+			END LOOP;
+		END $$`)
 	mustExec(f.t, f.pool, `CREATE FUNCTION blow_commit_fuse() RETURNS trigger LANGUAGE plpgsql AS $$
 		BEGIN
 			IF NEW.mode = 'kill' THEN
 				PERFORM pg_terminate_backend(pg_backend_pid());
 				PERFORM pg_sleep(10); -- the termination lands here
 			ELSIF NEW.mode = 'stubborn' THEN
-				DECLARE until timestamptz := clock_timestamp() + interval '2 seconds';
-				BEGIN
-					WHILE clock_timestamp() < until LOOP
-						BEGIN
-							PERFORM pg_sleep(EXTRACT(EPOCH FROM until - clock_timestamp()));
-						EXCEPTION WHEN query_canceled THEN NULL;
-						END;
-					END LOOP;
-				END;
+				PERFORM hold_commit(clock_timestamp() + interval '2 seconds', 3);
 			ELSE
 				PERFORM pg_sleep(2);
 			END IF;
