@@ -106,7 +106,8 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 		if try.failed.kind == resRejectRedo {
 			// Kept on the item, not in this loop: taken one at a time
 			// after all (oneByOne), it is recorded as rejected there too,
-			// without a second call of the handler.
+			// without a second call of the handler, unless an earlier
+			// message of its aggregate is still to be applied.
 			its[f].rejected = try.failed.reject
 			continue
 		}

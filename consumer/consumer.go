@@ -162,8 +162,10 @@ type item struct {
 	replay   *replayRequest
 	received time.Time
 	// rejected: the handler rejected this delivery in an attempt that was
-	// rolled back (a batch's). Every later attempt records the rejection
-	// instead of calling the handler again, as a message alone is redone.
+	// rolled back (a batch's). A later attempt records the rejection
+	// instead of calling the handler again, as a message alone is redone;
+	// processBatch clears it when an earlier message of the aggregate, whose
+	// uncommitted effect the handler saw, is still to be applied.
 	rejected *RejectError
 	span     trace.Span // nil unless tracing (tracing.go)
 	spanDead bool       // dead-lettered: the span's outcome
