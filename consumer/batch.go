@@ -200,8 +200,8 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int) batchTr
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.HandlerTimeout)
 	defer cancel()
 	broken := func() batchTry { return batchTry{end: batchBroken, overran: ctx.Err() != nil} }
-	tx, err := c.db.Begin(ctx)
-	if err != nil {
+	tx, fresh, err := c.beginBatch(ctx, its, todo)
+	if tx == nil {
 		return broken()
 	}
 	committed := false
@@ -210,7 +210,6 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int) batchTr
 			c.rollback(ctx, tx)
 		}
 	}()
-	fresh, err := c.insertBatch(ctx, tx, its, todo)
 	if err != nil {
 		return broken()
 	}
@@ -250,10 +249,21 @@ func (c *Consumer) batchTx(ctx context.Context, its []*item, todo []int) batchTr
 	return batchTry{end: batchCommitted, res: res}
 }
 
-// insertBatch runs the batch's dedup statement and reports, per todo entry,
-// whether its row was written now (the first message of an id new to the
-// consumer).
+// insertBatch runs the batch's dedup statement in tx and reports, per
+// todo entry, whether its row was written now (the first message of an id
+// new to the consumer).
 func (c *Consumer) insertBatch(ctx context.Context, tx pgx.Tx, its []*item, todo []int) ([]bool, error) {
+	query, args := batchInsert(c.cfg.Name, its, todo)
+	rows, err := tx.Query(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return readFresh(rows, its, todo)
+}
+
+// batchInsert is the dedup statement of the batch its[todo[k]] for the
+// consumer name, and its arguments.
+func batchInsert(name string, its []*item, todo []int) (string, []any) {
 	n := len(todo)
 	var (
 		ids, types, aggTypes, aggIDs = make([]string, n), make([]string, n), make([]string, n), make([]string, n)
@@ -266,30 +276,29 @@ func (c *Consumer) insertBatch(ctx context.Context, tx pgx.Tx, its []*item, todo
 		ids[k], hashes[k], types[k], aggTypes[k], aggIDs[k], versions[k] = ev.ID, its[i].hash, ev.Type, ev.AggregateType, ev.AggregateID, ev.AggregateVersion
 		rejected = rejected || its[i].rejected != nil
 	}
-	var (
-		rows pgx.Rows
-		err  error
-	)
 	if !rejected {
-		rows, err = tx.Query(ctx, insertAppliedBatch, c.cfg.Name, ids, hashes, types, aggTypes, aggIDs, versions)
-	} else {
-		outcomes, reasons := make([]string, n), make([]*string, n)
-		for k, i := range todo {
-			outcomes[k] = outcomeApplied
-			if r := its[i].rejected; r != nil {
-				outcomes[k], reasons[k] = outcomeRejected, &r.Reason
-			}
+		return insertAppliedBatch, []any{name, ids, hashes, types, aggTypes, aggIDs, versions}
+	}
+	outcomes, reasons := make([]string, n), make([]*string, n)
+	for k, i := range todo {
+		outcomes[k] = outcomeApplied
+		if r := its[i].rejected; r != nil {
+			outcomes[k], reasons[k] = outcomeRejected, &r.Reason
 		}
-		rows, err = tx.Query(ctx, insertConsumedBatch, c.cfg.Name, ids, hashes, types, aggTypes, aggIDs, versions, outcomes, reasons)
 	}
-	if err != nil {
-		return nil, err
-	}
+	return insertConsumedBatch, []any{name, ids, hashes, types, aggTypes, aggIDs, versions, outcomes, reasons}
+}
+
+// readFresh reads the event ids the batch's dedup statement returned (the
+// rows it wrote) and closes rows: per todo entry, whether its row was
+// written now. Of two messages with one id only the first counts as
+// written.
+func readFresh(rows pgx.Rows, its []*item, todo []int) ([]bool, error) {
+	defer rows.Close()
 	written := map[string]bool{}
 	for rows.Next() {
 		var id string
 		if err := rows.Scan(&id); err != nil {
-			rows.Close()
 			return nil, err
 		}
 		written[id] = true
@@ -297,9 +306,9 @@ func (c *Consumer) insertBatch(ctx context.Context, tx pgx.Tx, its []*item, todo
 	if err := rows.Err(); err != nil {
 		return nil, err
 	}
-	fresh := make([]bool, n)
-	for k, id := range ids {
-		if written[id] {
+	fresh := make([]bool, len(todo))
+	for k, i := range todo {
+		if id := its[i].m.ID; written[id] {
 			fresh[k] = true
 			delete(written, id) // a later message with this id is not the one written
 		}
