@@ -511,17 +511,16 @@ const (
 	RETURNING event_id`
 )
 
+// ceilingTx applies evs in one transaction with the library's statements
+// and round trips: BEGIN and the dedup statement together (a batch begun
+// with pgx.Batch.BeginTx, as package consumer sends them), the effects,
+// COMMIT.
 func ceilingTx(ctx context.Context, conn *pgx.Conn, evs []contract.Event, hashes [][]byte, s consumerSpec) error {
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
 	if len(evs) == 1 {
 		e := &evs[0]
-		if _, err := tx.Exec(ctx, ceilingDedup, "ceiling", e.ID, hashes[0], e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, "applied", nil); err != nil {
-			return err
-		}
+		b.Queue(ceilingDedup, "ceiling", e.ID, hashes[0], e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, "applied", nil)
 	} else {
 		n := len(evs)
 		ids, types, aggTypes, aggIDs := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
@@ -530,15 +529,25 @@ func ceilingTx(ctx context.Context, conn *pgx.Conn, evs []contract.Event, hashes
 			e := &evs[i]
 			ids[i], types[i], aggTypes[i], aggIDs[i], versions[i] = e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion
 		}
-		rows, err := tx.Query(ctx, ceilingDedupBatch, "ceiling", ids, hashes, types, aggTypes, aggIDs, versions)
-		if err != nil {
-			return err
+		b.Queue(ceilingDedupBatch, "ceiling", ids, hashes, types, aggTypes, aggIDs, versions)
+	}
+	br := conn.SendBatch(ctx, b)
+	tx := br.Tx()
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err := br.Exec() // BEGIN
+	if err == nil {
+		var rows pgx.Rows
+		if rows, err = br.Query(); err == nil {
+			for rows.Next() {
+			}
+			err = rows.Err()
 		}
-		for rows.Next() {
-		}
-		if err := rows.Err(); err != nil {
-			return err
-		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return err
 	}
 	if s.batch {
 		err = execEffects(ctx, tx, evs, func(e contract.Event) *contract.Event { return &e })
