@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -821,15 +820,13 @@ func e2eLatencyRun(ctx context.Context, o *options, env *benchEnv, rate, batch i
 	}
 	onApplied := func(m *consumer.Message) {
 		now := time.Now()
-		var p struct {
-			Ins int64 `json:"ins"`
-		}
-		if json.Unmarshal(m.Payload, &p) != nil {
+		ins, ok := insertedAt(m.Payload)
+		if !ok {
 			return
 		}
-		if from := measureFrom.Load(); from != 0 && p.Ins >= from {
+		if from := measureFrom.Load(); from != 0 && ins >= from {
 			mu.Lock()
-			ins2ap = append(ins2ap, now.Sub(time.Unix(0, p.Ins)))
+			ins2ap = append(ins2ap, now.Sub(time.Unix(0, ins)))
 			c2ap = append(c2ap, now.Sub(m.CommitTime))
 			mu.Unlock()
 		}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -8,6 +9,7 @@ import (
 	"maps"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -293,6 +295,34 @@ func (s *schedule) next() (i int64, due time.Time, ok bool) {
 		time.Sleep(d)
 	}
 	return i, due, true
+}
+
+// insertedAt is the insert time (Unix ns) a latencyEvent's payload carries.
+// Its fast path reads the payload's leading "ins" member, as the writer
+// wrote it and as jsonb gives it back (shortest keys first): the measuring
+// hook runs in the measured consumer's process, and decoding the whole
+// payload with encoding/json there was ~3% of that process's CPU at
+// 2,000 events/s, charged to the library. Any other payload is decoded.
+func insertedAt(payload []byte) (int64, bool) {
+	const prefix = `{"ins": `
+	if rest, ok := bytes.CutPrefix(payload, []byte(prefix)); ok {
+		n := 0
+		for n < len(rest) && rest[n] >= '0' && rest[n] <= '9' {
+			n++
+		}
+		if n > 0 && n < len(rest) && (rest[n] == ',' || rest[n] == '}') {
+			if v, err := strconv.ParseInt(string(rest[:n]), 10, 64); err == nil {
+				return v, v != 0
+			}
+		}
+	}
+	var p struct {
+		Ins int64 `json:"ins"`
+	}
+	if json.Unmarshal(payload, &p) != nil {
+		return 0, false
+	}
+	return p.Ins, p.Ins != 0
 }
 
 // latencyEvent is event i of an offered load, written at now: its payload

@@ -116,3 +116,30 @@ func TestSetBatches(t *testing.T) {
 		t.Fatalf("125 batches of 500 messages in 1,000 events: %d transactions, %v messages/tx", pt.ConsumerTx, pt.messagesPerTx())
 	}
 }
+
+// insertedAt reads the insert time of a latencyEvent's payload as written
+// and as jsonb returns it, and decodes anything else.
+func TestInsertedAt(t *testing.T) {
+	written := latencyEvent(7, time.Unix(0, 1733456789123456789)).Payload
+	for _, tc := range []struct {
+		name    string
+		payload string
+		want    int64
+		ok      bool
+	}{
+		{"as written", string(written), 1733456789123456789, true},
+		{"jsonb", `{"ins": 42, "seq": 7, "note": "x", "customer": "customer-7"}`, 42, true},
+		{"alone", `{"ins": 42}`, 42, true},
+		{"another order", `{"seq": 7, "ins": 42}`, 42, true},
+		{"no space", `{"ins":42}`, 42, true},
+		{"a fraction", `{"ins": 4.5}`, 0, false},
+		{"zero", `{"ins": 0}`, 0, false},
+		{"none", `{"seq": 7}`, 0, false},
+		{"not JSON", `{"ins": 42`, 0, false},
+	} {
+		got, ok := insertedAt([]byte(tc.payload))
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("%s: insertedAt(%s) = %d, %v; want %d, %v", tc.name, tc.payload, got, ok, tc.want, tc.ok)
+		}
+	}
+}

@@ -3,7 +3,6 @@ package main
 import (
 	"bufio"
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -184,14 +183,12 @@ type appliedTimes struct {
 }
 
 func (a *appliedTimes) add(payload []byte, applied int64) {
-	var p struct {
-		Ins int64 `json:"ins"`
-	}
-	if json.Unmarshal(payload, &p) != nil || p.Ins == 0 {
+	ins, ok := insertedAt(payload)
+	if !ok {
 		return
 	}
 	a.mu.Lock()
-	a.pairs = append(a.pairs, p.Ins, applied)
+	a.pairs = append(a.pairs, ins, applied)
 	a.mu.Unlock()
 }
 
