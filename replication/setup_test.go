@@ -24,6 +24,21 @@ func outboxDB(t *testing.T, pg *testenv.Postgres) (*testenv.Database, replicatio
 	return db, replication.Config{URL: db.URL, Slot: name, Publication: name, Tables: []string{"public.outbox"}}
 }
 
+// openedStream is outboxDB with its slot and publication set up and a
+// stream open on them, which the caller closes.
+func openedStream(ctx context.Context, t *testing.T) (*testenv.Database, replication.Config, *replication.Stream) {
+	t.Helper()
+	db, cfg := outboxDB(t, testenv.Get(t).PG)
+	if _, err := replication.Setup(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	st, err := replication.Open(ctx, cfg, watermark.NewTracker(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return db, cfg, st
+}
+
 func TestSetupIsIdempotent(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -114,16 +129,9 @@ func TestSetupErrors(t *testing.T) {
 func TestDropSlotWaitsForARelease(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	_, cfg := outboxDB(t, testenv.Get(t).PG)
-	if _, err := replication.Setup(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
-	st, err := replication.Open(ctx, cfg, watermark.NewTracker(0))
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, cfg, st := openedStream(ctx, t)
 	start := time.Now()
-	_, err = replication.DropSlot(ctx, cfg)
+	_, err := replication.DropSlot(ctx, cfg)
 	if !errors.Is(err, replication.ErrSlotInUse) || !strings.Contains(err.Error(), "stop the relay") {
 		t.Fatalf("DropSlot while streaming: %v, want ErrSlotInUse", err)
 	}

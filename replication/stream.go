@@ -82,7 +82,7 @@ func WithLogger(l *zap.Logger) Option {
 }
 
 // Stream reads decoded changes from a replication slot. One goroutine owns
-// it: Next, SendStatus and Close must not be called concurrently.
+// it: Next, Pending, SendStatus and Close must not be called concurrently.
 type Stream struct {
 	cfg      Config
 	wm       Watermark
@@ -315,7 +315,12 @@ func (s *Stream) receive(ctx context.Context) (pgproto3.BackendMessage, error) {
 		})
 	}
 	deadline := s.nextStatus
-	if !s.wake.IsZero() && s.wake.Before(deadline) {
+	if !s.wake.IsZero() && s.wake.Before(deadline) && (time.Now().Before(s.wake) || !s.Pending()) {
+		// A wake time already past is not a wait: with the deadline
+		// there the read would fail at once, without looking at what
+		// the server has already sent (Go's poller refuses a read past
+		// its deadline), and a Wake would come while changes are still
+		// waiting. So it takes effect only once nothing is (see Pending).
 		deadline = s.wake
 	}
 	if !s.readDeadline.Equal(deadline) {
@@ -330,9 +335,25 @@ func (s *Stream) receive(ctx context.Context) (pgproto3.BackendMessage, error) {
 // WakeAt makes Next return a *Wake once t has passed while it waits for
 // the server (once: a Wake clears it; the zero time cancels it). It moves
 // the connection's read deadline, as a status update does, so a caller
-// that sets it once per batch of changes costs nothing per change; while
-// changes keep arriving no Wake comes.
+// that sets it once per batch of changes costs a clock reading per change
+// while it is set; while changes keep arriving no Wake comes, and none
+// comes while changes are waiting to be read (Pending), however long ago
+// t passed.
 func (s *Stream) WakeAt(t time.Time) { s.wake = t }
+
+// Pending reports whether more from the server is already waiting to be
+// decoded: received into the connection's read buffer, or readable from
+// its socket without blocking. It is what tells a backlog, read as fast
+// as this process is scheduled, from a stream that has caught up with the
+// server: the time between two changes says nothing about it on a loaded
+// machine. False is the safe answer: what sits where it cannot look (a TLS
+// record decrypted in part) reads as not waiting.
+func (s *Stream) Pending() bool {
+	if s.conn == nil || s.conn.IsClosed() {
+		return false
+	}
+	return s.conn.Frontend().ReadBufferLen() > 0 || readable(s.conn.Conn())
+}
 
 // xlogHeader is WALStart, ServerWALEnd and ServerTime, 8 bytes each.
 const xlogHeader = 24
