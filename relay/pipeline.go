@@ -82,8 +82,9 @@ func (p *pipeline) run(ctx context.Context) error {
 			p.spans.commit()
 		case *replication.Wake:
 			// The stream was quiet for the batch span's time bound (it
-			// asked for this Wake): between transactions, nothing more
-			// joins the batch for now.
+			// asked for this Wake), or has nothing more waiting once
+			// past it: between transactions, nothing more joins the
+			// batch for now.
 			if p.tx == nil {
 				p.spans.close()
 			}

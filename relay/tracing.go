@@ -49,12 +49,24 @@ const (
 	// a batch closes instead; at 1 row per transaction it amortises a
 	// span's cost (~5 µs with export, bench/README.md) over 128 events.
 	maxBatchLinks = 128
-	// maxBatchOpen is how long a batch span takes new rows: it closes at
-	// the first commit after it, or when the stream has been quiet that
-	// long (replication.Wake). It bounds how long a span waits for rows
-	// that may never come, and so the delay of its export under light
-	// load; at high rates maxBatchLinks closes batches first.
+	// maxBatchOpen is how long a batch span takes new rows while the
+	// relay has caught up with the server: it closes at the first commit
+	// after it with nothing more waiting to be read, or when the stream
+	// has been quiet that long (replication.Wake). It bounds how long a
+	// span waits for rows that may never come, and so the delay of its
+	// export under light load; at high rates maxBatchLinks closes batches
+	// first.
 	maxBatchOpen = 5 * time.Millisecond
+	// maxBatchAge is how long a batch span takes new rows while more is
+	// always waiting: a backlog read on a machine that gives the relay
+	// little CPU, or a busy cluster whose WAL never lets the stream catch
+	// up. Without it such a span would stay open as long as the busy
+	// spell, its rows' writers waiting that long to see it exported.
+	// 200 ms is far above maxBatchOpen, so that it is not what sizes a
+	// starved relay's spans (at 128 rows it allows 1.6 ms a row), and
+	// small beside the SDK batch processor's own export delay (5 s by
+	// default): it adds little to when a span can be seen.
+	maxBatchAge = 200 * time.Millisecond
 )
 
 var (
@@ -106,9 +118,12 @@ type batchSpans struct {
 	tracer trace.Tracer
 	name   string
 	attrs  []attribute.KeyValue // the span's constant attributes
-	// wake asks the stream for a replication.Wake at a time (nil: none,
-	// as in tests without a stream).
-	wake func(time.Time)
+	// wake asks the stream for a replication.Wake at a time, and pending
+	// asks whether more of it is already waiting to be read
+	// (replication.Stream.Pending). Nil: none, as in tests without a
+	// stream (nothing is then ever waiting).
+	wake    func(time.Time)
+	pending func() bool
 
 	// The open batch, nil when none; what it covers so far.
 	open   *batchSpan
@@ -128,11 +143,11 @@ type batchSpans struct {
 	lastLinked            bool              // lastCtx is linked in the open batch
 }
 
-func newBatchSpans(tracer trace.Tracer, stream string, wake func(time.Time)) *batchSpans {
+func newBatchSpans(tracer trace.Tracer, stream string, wake func(time.Time), pending func() bool) *batchSpans {
 	if tracer == nil {
 		return nil
 	}
-	return &batchSpans{tracer: tracer, name: "publish " + stream, wake: wake,
+	return &batchSpans{tracer: tracer, name: "publish " + stream, wake: wake, pending: pending,
 		attrs:  []attribute.KeyValue{attrNATS, attrSend, attribute.String("messaging.destination.name", stream)},
 		linked: make(map[spanKey]struct{}, maxBatchLinks)}
 }
@@ -207,13 +222,36 @@ func (b *batchSpans) link(o *outbound) {
 	b.links = append(b.links, trace.Link{SpanContext: b.lastCtx})
 }
 
-// commit closes the open batch when it has taken rows for maxBatchOpen:
-// the pipeline calls it at each transaction's commit, so that the rows of
-// one writer span in one transaction share a batch.
+// commit closes the open batch when it has taken rows for maxBatchOpen
+// and the relay has caught up with the server: the pipeline calls it at
+// each transaction's commit, so that the rows of one writer span in one
+// transaction share a batch.
+//
+// While more of the stream is already waiting, the batch stays open (up
+// to maxBatchAge): a backlog is then being read as fast as the relay is
+// scheduled, and closing by the clock alone would size its spans by the
+// CPU share the relay gets, not by the data — on a loaded machine, a few
+// rows each. It closes where the backlog ends, at maxBatchLinks, or at
+// maxBatchAge when the stream never catches up.
 func (b *batchSpans) commit() {
-	if b != nil && b.open != nil && time.Since(b.opened) >= maxBatchOpen {
-		b.close()
+	if b == nil || b.open == nil {
+		return
 	}
+	age := time.Since(b.opened)
+	if age < maxBatchOpen {
+		return
+	}
+	if age < maxBatchAge && b.pending != nil && b.pending() {
+		// The Wake asked for at opening may have come inside a
+		// transaction, and gone: ask again, so that the batch ends as
+		// soon as the stream has nothing more to give (a time already
+		// past: the stream wakes the pipeline once nothing is waiting).
+		if b.wake != nil {
+			b.wake(b.opened.Add(maxBatchOpen))
+		}
+		return
+	}
+	b.close()
 }
 
 // close starts the open batch's span, backdated to when the batch opened
