@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -210,19 +209,7 @@ func batchFailuresEndAsInPerMessageMode(t *testing.T, vc bool) {
 func (f *fixture) checkSameEnds(names []string, vecs *metricVecs) {
 	t := f.t
 	t.Helper()
-	state := func(name, sql string) string {
-		rows, err := f.pool.Query(context.Background(), sql, name)
-		testenv.Must(t, err, "query state")
-		var out []string
-		for rows.Next() {
-			var s string
-			testenv.Must(t, rows.Scan(&s), "scan")
-			out = append(out, s)
-		}
-		testenv.Must(t, rows.Err(), "rows")
-		sort.Strings(out)
-		return strings.Join(out, " ")
-	}
+	state := func(name, sql string) string { return queryStrings(t, f.pool, sql+` ORDER BY 1`, name) }
 	for what, sql := range map[string]string{
 		"effects":      `SELECT event_id || 'x' || count(*) FROM applied WHERE consumer = $1 GROUP BY event_id`,
 		"dedup rows":   `SELECT event_id || ':' || outcome FROM consumed_message WHERE consumer = $1`,

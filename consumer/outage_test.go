@@ -14,12 +14,7 @@ func TestDatabaseOutageIsRetriedThenAppliedOnce(t *testing.T) {
 		t.Skip("fault test")
 	}
 	t.Parallel()
-	env := testenv.Get(t)
-	pg, err := testenv.StartPostgres()
-	testenv.Must(t, err, "start private postgres")
-	t.Cleanup(pg.Close) // runs after the database's own cleanup drops it
-	db := testenv.NewDatabaseOn(t, pg)
-	f := newFixtureOn(t, db, env.NATS.URL)
+	f, pg := privateFixture(t)
 	r := newRecorder("outage")
 	cfg := f.baseConfig("outage")
 	cfg.RetryMax = time.Second
@@ -63,4 +58,15 @@ func queryIntOK(f *fixture, sql string, args ...any) int64 {
 		return -1
 	}
 	return n
+}
+
+// privateFixture is a fixture on a database of a PostgreSQL server of the
+// test's own, which it may stop and start.
+func privateFixture(t *testing.T) (*fixture, *testenv.Postgres) {
+	t.Helper()
+	pg, err := testenv.StartPostgres()
+	testenv.Must(t, err, "start private postgres")
+	t.Cleanup(pg.Close) // runs after the database's own cleanup drops it
+	db := testenv.NewDatabaseOn(t, pg)
+	return newFixtureOn(t, db, testenv.Get(t).NATS.URL), pg
 }
