@@ -1,11 +1,13 @@
 package replication_test
 
 import (
+	"context"
 	"testing"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/replication"
+	"github.com/outbox-relay/outbox-relay/watermark"
 )
 
 // A Wake whose time has long passed still waits for what the server has
@@ -22,6 +24,123 @@ func TestWakeWaitsForPendingChanges(t *testing.T) {
 	// About 1 KB each, 24 KB in all: three read buffers, and well within
 	// what the sockets hold (the walsender must not wait to write).
 	const txs = 24
+	sentBacklog(ctx, t, db, st, txs)
+	if !st.Pending() {
+		t.Fatal("Pending is false with the backlog sent and nothing read")
+	}
+	st.WakeAt(time.Now().Add(-time.Second))
+	inserts := 0
+	for {
+		ev, err := st.Next(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, ok := ev.(*replication.Wake); ok {
+			break
+		}
+		if _, ok := ev.(*replication.Insert); ok {
+			inserts++
+		}
+	}
+	if inserts != txs {
+		t.Fatalf("Wake after %d of the %d inserts waiting, want after all of them", inserts, txs)
+	}
+}
+
+// A reader that keeps its wake time in the past while it reads a backlog,
+// asking again at every commit as the relay's batch spans do, still sends
+// its status updates on time: the wake only moves the read deadline once
+// nothing is waiting (Pending), never past the next status update, so the
+// confirmed position follows the settled commits while the backlog is
+// read, and the server's slot reaches the last one. The Wake still comes
+// once the backlog is read, and Pending on the closed stream is false.
+func TestStatusUpdatesWhileWakeWaitsForABacklog(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	db, cfg := outboxDB(t, testenv.Get(t).PG)
+	if _, err := replication.Setup(ctx, cfg); err != nil {
+		t.Fatal(err)
+	}
+	cfg.StatusInterval = 20 * time.Millisecond
+	tr := watermark.NewTracker(0)
+	st, err := replication.Open(ctx, cfg, tr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	defer func() {
+		if !closed {
+			_ = st.Close(ctx)
+		}
+	}()
+	// About 1 KB each: well within what the sockets hold, so that all of
+	// it is waiting once sent.
+	const txs = 48
+	sentBacklog(ctx, t, db, st, txs)
+	st.WakeAt(time.Now().Add(-time.Second))
+	var (
+		inserts, commits, advances int
+		tx                         *watermark.Tx
+		last                       replication.LSN
+		confirmed                  = st.Confirmed()
+	)
+	for {
+		ev, err := st.Next(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c := st.Confirmed(); c > confirmed {
+			confirmed = c
+			advances++
+		}
+		switch e := ev.(type) {
+		case *replication.Begin:
+			tx = tr.Begin(e.CommitTime)
+		case *replication.Insert:
+			inserts++
+		case *replication.Commit:
+			tx.Commit(e.EndLSN)
+			commits, last = commits+1, e.EndLSN
+			// A reader slower than the status interval: each
+			// transaction's processing takes a few milliseconds.
+			time.Sleep(4 * time.Millisecond)
+			st.WakeAt(time.Now().Add(-time.Second))
+		}
+		if _, ok := ev.(*replication.Wake); ok {
+			break
+		}
+	}
+	if inserts != txs || commits != txs {
+		t.Fatalf("Wake after %d inserts and %d commits of the %d waiting, want after all of them", inserts, commits, txs)
+	}
+	// ~200 ms of reading at one status update every 20 ms: a stalled
+	// update would leave the confirmed position where it was.
+	if advances < 3 {
+		t.Errorf("the confirmed position advanced %d times while %d settled transactions were read, want it to follow them", advances, txs)
+	}
+	if err := st.SendStatus(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !testenv.WaitFor(20*time.Second, func() bool {
+		var ok bool
+		err := db.Pool.QueryRow(ctx, "SELECT coalesce(confirmed_flush_lsn >= $1::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $2", last.String(), cfg.Slot).Scan(&ok)
+		return err == nil && ok
+	}) {
+		t.Fatalf("the slot's confirmed position did not reach the last commit's end %s", last)
+	}
+	closed = true
+	if err := st.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st.Pending() {
+		t.Error("Pending is true on a closed stream")
+	}
+}
+
+// sentBacklog writes txs outbox transactions of about 1 KB each and waits
+// until the walsender of st has sent them all.
+func sentBacklog(ctx context.Context, t *testing.T, db *testenv.Database, st *replication.Stream, txs int) {
+	t.Helper()
 	for i := range txs {
 		if _, err := db.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_id, aggregate_version, event_type, payload)
 			VALUES (gen_random_uuid(), 'a', $1, 'T', jsonb_build_object('pad', repeat('x', 1000)))`, i+1); err != nil {
@@ -43,25 +162,5 @@ func TestWakeWaitsForPendingChanges(t *testing.T) {
 		return err == nil && sent
 	}) {
 		t.Fatalf("the walsender did not send up to %s in 20 s", end)
-	}
-	if !st.Pending() {
-		t.Fatal("Pending is false with the backlog sent and nothing read")
-	}
-	st.WakeAt(time.Now().Add(-time.Second))
-	inserts := 0
-	for {
-		ev, err := st.Next(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, ok := ev.(*replication.Wake); ok {
-			break
-		}
-		if _, ok := ev.(*replication.Insert); ok {
-			inserts++
-		}
-	}
-	if inserts != txs {
-		t.Fatalf("Wake after %d of the %d inserts waiting, want after all of them", inserts, txs)
 	}
 }
