@@ -29,14 +29,21 @@ func outboxDB(t *testing.T, pg *testenv.Postgres) (*testenv.Database, replicatio
 func openedStream(ctx context.Context, t *testing.T) (*testenv.Database, replication.Config, *replication.Stream) {
 	t.Helper()
 	db, cfg := outboxDB(t, testenv.Get(t).PG)
+	return db, cfg, setUpAndOpen(ctx, t, cfg, watermark.NewTracker(0))
+}
+
+// setUpAndOpen sets up cfg's slot and publication and opens a stream on
+// them with the watermark tr, which the caller closes.
+func setUpAndOpen(ctx context.Context, t *testing.T, cfg replication.Config, tr *watermark.Tracker) *replication.Stream {
+	t.Helper()
 	if _, err := replication.Setup(ctx, cfg); err != nil {
 		t.Fatal(err)
 	}
-	st, err := replication.Open(ctx, cfg, watermark.NewTracker(0))
+	st, err := replication.Open(ctx, cfg, tr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return db, cfg, st
+	return st
 }
 
 func TestSetupIsIdempotent(t *testing.T) {

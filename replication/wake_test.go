@@ -2,6 +2,8 @@ package replication_test
 
 import (
 	"context"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -25,26 +27,7 @@ func TestWakeWaitsForPendingChanges(t *testing.T) {
 	// what the sockets hold (the walsender must not wait to write).
 	const txs = 24
 	sentBacklog(ctx, t, db, st, txs)
-	if !st.Pending() {
-		t.Fatal("Pending is false with the backlog sent and nothing read")
-	}
-	st.WakeAt(time.Now().Add(-time.Second))
-	inserts := 0
-	for {
-		ev, err := st.Next(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, ok := ev.(*replication.Wake); ok {
-			break
-		}
-		if _, ok := ev.(*replication.Insert); ok {
-			inserts++
-		}
-	}
-	if inserts != txs {
-		t.Fatalf("Wake after %d of the %d inserts waiting, want after all of them", inserts, txs)
-	}
+	wakeAfterBacklog(ctx, t, st, txs)
 }
 
 // A reader that keeps its wake time in the past while it reads a backlog,
@@ -58,15 +41,9 @@ func TestStatusUpdatesWhileWakeWaitsForABacklog(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
 	db, cfg := outboxDB(t, testenv.Get(t).PG)
-	if _, err := replication.Setup(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
 	cfg.StatusInterval = 20 * time.Millisecond
 	tr := watermark.NewTracker(0)
-	st, err := replication.Open(ctx, cfg, tr)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := setUpAndOpen(ctx, t, cfg, tr)
 	closed := false
 	defer func() {
 		if !closed {
@@ -162,5 +139,70 @@ func sentBacklog(ctx context.Context, t *testing.T, db *testenv.Database, st *re
 		return err == nil && sent
 	}) {
 		t.Fatalf("the walsender did not send up to %s in 20 s", end)
+	}
+}
+
+// TestWakeWaitsForPendingChanges over TLS: Pending looks at the socket
+// beneath the TLS connection, and what the TLS layer has already taken
+// from it is read without the socket, so a backlog is still read to its
+// end before a Wake whose time has long passed.
+func TestWakeWaitsForPendingChangesOverTLS(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	testenv.Get(t) // skips under -short
+	dir, err := os.MkdirTemp("", "outbox-relay-certs-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	certs, err := testenv.NewCerts(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pg, err := testenv.StartPostgres(certs.PostgresTLS()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	db, cfg := outboxDB(t, pg)
+	cfg.URL = strings.Replace(cfg.URL, "sslmode=disable", "sslmode=require", 1)
+	if !strings.Contains(cfg.URL, "sslmode=require") {
+		t.Fatalf("no sslmode to replace in %s", cfg.URL)
+	}
+	st := setUpAndOpen(ctx, t, cfg, watermark.NewTracker(0))
+	defer st.Close(ctx)
+	var ssl bool
+	if err := db.Pool.QueryRow(ctx, "SELECT ssl FROM pg_stat_ssl WHERE pid = $1", st.BackendPID()).Scan(&ssl); err != nil || !ssl {
+		t.Fatalf("the stream's connection uses TLS: %v (%v), want true", ssl, err)
+	}
+	const txs = 24
+	sentBacklog(ctx, t, db, st, txs)
+	wakeAfterBacklog(ctx, t, st, txs)
+}
+
+// wakeAfterBacklog checks that st, with its backlog of txs one-insert
+// transactions sent and nothing read, has it pending, and that with a wake
+// time a second past it reads all of it before the Wake.
+func wakeAfterBacklog(ctx context.Context, t *testing.T, st *replication.Stream, txs int) {
+	t.Helper()
+	if !st.Pending() {
+		t.Fatal("Pending is false with the backlog sent and nothing read")
+	}
+	st.WakeAt(time.Now().Add(-time.Second))
+	inserts := 0
+	for {
+		ev, err := st.Next(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, ok := ev.(*replication.Wake); ok {
+			break
+		}
+		if _, ok := ev.(*replication.Insert); ok {
+			inserts++
+		}
+	}
+	if inserts != txs {
+		t.Fatalf("Wake after %d of the %d inserts waiting, want after all of them", inserts, txs)
 	}
 }
