@@ -42,7 +42,22 @@ func TestBatchBeginBlockedGivesTheConnectionBack(t *testing.T) {
 			t.Parallel()
 			f := newFixture(t)
 			name := "blockedbegin"
-			pool := f.onePool()
+			pcfg, err := pgxpool.ParseConfig(f.db.URL)
+			testenv.Must(t, err, "parse pool config")
+			pcfg.MaxConns = 1
+			pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+			testenv.Must(t, err, "open a pool of one connection")
+			t.Cleanup(func() {
+				// Close waits for every connection to be given back: a
+				// leaked one would hang the test instead of failing it.
+				closed := make(chan struct{})
+				go func() { pool.Close(); close(closed) }()
+				select {
+				case <-closed:
+				case <-time.After(10 * time.Second):
+					t.Error("the pool did not close in 10 s: a connection was never given back")
+				}
+			})
 			var db DB = pool
 			if !tc.pipeline {
 				db = poolOnlyDB{pool}
