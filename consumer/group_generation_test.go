@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap/zaptest"
@@ -349,4 +351,46 @@ func TestGroupPartitionCountChangedWhileStopped(t *testing.T) {
 	f.runMember(memberConfig(cfg, "b", 8), rec, "b")
 	f.waitApplied(aggs * 3)
 	f.checkApplied("grp", aggs, 3)
+}
+
+// TestGroupStraysLookInSmallConsumers: 4 → 1000 → 4 while every member is
+// stopped, with events stored under 1000. A member started with 4 must
+// find them (1000 is among the last counts the look for strays reads) and
+// refuse, and the look must put no more than 128 filters in one consumer:
+// the server compares a consumer's filters pairwise, and the single
+// consumer with a filter for each of the 1,023 counts without durables
+// took it 0.7 to 2.5 s beside six busy loops, past the look's deadline
+// when the test ran at a lower priority, so that a member retried the look
+// at every step and never started consuming
+// (TestGroupHandOffUnpinsNewOwner, "timed out after 30s waiting for a
+// applied"). It put 1,023 filters in one consumer before the fix.
+func TestGroupStraysLookInSmallConsumers(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 4)
+	nc, err := nats.Connect(testenv.Get(t).NATS.URL)
+	testenv.Must(t, err, "connect to nats")
+	t.Cleanup(nc.Close)
+	var most atomic.Int64 // the most filters in one consumer created on the stream
+	sub, err := nc.Subscribe("$JS.API.CONSUMER.CREATE."+f.stream+".>", func(m *nats.Msg) {
+		var req struct {
+			Config jetstream.ConsumerConfig `json:"config"`
+		}
+		if json.Unmarshal(m.Data, &req) != nil {
+			return
+		}
+		for n := int64(len(req.Config.FilterSubjects)); ; {
+			if cur := most.Load(); n <= cur || most.CompareAndSwap(cur, n) {
+				break
+			}
+		}
+	})
+	testenv.Must(t, err, "watch consumer creation")
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	testenv.Must(t, nc.Flush(), "flush the subscription")
+	f.changeWhileStopped(cfg, rec, 10, 1000)
+	f.setPartitions(4)
+	f.runMember(cfg, rec, "a", WithRegisterer(f.reg))
+	f.refusedFor(1000, 1)
+	if n := most.Load(); n > 128 {
+		t.Errorf("the look for strays put %d filters in one consumer, want at most 128", n)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -91,12 +92,12 @@ func (g *Member) strays(ctx context.Context, gens map[int]*generation, current i
 			filters = append(filters, generationFilter(g.source, n))
 		}
 	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
 	seq, subject, err := g.firstOf(ctx, filters, since+1)
 	if err != nil || seq == 0 {
 		return err
 	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
 	n, _, _ := contract.SubjectPartition(g.source, subject)
 	if info, err := g.strm.Info(ctx); err != nil {
 		return fmt.Errorf("stream %s info: %w", g.cfg.Stream, err)
@@ -122,12 +123,43 @@ func (g *Member) strays(ctx context.Context, gens map[int]*generation, current i
 		ErrMismatch, g.cfg.Stream, subject, seq, n, g.cfg.Name, since, n, fix)
 }
 
+// strayFilters is how many filter subjects one consumer of firstOf
+// holds. The server checks a new consumer's filters against each other
+// for overlap, so its work grows with their square: one consumer with a
+// filter for every count without durables (up to MaxPartitions − 1) took
+// the test server 0.7 to 2.5 s beside six busy loops (with -race), more
+// than the 10 s deadline when the test ran at a lower priority, and a
+// member whose look times out at every step never gets its first
+// assignment (TestGroupHandOffUnpinsNewOwner: "timed out after 30s
+// waiting for a applied", every step "look for events under partition
+// counts without durables: context deadline exceeded"). Sixteen
+// consumers of 64 filters took 0.14 to 0.22 s in all there.
+const strayFilters = 64
+
 // firstOf returns the stream sequence and subject of the first message at
 // or after start that matches one of filters (0 when there is none),
-// through an ephemeral consumer that is never acknowledged and deleted at
-// once: unlike GetMsg it takes many filters, and its pending count costs
-// the server a walk of the matching subjects only.
-func (g *Member) firstOf(ctx context.Context, filters []string, start uint64) (uint64, string, error) {
+// looking through strayFilters of them at a time (firstOfFew).
+func (g *Member) firstOf(ctx context.Context, filters []string, start uint64) (seq uint64, subject string, err error) {
+	for few := range slices.Chunk(filters, strayFilters) {
+		s, subj, err := g.firstOfFew(ctx, few, start)
+		if err != nil {
+			return 0, "", err
+		}
+		if s != 0 && (seq == 0 || s < seq) {
+			seq, subject = s, subj
+		}
+	}
+	return seq, subject, nil
+}
+
+// firstOfFew is firstOf through one ephemeral consumer that is never
+// acknowledged and deleted at once: unlike GetMsg it takes many filters,
+// and its pending count costs the server a walk of the matching subjects
+// only. Each look has a deadline of its own, so that a loaded server
+// that answers every small look in time is not refused for the sum.
+func (g *Member) firstOfFew(ctx context.Context, filters []string, start uint64) (uint64, string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
 	cons, err := g.strm.CreateConsumer(ctx, jetstream.ConsumerConfig{
 		Description:       "outbox-relay consumer group " + g.cfg.Name + ": events under a partition count without durables",
 		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
