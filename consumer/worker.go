@@ -32,6 +32,9 @@ type worker struct {
 	// after a batch overran its deadline (adapt).
 	size     int
 	tookSolo bool // the messages in flight were taken one at a time after a fallback
+	// inflight is the message or batch the processor has (run's cur), so
+	// that a retried message being processed counts as back (queued).
+	inflight []*item
 }
 
 // block holds back an aggregate's messages while one of them (head) waits
@@ -112,6 +115,7 @@ func (w *worker) run(ctx context.Context) error {
 			}
 			if cur = w.take(); len(cur) > 0 {
 				busy = results
+				w.inflight = cur
 				jobs <- cur
 			}
 		}
@@ -131,6 +135,7 @@ func (w *worker) run(ctx context.Context) error {
 			w.heartbeat(ctx)
 		case out := <-busy:
 			busy = nil
+			w.inflight = nil
 			w.finishAll(ctx, cur, out)
 			cur = nil
 		}
@@ -267,7 +272,7 @@ func (w *worker) heartbeat(ctx context.Context) {
 		switch {
 		case !now.After(b.until):
 		case w.queued(b.head):
-			b.until = now.Add(w.c.cfg.AckWait) // redelivered, not yet reached
+			b.until = now.Add(w.c.cfg.AckWait) // redelivered: not yet reached, or being processed
 		default:
 			overdue = append(overdue, b)
 		}
@@ -355,11 +360,17 @@ func keepAlive(its []*item) {
 	}
 }
 
-// queued reports whether a delivery of the message at seq waits in the queue.
+// queued reports whether a delivery of the message at seq waits in the
+// queue or is being processed. A retried message whose redelivery is in
+// flight is back: its result settles its aggregate's block. Missed, the
+// heartbeat warned that it was not redelivered, or, its transaction just
+// committed, released its aggregate as settled elsewhere.
 func (w *worker) queued(seq uint64) bool {
-	for _, it := range w.queue {
-		if it.msg != nil && it.m.StreamSeq == seq {
-			return true
+	for _, its := range [2][]*item{w.queue, w.inflight} {
+		for _, it := range its {
+			if it.msg != nil && it.m.StreamSeq == seq {
+				return true
+			}
 		}
 	}
 	return false

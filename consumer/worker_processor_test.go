@@ -18,7 +18,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
@@ -497,3 +499,46 @@ func TestRunCancelledDuringZombieHunt(t *testing.T) {
 	f.waitSettled(name, 20*time.Second)
 	f.checkApplied(name, aggs, versions)
 }
+
+// A retried message whose redelivery is being processed when its block's
+// deadline passes is back, not late: the heartbeat extends the block
+// without asking the source whether the message is gone, and says
+// nothing. It used to look only in the queue: it asked, then warned
+// "retried message not redelivered yet" (or, the message's transaction
+// just committed, released its aggregate as "settled elsewhere").
+func TestHeartbeatCountsTheRetriedMessageInFlight(t *testing.T) {
+	core, logs := observer.New(zap.WarnLevel)
+	c := &Consumer{cfg: Config{AckWait: 30 * time.Second, BatchSize: 1}, log: zap.New(core)}
+	src := &askedSource{}
+	w := newWorker(c, src, 0)
+	head := &item{msg: progressMsg{}, key: "order/a"}
+	head.m.StreamSeq = 5
+	b := &block{head: 5, until: time.Now().Add(-time.Second)}
+	w.blocked[head.key] = b
+	w.inflight = []*item{head}
+
+	w.heartbeat(t.Context())
+	if src.asked > 0 || logs.Len() > 0 {
+		t.Fatalf("the source was asked %d times and %d warnings were logged (%v): want neither while the head is processed",
+			src.asked, logs.Len(), logs.All())
+	}
+	if !b.until.After(time.Now()) || w.blocked[head.key] != b {
+		t.Fatalf("block until %v, still blocked %v: want it extended and kept", b.until, w.blocked[head.key] == b)
+	}
+}
+
+// askedSource counts the heartbeat's questions; it knows nothing gone.
+type askedSource struct {
+	source
+	asked int
+}
+
+func (s *askedSource) gone(context.Context, []uint64) map[uint64]bool {
+	s.asked++
+	return nil
+}
+
+// progressMsg is a delivery whose progress acks go nowhere.
+type progressMsg struct{ jetstream.Msg }
+
+func (progressMsg) InProgress() error { return nil }
