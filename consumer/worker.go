@@ -32,8 +32,8 @@ type worker struct {
 	// after a batch overran its deadline (adapt).
 	size     int
 	tookSolo bool // the messages in flight were taken one at a time after a fallback
-	// inflight is the message or batch the processor has (run's cur), so
-	// that a retried message being processed counts as back (queued).
+	// inflight is the message or batch the processor has, nil while
+	// idle; a retried message among it counts as back (queued).
 	inflight []*item
 }
 
@@ -92,8 +92,7 @@ func (w *worker) run(ctx context.Context) error {
 	tick := time.NewTicker(w.c.cfg.AckWait / 3)
 	defer tick.Stop()
 	var (
-		cur  []*item           // the message or batch in flight
-		busy chan batchOutcome // cur's results; nil while idle
+		busy chan batchOutcome // w.inflight's results; nil while idle
 		stop = ctx.Done()
 	)
 	jobs, results, exited := make(chan []*item, 1), make(chan batchOutcome, 1), make(chan struct{})
@@ -113,10 +112,9 @@ func (w *worker) run(ctx context.Context) error {
 				w.release()
 				return nil
 			}
-			if cur = w.take(); len(cur) > 0 {
+			if w.inflight = w.take(); len(w.inflight) > 0 {
 				busy = results
-				w.inflight = cur
-				jobs <- cur
+				jobs <- w.inflight
 			}
 		}
 		select {
@@ -125,19 +123,19 @@ func (w *worker) run(ctx context.Context) error {
 		case it := <-w.in:
 			w.queue = append(w.queue, it)
 		case <-tick.C:
-			if len(cur) > 1 {
+			if len(w.inflight) > 1 {
 				// A batch in flight may take longer than one message's
 				// handling (a retry without a failed message): its
 				// messages are kept alive like queued ones. A single
 				// message is not, so that ack_wait still bounds it.
-				keepAlive(cur)
+				keepAlive(w.inflight)
 			}
 			w.heartbeat(ctx)
 		case out := <-busy:
 			busy = nil
+			cur := w.inflight
 			w.inflight = nil
 			w.finishAll(ctx, cur, out)
-			cur = nil
 		}
 	}
 }
