@@ -96,10 +96,12 @@ type batchState struct {
 	// pubAck is what Result.Ack holds: fast-ingest acks carry no
 	// per-message stream sequence, so it names the stream only.
 	pubAck jetstream.PubAck
-	head   int
-	sent   int // queue[head:head+sent] were sent in the current batch
-	state  batchPhase
-	id     string // current batch id
+	// replyStream interns the stream name answers carry (parseBatchReply).
+	replyStream string
+	head        int
+	sent        int // queue[head:head+sent] were sent in the current batch
+	state       batchPhase
+	id          string // current batch id
 	// subject is the current batch's first subject: its commit goes to
 	// the same stream.
 	subject string
@@ -521,15 +523,22 @@ func (b *Batch) parseReplySubject(subj string) (id string, seq uint64, ok bool) 
 	if !ok {
 		return "", 0, false
 	}
-	parts := strings.Split(rest, ".")
-	if len(parts) != 5 {
+	// id.flow.fail.seq.op, cut without a slice of parts: one answer per
+	// event at moderate rates.
+	var tok [4]string
+	for k := range 4 {
+		if tok[k], rest, ok = strings.Cut(rest, "."); !ok {
+			return "", 0, false
+		}
+	}
+	if strings.IndexByte(rest, '.') >= 0 {
 		return "", 0, false
 	}
-	seq, err := strconv.ParseUint(parts[3], 10, 64)
+	seq, err := strconv.ParseUint(tok[3], 10, 64)
 	if err != nil {
 		return "", 0, false
 	}
-	return parts[0], seq, true
+	return tok[0], seq, true
 }
 
 // onReply decodes an answer and acts on it.
@@ -540,7 +549,7 @@ func (b *Batch) onReply(msg *nats.Msg) {
 	}
 	a := batchAnswer{id: id, seq: seq, data: msg.Data}
 	a.noResponders = len(msg.Data) == 0 && msg.Header.Get("Status") == "503"
-	if !a.noResponders {
+	if !a.noResponders && !parseBatchReply(msg.Data, &a.r, &b.replyStream, b.id) {
 		if err := json.Unmarshal(msg.Data, &a.r); err != nil {
 			a.r = batchReply{Type: "err", Seq: seq, Error: &jetstream.APIError{Description: "unreadable answer: " + err.Error()}}
 		}
