@@ -139,7 +139,9 @@ const strayFilters = 64
 // firstOf returns the stream sequence and subject of the first message at
 // or after start that matches one of filters (0 when there is none),
 // looking through strayFilters of them at a time (firstOfFew).
-func (g *Member) firstOf(ctx context.Context, filters []string, start uint64) (seq uint64, subject string, err error) {
+func (g *Member) firstOf(ctx context.Context, filters []string, start uint64) (uint64, string, error) {
+	var seq uint64
+	var subject string
 	for few := range slices.Chunk(filters, strayFilters) {
 		s, subj, err := g.firstOfFew(ctx, few, start)
 		if err != nil {
