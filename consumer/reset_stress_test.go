@@ -6,9 +6,15 @@ import (
 	"fmt"
 	"hash/crc32"
 	"os"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
 // TestResetsAgainstInFlightWork: while 3,000 events are consumed, something
@@ -110,5 +116,95 @@ func resetsInFlight(t *testing.T, workers, batch, aggregates, versions int) {
 	if mine := own[resumeGap] + own[resumeEnded]; mine > 2 || resets.Load() < 10 {
 		t.Errorf("the feed answered %d external resets with %.0f of its own (%v); want them adopted, at most 2 resets of its own",
 			resets.Load(), mine, own)
+	}
+}
+
+// TestRetriedMessageGoesFirst: a message that failed comes back with the
+// next reset of the durable, ahead of everything, while the messages
+// delivered after it wait in the worker's queue. Its redelivery must be
+// applied next, not behind that queue: until it is, the ack floor stays
+// below it, and every reset delivers all that is above the floor again.
+// Behind the queue, under CPU load, TestResetsAgainstInFlightWork's resets
+// kept the feed redelivering the same few hundred messages while the
+// worker ran out of work and the rest of the stream was never reached.
+//
+// One worker takes one message at a time, and each application waits for
+// a token from the test, so the order is the worker's choice alone: the
+// failed message's redelivery arrives behind 38 queued messages, and must
+// be applied within the first half of them (in practice next).
+func TestRetriedMessageGoesFirst(t *testing.T) {
+	const n = 40
+	f := newFixture(t)
+	cfg := f.baseConfig("first")
+	cfg.Workers = 1
+	cfg.BatchSize = 1
+	cfg.AckWait = 30 * time.Second // HandlerTimeout 15 s: a handler waits for its token
+	// Only a reset brings the failed message back within the test.
+	cfg.RetryBase = time.Minute
+	cfg.RetryMax = time.Minute
+	cfg.GapWait = 2 * time.Minute
+	failing := uuidN(0)
+	gate := make(chan struct{})
+	var gateOnce sync.Once
+	openGate := func() { gateOnce.Do(func() { close(gate) }) }
+	t.Cleanup(openGate) // a handler waiting at shutdown would hold Run
+	var failed atomic.Int64
+	applied := make(chan string, 2*n)
+	f.start(cfg, HandlerFunc(func(ctx context.Context, tx pgx.Tx, m *Message) error {
+		if m.ID == failing && failed.Add(1) == 1 {
+			return Transient(errors.New("injected"))
+		}
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version) VALUES ($1, $2, $3, $4)`,
+			"first", m.ID, m.AggregateID, m.AggregateVersion); err != nil {
+			return err
+		}
+		applied <- m.ID
+		return nil
+	}))
+	for a := range n {
+		f.publish(event{ID: uuidN(a), AggID: fmt.Sprintf("a%d", a), Version: 1})
+	}
+	// The failed message is naked for a minute, the next one waits for its
+	// token and the others are queued behind it.
+	f.waitFor("the first message failed and every message delivered", 30*time.Second, func() bool {
+		info, ok := f.consumerInfo(cfg.Name)
+		return ok && failed.Load() == 1 && info.Delivered.Stream == n
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	_, err := f.js.ResetConsumer(ctx, f.stream, cfg.Name)
+	cancel()
+	testenv.Must(t, err, "reset the durable")
+	f.waitFor("the reset adopted", 30*time.Second, func() bool { return resumesByReason(t, f.reg)[resumeAdopted] >= 1 })
+	var order []string
+	for len(order) < n && !slices.Contains(order, failing) {
+		select {
+		case gate <- struct{}{}:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("no message asked to be applied within 30 s; applied %v", order)
+		}
+		select {
+		case id := <-applied:
+			order = append(order, id)
+		case <-time.After(30 * time.Second):
+			t.Fatalf("an application did not commit within 30 s; applied %v", order)
+		}
+	}
+	pos := slices.Index(order, failing)
+	t.Logf("the failed message was applied as number %d of the %d applications after the reset", pos+1, len(order))
+	if pos < 0 || pos >= n/2 {
+		t.Errorf("the failed message's redelivery was applied as number %d after the reset, behind the queue; want it within the first %d", pos+1, n/2)
+	}
+	openGate()
+	f.waitFor("every event applied", time.Minute, func() bool {
+		return queryInt(t, f.pool, `SELECT count(DISTINCT event_id) FROM applied`) == n
+	})
+	f.waitSettled(cfg.Name, time.Minute)
+	if twice := queryInt(t, f.pool, `SELECT count(*) - count(DISTINCT event_id) FROM applied`); twice != 0 {
+		t.Errorf("%d applications twice", twice)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -11,7 +12,8 @@ import (
 
 // worker applies the messages of the aggregates hashed to it, one at a time
 // and in arrival order, except that a message waiting for a retry holds back
-// only the later messages of its own aggregate.
+// only the later messages of its own aggregate, and that its redelivery goes
+// first (enqueue).
 //
 // Everything here is owned by the worker's goroutine: the queue it drains
 // its channel into (so it can keep queued messages alive with progress
@@ -121,7 +123,7 @@ func (w *worker) run(ctx context.Context) error {
 		case <-stop:
 			stop = nil // wake once; the message in flight finishes first
 		case it := <-w.in:
-			w.queue = append(w.queue, it)
+			w.enqueue(it)
 		case <-tick.C:
 			if len(w.inflight) > 1 {
 				// A batch in flight may take longer than one message's
@@ -251,11 +253,37 @@ func (w *worker) drain() {
 	for {
 		select {
 		case it := <-w.in:
-			w.queue = append(w.queue, it)
+			w.enqueue(it)
 		default:
 			return
 		}
 	}
+}
+
+// enqueue queues a delivery behind those that arrived before it, except
+// the redelivery of a retried message (its aggregate's block head): that
+// goes ahead of every queued message but its own aggregate's earlier ones
+// (a batch's, put back unattempted when a later one failed, or a replay).
+// Until it is applied the durable's ack floor stays below it, and every
+// reset of the durable (feed.go) delivers all that is above the floor
+// again; behind a long queue that lasted as long as the queue did, and
+// under CPU load the resets' repetitions took the feed's time until the
+// worker ran dry (TestRetriedMessageGoesFirst). Its aggregate's later
+// messages are held behind it; there is no order between aggregates to
+// keep.
+func (w *worker) enqueue(it *item) {
+	b := w.blocked[it.key]
+	if b == nil || it.replay != nil || it.msg == nil || it.m.StreamSeq != b.head {
+		w.queue = append(w.queue, it)
+		return
+	}
+	at := 0
+	for i, q := range w.queue {
+		if q.key == it.key && (q.replay != nil || q.m.StreamSeq < it.m.StreamSeq) {
+			at = i + 1
+		}
+	}
+	w.queue = slices.Insert(w.queue, at, it)
 }
 
 // heartbeat tells the broker that queued and held messages are still being
