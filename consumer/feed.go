@@ -45,10 +45,7 @@ import (
 // are unsettled, so that a storm of resets cannot pile up copies. A reset's
 // repetitions cost little either way: one of a delivery still in a worker
 // stands in for it (forward), one of a delivery acknowledged lately is
-// acknowledged at once (settledBefore). But each is a delivery, and a reset
-// delivers all above the ack floor again: the feed takes the repetitions of
-// deliveries still in the workers only as the workers settle them (pace),
-// so that the resets' repetitions do not take the workers' time.
+// acknowledged at once (settledBefore).
 //
 // A plain durable may be pulled by several processes (shareable): each then
 // receives a part of every run, and no reset can give one of them an
@@ -420,18 +417,14 @@ func (f *feed) busy() int {
 // instead (the server keeps acknowledgements by stream sequence, so either
 // delivery's ack would do, but a nak or a progress ack counts only for the
 // newer). It keeps its place in the worker's queue, ahead of the
-// aggregate's later messages, and a reset costs no second application;
-// the next delivery is taken only as the workers settle (pace). A
-// delivery above every one handed out is none of these, and goes by the
+// aggregate's later messages, and a reset costs no second application.
+// A delivery above every one handed out is none of these, and goes by the
 // look-ups: that is nearly every delivery.
 func (f *feed) forward(ctx context.Context, d delivery) error {
 	seq := d.md.Sequence.Stream
 	fresh := seq > f.top
-	if !fresh && f.settledBefore(seq, d.msg) {
+	if !fresh && (f.settledBefore(seq, d.msg) || f.standIn(seq, d.msg)) {
 		return nil
-	}
-	if !fresh && f.standIn(seq, d.msg) {
-		return f.pace(ctx)
 	}
 	it := f.c.newItemOf(d.msg, d.md, nil)
 	if fresh || !f.returned(seq) {
@@ -448,24 +441,6 @@ func (f *feed) forward(ctx context.Context, d delivery) error {
 		return err
 	}
 	return nil
-}
-
-// pace holds the feed at a repetition that stands in for a delivery still
-// in a worker until no more than two batches per worker of what it handed
-// out are unsettled. A reset delivers everything above the ack floor
-// again, as fast as the feed takes it; taken at once, a storm of resets
-// made by others had the server and the feed repeat the workers' whole
-// queue on every reset (33 deliveries per event in
-// TestResetsAgainstInFlightWork), and under CPU load that took the time
-// the workers needed: beside six busy loops it applied a quarter as fast
-// as without the resets, and under more load did not finish. Held here,
-// the feed takes nothing, so nats.go asks the server for nothing more, and
-// a reset finds no more to deliver than the pull still asked for. Fresh
-// deliveries and runs without repetitions are not held. What it waits for
-// is in the workers, but for what is held behind a naked message (busy):
-// it cannot wait for itself.
-func (f *feed) pace(ctx context.Context) error {
-	return f.settleTo(ctx, 2*f.c.cfg.Workers*f.c.cfg.BatchSize)
 }
 
 // settledBefore acknowledges msg, a repetition of a delivery of seq that

@@ -2,7 +2,6 @@ package consumer
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -209,70 +208,4 @@ type countingMsg struct {
 func (m countingMsg) Metadata() (*jetstream.MsgMetadata, error) {
 	m.s.parses.Add(1)
 	return m.Msg.Metadata()
-}
-
-// TestRepetitionsWaitForTheWorkers: after a reset made by someone else,
-// the feed takes the repetitions of deliveries still in the workers only
-// while no more than two batches per worker are unsettled. Taking them at
-// once, a reset every 300 ms had the server and the feed deliver the
-// workers' whole queue again on every reset (33 deliveries per event), and
-// beside six busy loops TestResetsAgainstInFlightWork applied a quarter as
-// fast as without the resets (and under more load timed out). A context that has ended shows
-// whether forward would wait, without timing anything.
-func TestRepetitionsWaitForTheWorkers(t *testing.T) {
-	const n = 10
-	f := newFixture(t)
-	for a := range n {
-		f.publish(event{ID: uuidN(a), AggID: fmt.Sprintf("agg-%d", a), Version: 1})
-	}
-	cfg := f.baseConfig("pace")
-	cfg.Workers = 1
-	cfg.BatchSize = 1 // pace: 2 unsettled
-	c, err := New(f.pool, f.js, cfg, newRecorder(cfg.Name), WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
-	testenv.Must(t, err, "new consumer")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	strm, err := f.js.Stream(ctx, f.stream)
-	testenv.Must(t, err, "look up the stream")
-	src := &durableSource{c: c, strm: strm}
-	testenv.Must(t, src.setUp(ctx), "set up the durable")
-	// The worker does not run: what the feed hands out stays unsettled
-	// until the test settles it.
-	w := newWorker(c, src, 0)
-	e := &engine{c: c, src: src, workers: []*worker{w}}
-	fd := newFeed(e, src.cons, cfg.Name, zaptest.NewLogger(t), jetstream.PullMaxMessages(100))
-	defer fd.stop()
-	var out []*item
-	for range n {
-		d, err := fd.recv(ctx)
-		testenv.Must(t, err, "receive")
-		testenv.Must(t, fd.forward(ctx, d), "hand out")
-		out = append(out, <-w.in)
-	}
-
-	_, err = f.js.ResetConsumer(ctx, f.stream, cfg.Name)
-	testenv.Must(t, err, "reset the durable")
-	ended, end := context.WithCancel(ctx)
-	end()
-	d, err := fd.recv(ctx)
-	testenv.Must(t, err, "receive the reset's first delivery")
-	if got := d.md.Sequence.Stream; got != out[0].m.StreamSeq {
-		t.Fatalf("the reset's first delivery is of stream sequence %d, want %d", got, out[0].m.StreamSeq)
-	}
-	if err := fd.forward(ended, d); !errors.Is(err, context.Canceled) {
-		t.Fatalf("a repetition with %d deliveries unsettled was taken at once (forward: %v); want it to wait for the workers", fd.unsettled(), err)
-	}
-
-	// Down to two unsettled, the next repetition goes at once.
-	for _, it := range out[2:] {
-		testenv.Must(t, it.msg.Ack(), "ack")
-	}
-	d, err = fd.recv(ctx)
-	testenv.Must(t, err, "receive the reset's second delivery")
-	if got := d.md.Sequence.Stream; got != out[1].m.StreamSeq {
-		t.Fatalf("the reset's second delivery is of stream sequence %d, want %d", got, out[1].m.StreamSeq)
-	}
-	if err := fd.forward(ended, d); err != nil {
-		t.Fatalf("a repetition with %d deliveries unsettled waited (forward: %v); want it taken", fd.unsettled(), err)
-	}
 }
