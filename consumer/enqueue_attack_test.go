@@ -49,7 +49,7 @@ func TestRedeliveryAheadOfAFallenBackBatchKeepsItOneAtATime(t *testing.T) {
 	w.finishAll(context.Background(), batch, oneByOne(batchOutcome{res: make([]result, len(batch))}, batch, []int{0, 1, 2}))
 
 	takes := []string{itemIDs(w.take())} // x1, alone
-	w.enqueue(queuedItem("h", 5))         // h's redelivery, while x1 is processed
+	w.enqueue(queuedItem("h", 5))        // h's redelivery, while x1 is processed
 	for len(w.queue) > 0 {
 		takes = append(takes, itemIDs(w.take()))
 	}
