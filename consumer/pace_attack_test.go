@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
@@ -41,17 +42,32 @@ func aggsOnWorker(c *Consumer, w, n int, prefix string) []string {
 // worker is idle.
 func TestARepetitionBehindAHungHandlerStallsNoOtherWorker(t *testing.T) {
 	for _, tc := range []struct {
-		name  string
-		reset bool
-	}{{"reset by another party", true}, {"the hung message's ack_wait ran out", false}} {
-		t.Run(tc.name, func(t *testing.T) { repetitionBehindHungHandler(t, tc.reset) })
+		name         string
+		reset, group bool
+	}{
+		{"reset by another party", true, false},
+		{"the hung message's ack_wait ran out", false, false},
+		{"group partition reset by another party", true, true},
+		{"group partition, the hung message's ack_wait ran out", false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) { repetitionBehindHungHandler(t, tc.reset, tc.group) })
 	}
 }
 
-func repetitionBehindHungHandler(t *testing.T, reset bool) {
+func repetitionBehindHungHandler(t *testing.T, reset, grouped bool) {
 	const queued, others = 10, 5
 	f := newFixture(t)
 	cfg := f.baseConfig("hungpace")
+	if grouped {
+		f.partitionedStream(1)
+		cfg = f.baseConfig(testenv.UniqueName("hungpace")) // a group bucket of its own
+		cfg.Group = &GroupConfig{Partitions: 1, MemberTTL: 2 * time.Second}
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = f.js.DeleteKeyValue(ctx, GroupBucket(cfg.Name))
+		})
+	}
 	cfg.Workers = 2
 	cfg.BatchSize = 1 // pace: at most 4 unsettled
 	cfg.AckWait = 30 * time.Second
@@ -60,8 +76,15 @@ func repetitionBehindHungHandler(t *testing.T, reset bool) {
 	}
 	hang := uuidN(0)
 	h := newHangingHandler(cfg.Name, hang)
-	c := f.start(cfg, h)
-	t.Cleanup(h.free) // runs before the consumer is stopped: Run waits for the handler
+	durable := cfg.Name
+	if grouped {
+		durable = group.PartitionDurable(cfg.Name, 1, 0)
+		f.runMember(cfg, h, "m1", WithRegisterer(f.reg))
+	} else {
+		f.start(cfg, h)
+	}
+	t.Cleanup(h.free)        // runs before the consumer is stopped: Run waits for the handler
+	c := &Consumer{cfg: cfg} // workerIndex depends on Workers only
 	hung := c.workerIndex("registration\x00hang")
 	f.publish(event{ID: hang, AggID: "hang", Version: 1})
 	for i, a := range aggsOnWorker(c, hung, queued, "s") {
@@ -73,18 +96,18 @@ func repetitionBehindHungHandler(t *testing.T, reset bool) {
 		t.Fatal("the hanging event was not handled within 30 s")
 	}
 	f.waitFor("every message delivered", 30*time.Second, func() bool {
-		info, ok := f.consumerInfo(cfg.Name)
+		info, ok := f.consumerInfo(durable)
 		return ok && info.Delivered.Stream == 1+queued
 	})
 	if reset {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		_, err := f.js.ResetConsumer(ctx, f.stream, cfg.Name)
+		_, err := f.js.ResetConsumer(ctx, f.stream, durable)
 		cancel()
 		testenv.Must(t, err, "reset the durable")
 		f.waitFor("the reset adopted", 30*time.Second, func() bool { return resumesByReason(t, f.reg)[resumeAdopted] >= 1 })
 	} else {
 		f.waitFor("the hung message redelivered", 30*time.Second, func() bool {
-			info, ok := f.consumerInfo(cfg.Name)
+			info, ok := f.consumerInfo(durable)
 			return ok && info.NumRedelivered >= 1
 		})
 	}
@@ -98,7 +121,7 @@ func repetitionBehindHungHandler(t *testing.T, reset bool) {
 	}
 	const within = 15 * time.Second
 	if !testenv.WaitFor(within, func() bool { return countOthers() == others }) {
-		info, _ := f.consumerInfo(cfg.Name)
+		info, _ := f.consumerInfo(durable)
 		var delivered uint64
 		if info != nil {
 			delivered = info.Delivered.Stream
@@ -110,7 +133,7 @@ func repetitionBehindHungHandler(t *testing.T, reset bool) {
 	f.waitFor("every event applied", time.Minute, func() bool {
 		return queryInt(t, f.pool, `SELECT count(DISTINCT event_id) FROM applied WHERE consumer = $1`, cfg.Name) == 1+queued+others
 	})
-	f.waitSettled(cfg.Name, time.Minute)
+	f.waitSettled(durable, time.Minute)
 	if twice := queryInt(t, f.pool, `SELECT count(*) - count(DISTINCT event_id) FROM applied WHERE consumer = $1`, cfg.Name); twice != 0 {
 		t.Errorf("%d events applied twice", twice)
 	}
