@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap/zaptest"
+
 	"github.com/outbox-relay/outbox-relay/consumer/internal/group"
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -218,4 +220,57 @@ func TestARepetitionBehindASlowWorkerDeadLettersNoGap(t *testing.T) {
 func (f *fixture) isAcked(name string, seq uint64) bool {
 	info, ok := f.consumerInfo(name)
 	return ok && info.AckFloor.Stream >= seq
+}
+
+// TestRunCancelledWhileTheFeedIsHeldAtARepetition: a Run is cancelled
+// while its feed waits at a reset's repetition (pace) for a worker whose
+// handler hangs with ten messages queued behind it. Run must return once
+// the handler has, with every goroutine it started ended, and the next run
+// must apply every event once.
+func TestRunCancelledWhileTheFeedIsHeldAtARepetition(t *testing.T) {
+	const queued = 10
+	f := newFixture(t)
+	cfg := f.baseConfig("pacestop")
+	cfg.Workers = 2
+	cfg.BatchSize = 1 // pace: at most 4 unsettled
+	cfg.AckWait = 10 * time.Second
+	hang := uuidN(0)
+	h := newHangingHandler(cfg.Name, hang)
+	t.Cleanup(h.free)
+	c, err := New(f.pool, f.js, cfg, h, WithLogger(zaptest.NewLogger(t)), WithRegisterer(f.reg))
+	testenv.Must(t, err, "new consumer")
+	hung := c.workerIndex("registration\x00hang")
+	f.publish(event{ID: hang, AggID: "hang", Version: 1})
+	for i, a := range aggsOnWorker(c, hung, queued, "s") {
+		f.publish(event{ID: uuidN(100 + i), AggID: a, Version: 1})
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	label := t.Name()
+	done := runLabelled(ctx, c, label)
+	select {
+	case <-h.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the hanging event was not handled within 30 s")
+	}
+	f.waitFor("every message delivered", 30*time.Second, func() bool {
+		info, ok := f.consumerInfo(cfg.Name)
+		return ok && info.Delivered.Stream == 1+queued
+	})
+	rctx, rcancel := context.WithTimeout(context.Background(), 10*time.Second)
+	_, err = f.js.ResetConsumer(rctx, f.stream, cfg.Name)
+	rcancel()
+	testenv.Must(t, err, "reset the durable")
+	f.waitFor("the reset adopted", 30*time.Second, func() bool { return resumesByReason(t, f.reg)[resumeAdopted] >= 1 })
+	cancel()
+	h.releaseLater(time.Second)
+	waitRun(t, done, h)
+	checkNoneLeft(t, label)
+
+	f.start(cfg, h)
+	f.waitAppliedBy(cfg.Name, 1+queued)
+	f.waitSettled(cfg.Name, 30*time.Second)
+	if twice := queryInt(t, f.pool, `SELECT count(*) - count(DISTINCT event_id) FROM applied WHERE consumer = $1`, cfg.Name); twice != 0 {
+		t.Errorf("%d events applied twice", twice)
+	}
 }
