@@ -263,7 +263,8 @@ func (w *worker) drain() {
 // enqueue queues a delivery behind those that arrived before it, except
 // the redelivery of a retried message (its aggregate's block head): that
 // goes ahead of every queued message but its own aggregate's earlier ones
-// (a batch's, put back unattempted when a later one failed, or a replay).
+// (a batch's, put back unattempted when a later one failed, or a replay)
+// and a failed batch's messages waiting for their turns one at a time.
 // Until it is applied the durable's ack floor stays below it, and every
 // reset of the durable (feed.go) delivers all that is above the floor
 // again; behind a long queue that lasted as long as the queue did, and
@@ -277,7 +278,10 @@ func (w *worker) enqueue(it *item) {
 		w.queue = append(w.queue, it)
 		return
 	}
-	at := 0
+	// The first solo queued messages are a failed batch's, put back to be
+	// taken one at a time: a message inserted ahead of them would take one
+	// of their turns, and the last of them would go in a batch again.
+	at := min(w.solo, len(w.queue))
 	for i, q := range w.queue {
 		if q.key == it.key && (q.replay != nil || q.m.StreamSeq < it.m.StreamSeq) {
 			at = i + 1
