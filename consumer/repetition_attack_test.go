@@ -12,14 +12,14 @@ import (
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
 
-// The feed's pace (feed.go) holds a repetition of a delivery still in a
-// worker until no more than two batches per worker are unsettled. What it
-// waits for is the workers' progress, all of them together: a worker whose
-// handler hangs, or is slow with a queue longer than that, holds the feed,
-// and so the other workers' aggregates, for as long as it takes. Before
-// pace, a repetition stood in for its delivery at once and the feed went
-// on (worker.run: a hanging handler "delays this worker's aggregates only,
-// never the dispatcher and so never the other workers").
+// A repetition of a delivery still in a worker (a reset by someone else,
+// or a hung message's ack_wait running out) must not hold the feed, and so
+// the other workers' aggregates, for one worker's progress: a hanging
+// handler "delays this worker's aggregates only, never the dispatcher and
+// so never the other workers" (worker.run). A pacing of repetitions that
+// waited for the progress of all the workers together (7232c59, reverted)
+// failed these tests: a hung handler stopped every worker's supply, and a
+// merely slow one made a later version's gap wait run out.
 
 // aggsOnWorker returns n aggregate ids, prefix0, prefix1, … as found, whose
 // messages (of the test events' aggregate type) go to worker w of c.
