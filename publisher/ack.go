@@ -18,15 +18,15 @@ func parsePubAck(b []byte, ack *jetstream.PubAck, stream *string) bool {
 	ok := eachMember(b, func(key []byte, i int) (int, bool) {
 		switch string(key) {
 		case "stream":
-			if seenStream {
-				return 0, false
+			v, n, ok := plainString(b, i)
+			if ok {
+				if string(v) != *stream {
+					*stream = string(v)
+				}
+				ack.Stream, seenStream = *stream, true
 			}
-			seenStream = true
-			return internString(b, i, stream, &ack.Stream)
+			return n, ok
 		case "seq":
-			if seenSeq {
-				return 0, false
-			}
 			seenSeq = true
 			return uintInto(b, i, &ack.Sequence)
 		case "duplicate":
@@ -50,101 +50,98 @@ func parsePubAck(b []byte, ack *jetstream.PubAck, stream *string) bool {
 // batch's final count, {"stream":"S","seq":N,"batch":"id","count":K} with
 // optional "domain", "duplicate" and "val"), into r; members batchReply has
 // no field for are checked, not kept, as encoding/json would. It reports
-// false for anything else (an error report, an escaped string, a repeated
-// member) and the caller hands the answer to encoding/json. stream interns
-// the stream name; an answer naming batch (the current batch's id) takes
-// that string rather than a copy.
-func parseBatchReply(b []byte, r *batchReply, stream *string, batch string) bool {
+// false for anything else (an error report, an escaped string) and the
+// caller hands the answer to encoding/json. An answer naming stream (the
+// publisher's) or batch (the current batch's id) takes that string rather
+// than a copy.
+func parseBatchReply(b []byte, r *batchReply, stream, batch string) bool {
 	*r = batchReply{}
-	var seen uint8
-	once := func(bit uint8) bool {
-		if seen&bit != 0 {
-			return false
-		}
-		seen |= bit
-		return true
-	}
-	var ignoredUint uint64
-	var ignoredBool bool
 	return eachMember(b, func(key []byte, i int) (int, bool) {
+		var v []byte
+		n, ok := 0, false
 		switch string(key) {
-		case "type":
-			if !once(1 << 0) {
-				return 0, false
-			}
-			return internString(b, i, nil, &r.Type)
 		case "seq":
-			if !once(1 << 1) {
-				return 0, false
-			}
 			return uintInto(b, i, &r.Seq)
-		case "stream":
-			if !once(1 << 2) {
-				return 0, false
-			}
-			return internString(b, i, stream, &r.Stream)
-		case "batch":
-			if !once(1 << 3) {
-				return 0, false
-			}
-			v, n, ok := plainString(b, i)
-			if ok {
-				r.Batch = batch
-				if string(v) != batch {
-					r.Batch = string(v)
-				}
-			}
-			return n, ok
 		case "count":
-			if !once(1 << 4) {
-				return 0, false
-			}
 			return uintInto(b, i, &r.Count)
 		case "msgs", "last_seq":
-			return uintInto(b, i, &ignoredUint)
-		case "duplicate":
-			return boolInto(b, i, &ignoredBool)
-		case "domain", "val":
-			_, n, ok := plainString(b, i)
+			_, n, ok = uintLiteral(b, i)
 			return n, ok
+		case "duplicate":
+			var dup bool
+			return boolInto(b, i, &dup)
+		case "domain", "val":
+			_, n, ok = plainString(b, i)
+			return n, ok
+		case "type", "stream", "batch":
+			if v, n, ok = plainString(b, i); !ok {
+				return 0, false
+			}
+		default:
+			return 0, false
 		}
-		return 0, false
+		switch key[0] {
+		case 't':
+			r.Type = knownOr(v, "ack") // gap and err are failures: rare
+		case 's':
+			r.Stream = knownOr(v, stream)
+		default:
+			r.Batch = knownOr(v, batch)
+		}
+		return n, true
 	})
+}
+
+// knownOr returns known when v spells it, else a copy of v.
+func knownOr(v []byte, known string) string {
+	if string(v) == known {
+		return known
+	}
+	return string(v)
 }
 
 // eachMember walks b as one flat JSON object, calling member with each key
 // and the index of its value; member reads the value and returns the index
 // after it, or false for a key or value it does not take. It reports whether
 // b is exactly such an object, with at least one member and nothing after it.
-// Keys must be plain strings (plainString): one with an escape is not taken.
+// Keys must be plain strings (plainString): one with an escape is not taken,
+// nor a key that comes twice (encoding/json keeps the last value; the
+// caller's fallback reads it so), nor more than maxMembers members.
 func eachMember(b []byte, member func(key []byte, i int) (int, bool)) bool {
+	var keys [maxMembers][]byte
 	i := skipSpace(b, 0)
 	if i >= len(b) || b[i] != '{' {
 		return false
 	}
 	i++
-	for first := true; ; first = false {
+	for k := 0; ; k++ {
 		i = skipSpace(b, i)
 		if i >= len(b) {
 			return false
 		}
 		if b[i] == '}' {
-			if first {
+			if k == 0 {
 				return false // {}: not an answer
 			}
 			i++
 			break
 		}
-		if !first {
+		if k > 0 {
 			if b[i] != ',' {
 				return false
 			}
 			i = skipSpace(b, i+1)
 		}
 		key, n, ok := plainString(b, i)
-		if !ok {
+		if !ok || k == maxMembers {
 			return false
 		}
+		for _, seen := range keys[:k] {
+			if string(seen) == string(key) {
+				return false
+			}
+		}
+		keys[k] = key
 		i = skipSpace(b, n)
 		if i >= len(b) || b[i] != ':' {
 			return false
@@ -156,32 +153,9 @@ func eachMember(b []byte, member func(key []byte, i int) (int, bool)) bool {
 	return skipSpace(b, i) == len(b)
 }
 
-// internString reads a plain string at b[i] into *dst, reusing *intern
-// (when not nil) while the string is the same, so that the answers of one
-// stream do not allocate its name each time. Without intern it keeps the
-// constants a type member takes and allocates only an unknown one.
-func internString(b []byte, i int, intern *string, dst *string) (int, bool) {
-	v, n, ok := plainString(b, i)
-	if !ok {
-		return 0, false
-	}
-	switch {
-	case intern != nil:
-		if string(v) != *intern {
-			*intern = string(v)
-		}
-		*dst = *intern
-	case string(v) == "ack":
-		*dst = "ack"
-	case string(v) == "gap":
-		*dst = "gap"
-	case string(v) == "err":
-		*dst = "err"
-	default:
-		*dst = string(v)
-	}
-	return n, true
-}
+// maxMembers is the most members eachMember reads: a PubAck has at most
+// seven, a batch answer as many.
+const maxMembers = 8
 
 func stringInto(b []byte, i int, dst *string) (int, bool) {
 	v, n, ok := plainString(b, i)

@@ -96,12 +96,10 @@ type batchState struct {
 	// pubAck is what Result.Ack holds: fast-ingest acks carry no
 	// per-message stream sequence, so it names the stream only.
 	pubAck jetstream.PubAck
-	// replyStream interns the stream name answers carry (parseBatchReply).
-	replyStream string
-	head        int
-	sent        int // queue[head:head+sent] were sent in the current batch
-	state       batchPhase
-	id          string // current batch id
+	head   int
+	sent   int // queue[head:head+sent] were sent in the current batch
+	state  batchPhase
+	id     string // current batch id
 	// subject is the current batch's first subject: its commit goes to
 	// the same stream.
 	subject string
@@ -549,7 +547,7 @@ func (b *Batch) onReply(msg *nats.Msg) {
 	}
 	a := batchAnswer{id: id, seq: seq, data: msg.Data}
 	a.noResponders = len(msg.Data) == 0 && msg.Header.Get("Status") == "503"
-	if !a.noResponders && !parseBatchReply(msg.Data, &a.r, &b.replyStream, b.id) {
+	if !a.noResponders && !parseBatchReply(msg.Data, &a.r, b.stream, b.id) {
 		if err := json.Unmarshal(msg.Data, &a.r); err != nil {
 			a.r = batchReply{Type: "err", Seq: seq, Error: &jetstream.APIError{Description: "unreadable answer: " + err.Error()}}
 		}
