@@ -262,6 +262,18 @@ func (h *hangingHandler) inFlight() []string {
 	return slices.Clone(h.byTx[h.hangTx])
 }
 
+// waitEntered waits for the hanging call and returns its run label.
+func (h *hangingHandler) waitEntered(t *testing.T) string {
+	t.Helper()
+	select {
+	case label := <-h.entered:
+		return label
+	case <-time.After(30 * time.Second):
+		t.Fatal("the hanging event was not handled within 30 s")
+		return ""
+	}
+}
+
 // free lets the hanging call return.
 func (h *hangingHandler) free() { h.once.Do(func() { close(h.release) }) }
 
@@ -354,11 +366,7 @@ func TestRunCancelledWhileHandlerHangs(t *testing.T) {
 			defer cancel()
 			label := t.Name()
 			done := runLabelled(ctx, c, label)
-			select {
-			case <-h.entered:
-			case <-time.After(30 * time.Second):
-				t.Fatal("the hanging event was not handled within 30 s")
-			}
+			h.waitEntered(t)
 			cancel()
 			h.releaseLater(2 * cfg.HandlerTimeout)
 			waitRun(t, done, h)
@@ -415,12 +423,7 @@ func TestGroupMemberStoppedDuringHandOffWithHandlerInFlight(t *testing.T) {
 	start("b")
 	f.waitMembers("grp", 2)
 	f.publish(events(800, aggs, versions)...)
-	var in string
-	select {
-	case in = <-h.entered:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the hanging event was not handled within 30 s")
-	}
+	in := h.waitEntered(t)
 	member := strings.TrimPrefix(in, "member-")
 	if members[member] == nil {
 		t.Fatalf("the hanging call ran under label %q, no member's", in)
