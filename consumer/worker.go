@@ -271,11 +271,16 @@ func (w *worker) drain() {
 // under CPU load the resets' repetitions took the feed's time until the
 // worker ran dry (TestRetriedMessageGoesFirst). Its aggregate's later
 // messages are held behind it; there is no order between aggregates to
-// keep.
+// keep. A redelivery before its backoff ended (a reset's) is given back
+// until then (early).
 func (w *worker) enqueue(it *item) {
 	b := w.blocked[it.key]
 	if b == nil || it.replay != nil || it.msg == nil || it.m.StreamSeq != b.head {
 		w.queue = append(w.queue, it)
+		return
+	}
+	if wait := time.Until(b.retryAt); wait > 0 {
+		w.early(it, wait)
 		return
 	}
 	// The first solo queued messages are a failed batch's, put back to be
@@ -288,6 +293,21 @@ func (w *worker) enqueue(it *item) {
 		}
 	}
 	w.queue = slices.Insert(w.queue, at, it)
+}
+
+// early gives back a retried message's delivery that came before its
+// backoff ended, wait from now: a reset of the durable (feed.go) delivers
+// everything above the ack floor at once, naked messages included.
+// Processed, it would spend an attempt within its backoff, and a few
+// resets in a row would dead-letter it within seconds of its first
+// failure (TestResetsDoNotHurryARetry). Naked for the rest of its backoff,
+// it comes back when it was due; its aggregate stays held meanwhile.
+func (w *worker) early(it *item, wait time.Duration) {
+	it.endSpan(result{kind: resStale}, true)
+	if err := it.msg.NakWithDelay(wait); err != nil {
+		// Not lost: the delivery comes back after AckWait.
+		w.msgLog(it).Warn("defer a retried message redelivered before its backoff ended", zap.Error(err))
+	}
 }
 
 // heartbeat tells the broker that queued and held messages are still being
@@ -465,14 +485,18 @@ func (w *worker) unblock(key string, b *block) {
 func (w *worker) finish(ctx context.Context, it *item, res result) {
 	seq := it.m.StreamSeq
 	b := w.blocked[it.key]
+	// Before the nak: the broker redelivers no earlier than retryAt, so a
+	// delivery before it is early (enqueue).
+	naked := time.Now()
 	retryDelay, retry := w.settle(ctx, it, res)
 	it.endSpan(res, retry)
 	now := time.Now()
+	retryAt := naked.Add(retryDelay)
 	switch {
 	case retry && b == nil:
-		w.blocked[it.key] = &block{head: seq, id: it.m.ID, hash: it.hash, retryAt: now.Add(retryDelay), until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
+		w.blocked[it.key] = &block{head: seq, id: it.m.ID, hash: it.hash, retryAt: retryAt, until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
 	case retry:
-		b.head, b.id, b.hash, b.retryAt, b.until, b.waiting = seq, it.m.ID, it.hash, now.Add(retryDelay), now.Add(retryDelay+2*w.c.cfg.AckWait), false
+		b.head, b.id, b.hash, b.retryAt, b.until, b.waiting = seq, it.m.ID, it.hash, retryAt, now.Add(retryDelay+2*w.c.cfg.AckWait), false
 	case b != nil && seq == b.head:
 		w.unblock(it.key, b)
 	}
