@@ -84,9 +84,9 @@ func (p *pipeline) run(ctx context.Context) error {
 			// The stream was quiet for the batch span's time bound (it
 			// asked for this Wake), or has nothing more waiting once
 			// past it: between transactions, nothing more joins the
-			// batch for now.
+			// batch for now, unless a backlog is still coming.
 			if p.tx == nil {
-				p.spans.close()
+				p.spans.quiet()
 			}
 		case *replication.Truncate:
 			names := make([]string, len(e.Relations))

@@ -583,7 +583,7 @@ func (r *Relay) streamOnce(ctx context.Context, orphan *uint32) (bool, error) {
 	r.streaming.Store(true)
 	r.setReady()
 	p := pipeline{r: r, st: st, events: func() publishTarget { return r.eventPublisher() }, deadLetters: r.pub,
-		tracker: tracker, msgs: newMessagePrefixes(r.cfg.Router.MessagePrefixes()), spans: newBatchSpans(r.tracer, r.cfg.Stream.Name, st.WakeAt, st.Pending)}
+		tracker: tracker, msgs: newMessagePrefixes(r.cfg.Router.MessagePrefixes()), spans: newBatchSpans(r.tracer, r.cfg.Stream.Name, st.WakeAt, st.Pending, st.Behind)}
 	sctx, end := context.WithCancelCause(ctx)
 	defer end(nil)
 	r.endSession.Store(&end)

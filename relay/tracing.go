@@ -58,9 +58,10 @@ const (
 	// first.
 	maxBatchOpen = 5 * time.Millisecond
 	// maxBatchAge is how long a batch span takes new rows while more is
-	// always waiting: a backlog read on a machine that gives the relay
-	// little CPU, or a busy cluster whose WAL never lets the stream catch
-	// up. Without it such a span would stay open as long as the busy
+	// always waiting, or the stream is still behind the WAL the server had
+	// when it started: a backlog read on a machine that gives the relay
+	// (or the walsender) little CPU, or a busy cluster whose WAL never
+	// lets the stream catch up. Without it such a span would stay open as long as the busy
 	// spell, its rows' writers waiting that long to see it exported.
 	// 200 ms is far above maxBatchOpen, so that it is not what sizes a
 	// starved relay's spans (at 128 rows it allows 1.6 ms a row), and
@@ -118,12 +119,15 @@ type batchSpans struct {
 	tracer trace.Tracer
 	name   string
 	attrs  []attribute.KeyValue // the span's constant attributes
-	// wake asks the stream for a replication.Wake at a time, and pending
+	// wake asks the stream for a replication.Wake at a time, pending
 	// asks whether more of it is already waiting to be read
-	// (replication.Stream.Pending). Nil: none, as in tests without a
-	// stream (nothing is then ever waiting).
+	// (replication.Stream.Pending), and behind whether it is still
+	// reading the WAL the server had when it started
+	// (replication.Stream.Behind). Nil: none, as in tests without a
+	// stream (nothing is then ever waiting, nor behind).
 	wake    func(time.Time)
 	pending func() bool
+	behind  func() bool
 
 	// The open batch, nil when none; what it covers so far.
 	open   *batchSpan
@@ -143,11 +147,11 @@ type batchSpans struct {
 	lastLinked            bool              // lastCtx is linked in the open batch
 }
 
-func newBatchSpans(tracer trace.Tracer, stream string, wake func(time.Time), pending func() bool) *batchSpans {
+func newBatchSpans(tracer trace.Tracer, stream string, wake func(time.Time), pending, behind func() bool) *batchSpans {
 	if tracer == nil {
 		return nil
 	}
-	return &batchSpans{tracer: tracer, name: "publish " + stream, wake: wake, pending: pending,
+	return &batchSpans{tracer: tracer, name: "publish " + stream, wake: wake, pending: pending, behind: behind,
 		attrs:  []attribute.KeyValue{attrNATS, attrSend, attribute.String("messaging.destination.name", stream)},
 		linked: make(map[spanKey]struct{}, maxBatchLinks)}
 }
@@ -227,12 +231,13 @@ func (b *batchSpans) link(o *outbound) {
 // each transaction's commit, so that the rows of one writer span in one
 // transaction share a batch.
 //
-// While more of the stream is already waiting, the batch stays open (up
-// to maxBatchAge): a backlog is then being read as fast as the relay is
-// scheduled, and closing by the clock alone would size its spans by the
-// CPU share the relay gets, not by the data — on a loaded machine, a few
-// rows each. It closes where the backlog ends, at maxBatchLinks, or at
-// maxBatchAge when the stream never catches up.
+// While more of the stream is already waiting, or the stream is still
+// reading the WAL the server had when it started, the batch stays open (up
+// to maxBatchAge): a backlog is then being read as fast as the relay and
+// the walsender are scheduled, and closing by the clock alone would size
+// its spans by the CPU share they get, not by the data — on a loaded
+// machine, a few rows each. It closes where the backlog ends, at
+// maxBatchLinks, or at maxBatchAge when the stream never catches up.
 func (b *batchSpans) commit() {
 	if b == nil || b.open == nil {
 		return
@@ -251,7 +256,35 @@ func (b *batchSpans) commit() {
 		}
 		return
 	}
+	if b.holdBehind(age) {
+		return
+	}
 	b.close()
+}
+
+// quiet closes the open batch on a Wake between transactions: the stream
+// had nothing waiting once the batch was maxBatchOpen old. Unless the
+// stream is still behind the server's WAL at its start: then the
+// walsender is only slower than the relay, and the batch waits for the
+// backlog's next rows (holdBehind).
+func (b *batchSpans) quiet() {
+	if b == nil || b.open == nil || b.holdBehind(time.Since(b.opened)) {
+		return
+	}
+	b.close()
+}
+
+// holdBehind keeps a batch of age open while the stream is behind (see
+// commit), asking for a Wake at maxBatchAge: with nothing waiting, a Wake
+// at maxBatchOpen would come at once, again and again.
+func (b *batchSpans) holdBehind(age time.Duration) bool {
+	if age >= maxBatchAge || b.behind == nil || !b.behind() {
+		return false
+	}
+	if b.wake != nil {
+		b.wake(b.opened.Add(maxBatchAge))
+	}
+	return true
 }
 
 // close starts the open batch's span, backdated to when the batch opened

@@ -32,7 +32,7 @@ func testSpans(t *testing.T) (*batchSpans, *tracetest.InMemoryExporter, *[]time.
 	if err := WithTracerProvider(tp)(&o); err != nil {
 		t.Fatal(err)
 	}
-	return newBatchSpans(o.tracer, "OUTBOX", func(at time.Time) { wakes = append(wakes, at) }, nil), exp, &wakes
+	return newBatchSpans(o.tracer, "OUTBOX", func(at time.Time) { wakes = append(wakes, at) }, nil, nil), exp, &wakes
 }
 
 // traced is a routed row with traceparent tp, committed at lsn.
@@ -226,53 +226,81 @@ func TestBatchSpanCloses(t *testing.T) {
 	}
 }
 
-// TestBatchSpanOpenWhileMoreWaits: past maxBatchOpen, a commit keeps the
-// batch open while more of the stream is waiting to be read (a backlog,
-// read as fast as the relay is scheduled), asking again for a Wake, and
-// closes it once nothing is; from maxBatchAge on it closes it whatever is
-// waiting.
-func TestBatchSpanOpenWhileMoreWaits(t *testing.T) {
-	b, exp, wakes := testSpans(t)
-	waiting := true
-	b.pending = func() bool { return waiting }
-	var outs []*outbound
-	for i := range 3 {
-		o := traced(writerTP(i), replication.LSN(0x100+i))
-		b.join(o)
-		outs = append(outs, o)
-		b.opened = b.opened.Add(-maxBatchOpen) // the commit comes maxBatchOpen later
-		b.commit()
-		if b.open == nil {
-			t.Fatalf("commit %d, %s after the batch opened, closed it while more was waiting", i, time.Since(b.opened).Round(time.Millisecond))
-		}
-		// Asked again, at a time already past: as soon as nothing waits.
-		if len(*wakes) != i+2 || !(*wakes)[i+1].Equal(b.opened.Add(maxBatchOpen)) {
-			t.Fatalf("commit %d: wakes %v, want one more, at the batch's opening + %s", i, *wakes, maxBatchOpen)
-		}
-	}
-	waiting = false
-	b.commit()
-	if b.open != nil {
-		t.Fatal("the batch stayed open at a commit with nothing waiting")
-	}
-	for _, o := range outs {
-		o.endSpan(publisher.Result{Attempts: 1})
-	}
-	if spans := exp.GetSpans(); len(spans) != 1 || len(spans[0].Links) != 3 {
-		t.Fatalf("%d spans, want one linking the 3 writer spans", len(spans))
-	}
+// TestBatchSpanOpenThroughABacklog: past maxBatchOpen a batch stays open
+// while the stream is reading a backlog, and closes once it is not; from
+// maxBatchAge on a commit closes it whatever the stream says.
+//
+//   - More waiting to be read (the relay is scheduled slower than the
+//     walsender sends): a commit keeps the batch open and asks again for a
+//     Wake at opening + maxBatchOpen, a time already past, which the stream
+//     gives as soon as nothing waits; a commit with nothing waiting closes.
+//   - Behind the WAL the server had when the stream started, nothing
+//     waiting (a walsender short of CPU sends the backlog slower than the
+//     relay reads it): neither a commit nor a Wake between transactions
+//     closes the batch, and the Wake asked for is at maxBatchAge (at
+//     maxBatchOpen, already past, it would come at once, again and again);
+//     a Wake once the stream has caught up closes it.
+func TestBatchSpanOpenThroughABacklog(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		behind bool          // behind the start; otherwise more waiting
+		wakeAt time.Duration // the Wake asked for, after opening
+	}{
+		{"more waiting", false, maxBatchOpen},
+		{"behind the start", true, maxBatchAge},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, exp, wakes := testSpans(t)
+			backlog := true
+			b.pending = func() bool { return backlog && !tc.behind }
+			b.behind = func() bool { return backlog && tc.behind }
+			// end is what closes the batch once the backlog is read.
+			end := b.commit
+			if tc.behind {
+				end = b.quiet
+			}
+			var outs []*outbound
+			for i := range 3 {
+				o := traced(writerTP(i), replication.LSN(0x100+i))
+				b.join(o)
+				outs = append(outs, o)
+				b.opened = b.opened.Add(-maxBatchOpen) // the commit comes maxBatchOpen later
+				b.commit()
+				if tc.behind {
+					b.quiet() // a Wake between transactions: nothing is waiting
+				}
+				if b.open == nil {
+					t.Fatalf("row %d, %s after the batch opened: closed during the backlog", i, time.Since(b.opened).Round(time.Millisecond))
+				}
+				if last := (*wakes)[len(*wakes)-1]; !last.Equal(b.opened.Add(tc.wakeAt)) {
+					t.Fatalf("row %d: last Wake asked for at %s after opening, want %s", i, last.Sub(b.opened), tc.wakeAt)
+				}
+			}
+			backlog = false
+			end()
+			if b.open != nil {
+				t.Fatal("the batch stayed open once the backlog was read")
+			}
+			for _, o := range outs {
+				o.endSpan(publisher.Result{Attempts: 1})
+			}
+			if spans := exp.GetSpans(); len(spans) != 1 || len(spans[0].Links) != 3 {
+				t.Fatalf("%d spans, want one linking the 3 writer spans", len(spans))
+			}
 
-	waiting = true
-	o := traced(writerTP(3), 0x200)
-	b.join(o)
-	b.opened = b.opened.Add(-maxBatchAge)
-	b.commit()
-	if b.open != nil {
-		t.Fatalf("a batch open for %s stayed open at a commit: more waiting must not keep it longer than %s", time.Since(b.opened).Round(time.Millisecond), maxBatchAge)
-	}
-	o.endSpan(publisher.Result{Attempts: 1})
-	if n := len(exp.GetSpans()); n != 2 {
-		t.Fatalf("%d spans, want 2", n)
+			backlog = true
+			o := traced(writerTP(3), 0x200)
+			b.join(o)
+			b.opened = b.opened.Add(-maxBatchAge)
+			b.commit()
+			if b.open != nil {
+				t.Fatalf("a batch open for %s stayed open at a commit: a backlog must not keep it longer than %s", time.Since(b.opened).Round(time.Millisecond), maxBatchAge)
+			}
+			o.endSpan(publisher.Result{Attempts: 1})
+			if n := len(exp.GetSpans()); n != 2 {
+				t.Fatalf("%d spans, want 2", n)
+			}
+		})
 	}
 }
 
@@ -301,7 +329,7 @@ func TestBatchSpanDeadLettered(t *testing.T) {
 func BenchmarkBatchSpanJoin(b *testing.B) {
 	tp := sdktrace.NewTracerProvider()
 	defer func() { _ = tp.Shutdown(b.Context()) }()
-	bs := newBatchSpans(tp.Tracer(TracerName), "OUTBOX", nil, nil)
+	bs := newBatchSpans(tp.Tracer(TracerName), "OUTBOX", nil, nil, nil)
 	outs := make([]*outbound, 4096)
 	for i := range outs {
 		outs[i] = traced(writerTP(i), replication.LSN(0x1000+i))

@@ -11,6 +11,22 @@ import (
 // position replayed so far, which is all a slot there can reach.
 const CurrentLSN = "(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END)"
 
+// insertLSN is CurrentLSN at the WAL's insert position on a primary: the
+// end of every commit made, which commits with synchronous_commit off
+// reach before pg_current_wal_lsn() does.
+const insertLSN = "(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_insert_lsn() END)"
+
+// walEnd is the end of the server's WAL (insertLSN), 0 when it cannot be
+// read: Behind is then false, the safe answer.
+func walEnd(ctx context.Context, conn *pgx.Conn) LSN {
+	var s string
+	if err := conn.QueryRow(ctx, "SELECT "+insertLSN+"::text").Scan(&s); err != nil {
+		return 0
+	}
+	end, _ := parseLSN(s)
+	return end
+}
+
 // setupOnStandby is Setup on a hot standby (PostgreSQL 16+, checked by
 // checkFeatures): the publication comes from the primary, which alone can
 // create it, and the slot is the standby's own. Creating it waits for the

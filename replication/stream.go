@@ -93,6 +93,7 @@ type Stream struct {
 
 	received   LSN // newest WAL position received
 	serverEnd  LSN // server's sent position from the last keepalive
+	startEnd   LSN // end of the server's WAL when streaming started (Behind)
 	sentFlush  LSN // flush position of the last status update
 	nextStatus time.Time
 	lastRecv   time.Time // when the server was last heard from
@@ -151,6 +152,9 @@ func Open(ctx context.Context, cfg Config, wm Watermark, opts ...Option) (*Strea
 		return nil, connectFailure(err)
 	}
 	st, err := openChecks(ctx, sql, cfg)
+	if err == nil {
+		s.startEnd = walEnd(ctx, sql)
+	}
 	sql.Close(ctx)
 	if err != nil {
 		return nil, err
@@ -354,6 +358,15 @@ func (s *Stream) Pending() bool {
 	}
 	return s.conn.Frontend().ReadBufferLen() > 0 || readable(s.conn.Conn())
 }
+
+// Behind reports whether the stream has not yet reached the end the
+// server's WAL had when streaming started: it is reading a backlog. That
+// holds also while the server sends the backlog slower than this process
+// reads it (a walsender short of CPU on a loaded machine), when Pending
+// finds nothing waiting between two of its messages. It turns false at
+// the first change or keepalive at or past that end; the server sends a
+// keepalive when it has sent all its WAL.
+func (s *Stream) Behind() bool { return max(s.received, s.serverEnd) < s.startEnd }
 
 // xlogHeader is WALStart, ServerWALEnd and ServerTime, 8 bytes each.
 const xlogHeader = 24

@@ -140,7 +140,7 @@ func (w *PublicationWatch) Position(ctx context.Context) (LSN, error) {
 		return 0, err
 	}
 	var s string
-	err := w.conn.QueryRow(ctx, "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_insert_lsn() END)::text").Scan(&s)
+	err := w.conn.QueryRow(ctx, "SELECT "+insertLSN+"::text").Scan(&s)
 	if err != nil {
 		return 0, w.after(fmt.Errorf("read the WAL position: %w", err))
 	}
