@@ -85,6 +85,7 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 		}
 	}
 	c.met.batchSize.Observe(float64(len(todo)))
+	var failed []int // the messages whose attempt failed in an earlier try
 	for redo := 0; len(todo) > 0; redo++ {
 		if redo > maxBatchRedo {
 			return oneByOne(out, its, todo)
@@ -112,6 +113,16 @@ func (c *Consumer) processBatch(ctx context.Context, its []*item) batchOutcome {
 			continue
 		}
 		out.res[f] = try.failed
+		for _, j := range failed {
+			if j > f && its[j].key == its[f].key {
+				// Its failure was judged after f's effect, which did not
+				// commit: it counts as not attempted, and goes back to be
+				// held behind f. Left failed, it was naked for a retry of
+				// its own, and its redelivery could be applied before f's.
+				out.res[j] = result{kind: resRequeue}
+			}
+		}
+		failed = append(failed, f)
 		rest := todo[:0:0]
 		for _, i := range todo {
 			switch {
