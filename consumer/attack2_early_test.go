@@ -308,7 +308,7 @@ func (f *fixture) startStoppable(cfg Config, h Handler, name string) (stop func(
 }
 
 // TestEarlyHeadRollingDeploy: a process stops (worker.release) while a
-// head waits for its backoff (3 s) with its aggregate's later versions
+// head waits for its backoff (4 to 8 s) with its aggregate's later versions
 // held, and the next process starts at once, then is reset by another
 // party twice, early in the head's backoff. The head is redelivered early
 // to the new process, which has no block and applies it (its attempt
@@ -322,7 +322,7 @@ func TestEarlyHeadRollingDeploy(t *testing.T) {
 			cfg := f.baseConfig("earlydeploy")
 			cfg.Workers = 2
 			cfg.BatchSize = 4
-			cfg.RetryBase, cfg.RetryMax = 3*time.Second, 3*time.Second
+			cfg.RetryBase, cfg.RetryMax = 8*time.Second, 8*time.Second
 			cfg.VersionCheck, cfg.InitialVersion = vc, 1
 			cfg.GapWait = 30 * time.Second
 			head := uuidN(1*1000 + 2)
@@ -339,11 +339,16 @@ func TestEarlyHeadRollingDeploy(t *testing.T) {
 					f.publish(event{ID: uuidN(v*1000 + a), AggID: fmt.Sprintf("a%d", a), Version: int64(v)})
 				}
 			}
-			f.waitFor("the other aggregates applied", 30*time.Second, func() bool {
-				return queryInt(t, f.pool, `SELECT count(DISTINCT event_id) FROM applied`) == (aggs-1)*versions &&
-					r.callCount(head) == 1
+			f.waitFor("the other aggregates applied", time.Minute, func() bool {
+				return queryInt(t, f.pool, `SELECT count(DISTINCT event_id) FROM applied`) >= (aggs-1)*versions &&
+					r.callCount(head) >= 1
 			})
 			stopA()
+			if r.callCount(head) != 1 {
+				// A loaded machine: the backoff ended before the others were
+				// applied, and the scenario (stop while the head waits) was missed.
+				t.Skipf("the head's backoff ended before the old process stopped (%d calls)", r.callCount(head))
+			}
 			f.startStoppable(cfg, r, "new")
 			for range 2 {
 				time.Sleep(300 * time.Millisecond)
