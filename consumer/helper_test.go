@@ -209,14 +209,21 @@ func (r *recorder) Handle(ctx context.Context, tx pgx.Tx, m *Message) error {
 	call := r.calls[m.ID]
 	fail := r.fail
 	r.mu.Unlock()
-	if _, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version) VALUES ($1, $2, $3, $4)`,
-		r.name, m.ID, m.AggregateID, m.AggregateVersion); err != nil {
+	if err := insertApplied(ctx, tx, r.name, m); err != nil {
 		return err
 	}
 	if fail != nil {
 		return fail(m, call)
 	}
 	return nil
+}
+
+// insertApplied records m's application by the consumer name in tx: the
+// test handlers' effect.
+func insertApplied(ctx context.Context, tx pgx.Tx, name string, m *Message) error {
+	_, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version) VALUES ($1, $2, $3, $4)`,
+		name, m.ID, m.AggregateID, m.AggregateVersion)
+	return err
 }
 
 func (r *recorder) callCount(id string) int {

@@ -158,8 +158,7 @@ func TestRetriedMessageGoesFirst(t *testing.T) {
 		case <-ctx.Done():
 			return ctx.Err()
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version) VALUES ($1, $2, $3, $4)`,
-			"first", m.ID, m.AggregateID, m.AggregateVersion); err != nil {
+		if err := insertApplied(ctx, tx, "first", m); err != nil {
 			return err
 		}
 		applied <- m.ID

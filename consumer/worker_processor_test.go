@@ -158,8 +158,7 @@ func (h *gidBatchHandler) HandleBatch(ctx context.Context, tx pgx.Tx, ms []*Mess
 		panic("batch handler bug")
 	}
 	for _, m := range ms {
-		if _, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version) VALUES ($1, $2, $3, $4)`,
-			h.name, m.ID, m.AggregateID, m.AggregateVersion); err != nil {
+		if err := insertApplied(ctx, tx, h.name, m); err != nil {
 			return err
 		}
 	}

@@ -107,8 +107,7 @@ func (b *batchRecorder) HandleBatch(ctx context.Context, tx pgx.Tx, ms []*Messag
 		}
 	}
 	for _, m := range ms {
-		if _, err := tx.Exec(ctx, `INSERT INTO applied (consumer, event_id, aggregate_id, version) VALUES ($1, $2, $3, $4)`,
-			b.name, m.ID, m.AggregateID, m.AggregateVersion); err != nil {
+		if err := insertApplied(ctx, tx, b.name, m); err != nil {
 			return err
 		}
 	}
