@@ -37,6 +37,27 @@ type worker struct {
 	// inflight is the message or batch the processor has, nil while
 	// idle; a retried message among it counts as back (queued).
 	inflight []*item
+	// answers brings back the heartbeat's look-up of overdue blocks'
+	// heads (lookUp), which runs on a goroutine of its own; asking is set
+	// while one is out.
+	answers chan goneAnswer
+	asking  bool
+}
+
+// head is what a look-up needs of an overdue block: its retried message's
+// stream sequence, event id and content hash, copied, since the worker may
+// change the block meanwhile.
+type head struct {
+	seq  uint64
+	id   string
+	hash []byte
+}
+
+// goneAnswer is a look-up's answer: which of the heads asked about need no
+// more processing here.
+type goneAnswer struct {
+	asked []head
+	gone  map[uint64]bool
 }
 
 // block holds back an aggregate's messages while one of them (head) waits
@@ -76,6 +97,7 @@ func newWorker(c *Consumer, src source, id int) *worker {
 		fails:   map[uint64]*failState{},
 		gaps:    map[uint64]*gapState{},
 		size:    c.cfg.BatchSize,
+		answers: make(chan goneAnswer, 1),
 	}
 }
 
@@ -107,6 +129,10 @@ func (w *worker) run(ctx context.Context) error {
 	defer func() { // returns only while idle: the processor ends at once
 		close(jobs)
 		<-exited
+		if w.asking { // ctx has ended: the look-up ends at once too
+			<-w.answers
+			w.asking = false
+		}
 	}()
 	for {
 		if busy == nil {
@@ -133,6 +159,8 @@ func (w *worker) run(ctx context.Context) error {
 				keepAlive(w.inflight)
 			}
 			w.heartbeat(ctx)
+		case a := <-w.answers:
+			w.settleOverdue(a)
 		case out := <-busy:
 			busy = nil
 			cur := w.inflight
@@ -312,11 +340,11 @@ func (w *worker) early(it *item, wait time.Duration) {
 
 // heartbeat tells the broker that queued and held messages are still being
 // worked on, so that ack_wait only has to cover one message's handling, and
-// releases blocks whose retried message is known to be gone.
+// asks whether the retried messages of overdue blocks are gone (lookUp).
 func (w *worker) heartbeat(ctx context.Context) {
 	now := time.Now()
 	keepAlive(w.queue)
-	var overdue []*block
+	var overdue []head
 	for _, b := range w.blocked {
 		keepAlive(b.held)
 		switch {
@@ -324,22 +352,50 @@ func (w *worker) heartbeat(ctx context.Context) {
 		case w.queued(b.head):
 			b.until = now.Add(w.c.cfg.AckWait) // redelivered: not yet reached, or being processed
 		default:
-			overdue = append(overdue, b)
+			overdue = append(overdue, head{seq: b.head, id: b.id, hash: b.hash})
 		}
 	}
-	if len(overdue) == 0 {
-		return
+	if len(overdue) > 0 && !w.asking {
+		w.asking = true
+		go w.lookUp(ctx, overdue)
+	}
+}
+
+// lookUp asks, on a goroutine of its own, whether the overdue heads are
+// gone, and hands the answer back to the worker's goroutine (settleOverdue).
+// The questions go to the database and to JetStream, and a server that is
+// slow to answer makes each take as long as its deadline: asked on the
+// worker's goroutine, every heartbeat held up the worker's messages for
+// seconds, and a heartbeat later it asked again. Blocks go overdue when
+// their retried messages cannot come back, as while the feed waits for the
+// workers before a reset (feed.settle) — so the workers it waited for
+// applied a message every few seconds instead of several a second, under
+// CPU load for minutes, with the durable's ack floor held below the
+// retried messages meanwhile (TestSlowLookUpDoesNotHoldUpTheWorker). One
+// look-up is out at a time.
+func (w *worker) lookUp(ctx context.Context, overdue []head) {
+	w.answers <- goneAnswer{asked: overdue, gone: w.gone(ctx, overdue)}
+}
+
+// settleOverdue applies a look-up's answer to the blocks that are still
+// overdue with a head it asked about: one whose retried message came back
+// meanwhile, or failed again (a new deadline), is left as it is.
+func (w *worker) settleOverdue(a goneAnswer) {
+	w.asking = false
+	asked := make(map[uint64]bool, len(a.asked))
+	for _, h := range a.asked {
+		asked[h.seq] = true
 	}
 	// The retried message did not come back in time. Its successors may go
 	// only when it cannot come back: settled (by another process sharing
 	// the durable consumer) or removed from the stream. A message that is
 	// merely late, because JetStream is unreachable or slow, keeps its
 	// aggregate held: releasing it then would apply a later event first.
-	gone := w.gone(ctx, overdue)
+	now := time.Now()
 	for key, b := range w.blocked {
 		switch {
-		case !now.After(b.until) || w.queued(b.head):
-		case gone[b.head]:
+		case !asked[b.head] || !now.After(b.until) || w.queued(b.head):
+		case a.gone[b.head]:
 			w.c.log.Warn("retried message was settled elsewhere or left the stream; releasing its aggregate",
 				zap.Uint64(fieldSeq, b.head), zap.Int("held", len(b.held)))
 			w.forget(b.head)
@@ -357,16 +413,17 @@ func (w *worker) heartbeat(ctx context.Context) {
 // got the redelivery and applied it: the durable's ack floor does not show
 // that while any lower message is unacknowledged, which on a busy shared
 // durable can be for minutes), and those the source knows settled or
-// removed from the stream. A lookup that fails tells nothing.
-func (w *worker) gone(ctx context.Context, overdue []*block) map[uint64]bool {
+// removed from the stream. A lookup that fails tells nothing. It runs on
+// the look-up's goroutine (lookUp): it touches no state of the worker.
+func (w *worker) gone(ctx context.Context, overdue []head) map[uint64]bool {
 	var (
-		look   []*block // those with a dedup row to look for
+		look   []head // those with a dedup row to look for
 		ids    []string
 		hashes [][]byte
 	)
-	for _, b := range overdue {
-		if b.hash != nil {
-			look, ids, hashes = append(look, b), append(ids, b.id), append(hashes, b.hash)
+	for _, h := range overdue {
+		if h.hash != nil {
+			look, ids, hashes = append(look, h), append(ids, h.id), append(hashes, h.hash)
 		}
 	}
 	gone := map[uint64]bool{}
@@ -375,10 +432,10 @@ func (w *worker) gone(ctx context.Context, overdue []*block) map[uint64]bool {
 		found, _ := w.c.recordedAmong(lctx, ids, hashes)
 		cancel()
 		var applied []uint64
-		for i, b := range look {
-			gone[b.head] = found[i]
+		for i, h := range look {
+			gone[h.seq] = found[i]
 			if found[i] {
-				applied = append(applied, b.head)
+				applied = append(applied, h.seq)
 			}
 		}
 		if len(applied) > 0 {
@@ -388,9 +445,9 @@ func (w *worker) gone(ctx context.Context, overdue []*block) map[uint64]bool {
 		}
 	}
 	var ask []uint64
-	for _, b := range overdue {
-		if !gone[b.head] {
-			ask = append(ask, b.head)
+	for _, h := range overdue {
+		if !gone[h.seq] {
+			ask = append(ask, h.seq)
 		}
 	}
 	if len(ask) > 0 {

@@ -529,6 +529,88 @@ func TestHeartbeatCountsTheRetriedMessageInFlight(t *testing.T) {
 	}
 }
 
+// A retried message cannot come back (its feed waits for the workers
+// before a reset), so its block goes overdue, and the heartbeat asks
+// whether it is gone, of a server that does not answer for now. Meanwhile
+// the worker settles its other messages. The look-up ran on the worker's
+// goroutine: every heartbeat held the worker's messages up until its
+// deadlines passed, seconds each under CPU load, and the feed waited for
+// workers that settled a message every few seconds
+// (TestBatchFailuresEndAsInPerMessageMode: the durable's ack floor below
+// the retried message after 90 s). Here the server does not answer until
+// the test ends.
+func TestSlowLookUpDoesNotHoldUpTheWorker(t *testing.T) {
+	met, err := newMetrics(prometheus.NewRegistry(), "slowlookup", "team-rewards")
+	testenv.Must(t, err, "metrics")
+	c := &Consumer{
+		cfg:    Config{Name: "slowlookup", AckWait: 300 * time.Millisecond, HandlerTimeout: 100 * time.Millisecond, BatchSize: 1},
+		log:    zaptest.NewLogger(t),
+		met:    met,
+		wanted: map[string]bool{"Wanted": true}, // the messages below are skipped: acknowledged without a transaction
+	}
+	src := &silentSource{asked: make(chan struct{}, 1)}
+	w := newWorker(c, src, 0)
+	w.blocked["h"] = &block{head: 1, until: time.Now().Add(-time.Second)} // overdue; no dedup row to look for
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- w.run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("worker: %v", err)
+		}
+	}()
+	select {
+	case <-src.asked:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the heartbeat did not ask whether the overdue retried message is gone")
+	}
+	acked := make(chan uint64, 3)
+	for seq := uint64(2); seq <= 4; seq++ {
+		it := &item{msg: ackedMsg{acked: acked, seq: seq}, key: fmt.Sprintf("k%d", seq)}
+		it.m.StreamSeq, it.m.Type = seq, "Other"
+		w.in <- it
+	}
+	for range 3 {
+		select {
+		case <-acked:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("the worker's messages were not settled while the heartbeat's look-up waited for the server")
+		}
+	}
+}
+
+// silentSource is a source whose server does not answer: gone waits until
+// its ctx ends, and reports each question on asked.
+type silentSource struct {
+	source
+	asked chan struct{}
+}
+
+func (s *silentSource) gone(ctx context.Context, _ []uint64) map[uint64]bool {
+	select {
+	case s.asked <- struct{}{}:
+	default:
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// ackedMsg reports its acknowledgement.
+type ackedMsg struct {
+	progressMsg
+	acked chan<- uint64
+	seq   uint64
+}
+
+func (m ackedMsg) Ack() error {
+	m.acked <- m.seq
+	return nil
+}
+
+// Nak: a worker stopped before settling it gives it back.
+func (ackedMsg) Nak() error { return nil }
+
 // askedSource counts the heartbeat's questions; it knows nothing gone.
 type askedSource struct {
 	source
