@@ -12,7 +12,6 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/contract"
 	"github.com/outbox-relay/outbox-relay/internal/relaytest"
-	"github.com/outbox-relay/outbox-relay/internal/testenv"
 	"github.com/outbox-relay/outbox-relay/router"
 )
 
@@ -76,9 +75,7 @@ func TestRelayDeadLettersEveryCopiedRow(t *testing.T) {
 	f.WaitCount(ctx, f.Stream, 1, 30*time.Second)
 	// The event after the copies is stored: every record before it was
 	// settled, duplicate or not.
-	if !testenv.WaitFor(10*time.Second, func() bool { return f.slot(ctx).LagBytes == 0 }) {
-		t.Fatalf("slot lag %d", f.slot(ctx).LagBytes)
-	}
+	f.waitConfirmed(ctx, 10*time.Second, nil)
 	const want = 5 + 5 + 3 + 3
 	dl := relaytest.ReadStream(ctx, t, f.JS, f.DLQ)
 	ids := map[string]bool{}
@@ -117,9 +114,7 @@ func TestRelayDeadLettersHugeHeaders(t *testing.T) {
 			if c := dl[0].Headers[contract.DLQReasonClass][0]; c != router.ClassHeaderTooLarge {
 				t.Fatalf("reason class %q", c)
 			}
-			if !testenv.WaitFor(10*time.Second, func() bool { return f.slot(ctx).LagBytes == 0 }) {
-				t.Fatalf("slot lag %d", f.slot(ctx).LagBytes)
-			}
+			f.waitConfirmed(ctx, 10*time.Second, nil)
 		})
 	}
 }

@@ -59,6 +59,30 @@ func (f *fixture) slot(ctx context.Context) replication.SlotStatus {
 	return st
 }
 
+// waitConfirmed waits up to timeout until the slot's confirmed position
+// has passed the end of the WAL written so far, this test's rows among it,
+// and until also (nil: nothing more) holds. Not LagBytes == 0: that asks
+// it of the WAL the package's other tests write in the shared cluster up
+// to the moment of the check, which under CPU load the relay is seldom
+// idle long enough to have confirmed.
+func (f *fixture) waitConfirmed(ctx context.Context, timeout time.Duration, also func() bool) {
+	f.T.Helper()
+	var s string
+	if err := f.DB.Pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&s); err != nil {
+		f.T.Fatal(err)
+	}
+	end, err := replication.ParseLSN(s)
+	if err != nil {
+		f.T.Fatal(err)
+	}
+	if !testenv.WaitFor(timeout, func() bool {
+		return f.slot(ctx).ConfirmedFlushLSN >= end && (also == nil || also())
+	}) {
+		f.T.Fatalf("after %s the slot confirmed %s, want at least the WAL's end %s when the wait began (the test's own condition held: %v)",
+			timeout, f.slot(ctx).ConfirmedFlushLSN, end, also == nil || also())
+	}
+}
+
 // Acceptance 1: concurrent writers, mixed transaction sizes; exact count,
 // order per aggregate, exact headers and payload bytes.
 func TestRelayConcurrentWriters(t *testing.T) {
