@@ -110,9 +110,10 @@ func newWorker(c *Consumer, src source, id int) *worker {
 // only, never the dispatcher and so never the other workers. Only this
 // goroutine touches the worker's state; the processor gets the items and
 // hands back a result, and the heartbeat's look-up (lookUp) gets copies of
-// the heads it asks about and hands back an answer. One processor for the worker's life, not a goroutine
-// per message: a new goroutine grew its stack again through pgx for every
-// message, a few percent of the consumer's CPU at moderate rates.
+// the heads it asks about and hands back an answer. One processor for the
+// worker's life, not a goroutine per message: a new goroutine grew its
+// stack again through pgx for every message, a few percent of the
+// consumer's CPU at moderate rates.
 func (w *worker) run(ctx context.Context) error {
 	tick := time.NewTicker(w.c.cfg.AckWait / 3)
 	defer tick.Stop()

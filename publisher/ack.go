@@ -20,9 +20,7 @@ func parsePubAck(b []byte, ack *jetstream.PubAck, stream *string) bool {
 		case "stream":
 			v, n, ok := plainString(b, i)
 			if ok {
-				if string(v) != *stream {
-					*stream = string(v)
-				}
+				*stream = knownOr(v, *stream)
 				ack.Stream, seenStream = *stream, true
 			}
 			return n, ok

@@ -61,8 +61,9 @@ const (
 	// always waiting, or the stream is still behind the WAL the server had
 	// when it started: a backlog read on a machine that gives the relay
 	// (or the walsender) little CPU, or a busy cluster whose WAL never
-	// lets the stream catch up. Without it such a span would stay open as long as the busy
-	// spell, its rows' writers waiting that long to see it exported.
+	// lets the stream catch up. Without it such a span would stay open as
+	// long as the busy spell, its rows' writers waiting that long to see
+	// it exported.
 	// 200 ms is far above maxBatchOpen, so that it is not what sizes a
 	// starved relay's spans (at 128 rows it allows 1.6 ms a row), and
 	// small beside the SDK batch processor's own export delay (5 s by
