@@ -66,9 +66,10 @@ type block struct {
 	head    uint64    // stream sequence of the failed message
 	id      string    // its event id and content hash: its dedup row tells
 	hash    []byte    // whether another process applied it (worker.gone)
+	version int64     // its aggregate version: a gap it would fill waits for it (settle)
 	retryAt time.Time // when the broker redelivers head (its nak delay ends)
 	until   time.Time // ask JetStream whether head is gone after this
-	held    []*item   // later messages of the aggregate, in arrival order
+	held    []*item   // the aggregate's messages waiting for head, in stream order
 	waiting bool      // the overdue head was reported once
 }
 
@@ -209,16 +210,26 @@ func (w *worker) take() []*item {
 // finishAll settles what processItems returned for its, in order; messages
 // a batch did not attempt go back to the front of the queue, where next
 // holds them behind a failed message of their aggregate, as if they had
-// arrived after it.
+// arrived after it. Version gaps are settled last, once the others are
+// settled and back (waitForMissing looks for the missing version there),
+// and one that a later message of the batch filled goes back too.
 func (w *worker) finishAll(ctx context.Context, its []*item, out batchOutcome) {
 	w.adapt(len(its), out)
 	var back []*item
+	var gaps []int
 	for i, it := range its {
-		switch res := out.res[i]; {
+		res := out.res[i]
+		if res.kind == resGap && it.replay == nil && gapFilled(its, out.res, i) {
+			w.c.met.gap.Inc() // it came before its predecessor all the same
+			res.kind = resRequeue
+		}
+		switch {
 		case res.kind == resRequeue:
 			back = append(back, it)
 		case it.replay != nil:
 			w.finishReplay(ctx, it, res)
+		case res.kind == resGap:
+			gaps = append(gaps, i)
 		default:
 			w.finish(ctx, it, res)
 		}
@@ -229,6 +240,21 @@ func (w *worker) finishAll(ctx context.Context, its []*item, out batchOutcome) {
 			w.solo = len(back)
 		}
 	}
+	for _, i := range gaps {
+		w.finish(ctx, its[i], out.res[i])
+	}
+}
+
+// gapFilled reports whether a missing version of its[i]'s gap was applied
+// in the same transaction, after its check: a batch [9, 8] at version 7.
+func gapFilled(its []*item, res []result, i int) bool {
+	g := res[i]
+	for j, it := range its {
+		if res[j].kind == resApplied && it.key == its[i].key && it.m.AggregateVersion > g.current && it.m.AggregateVersion < g.received {
+			return true
+		}
+	}
+	return false
 }
 
 // adapt sizes the next batches after one of n messages came to out. A
@@ -512,7 +538,8 @@ func (w *worker) release() {
 	w.queue, w.blocked = nil, map[string]*block{}
 }
 
-// hold adds a message to those held behind the block's head. A delivery of
+// hold adds a message to those held behind the block's head: a later one
+// of its aggregate, or one whose version gap head fills. A delivery of
 // a message already held (repeated by a reset of its feed, feed.go) takes
 // the earlier delivery's place, so that resets while a message is retried
 // do not pile up copies.
@@ -527,7 +554,13 @@ func (b *block) hold(it *item) {
 			return
 		}
 	}
-	b.held = append(b.held, it)
+	// In stream order: a reset's repetition, or a version gap's message
+	// from before the head (settle), goes in before those after it.
+	at := len(b.held)
+	for at > 0 && b.held[at-1].m.StreamSeq > it.m.StreamSeq {
+		at--
+	}
+	b.held = slices.Insert(b.held, at, it)
 }
 
 func (w *worker) unblock(key string, b *block) {
@@ -553,9 +586,10 @@ func (w *worker) finish(ctx context.Context, it *item, res result) {
 	retryAt := naked.Add(retryDelay)
 	switch {
 	case retry && b == nil:
-		w.blocked[it.key] = &block{head: seq, id: it.m.ID, hash: it.hash, retryAt: retryAt, until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
+		w.blocked[it.key] = &block{head: seq, id: it.m.ID, hash: it.hash, version: it.m.AggregateVersion, retryAt: retryAt, until: now.Add(retryDelay + 2*w.c.cfg.AckWait)}
 	case retry:
-		b.head, b.id, b.hash, b.retryAt, b.until, b.waiting = seq, it.m.ID, it.hash, retryAt, now.Add(retryDelay+2*w.c.cfg.AckWait), false
+		b.head, b.id, b.hash, b.version = seq, it.m.ID, it.hash, it.m.AggregateVersion
+		b.retryAt, b.until, b.waiting = retryAt, now.Add(retryDelay+2*w.c.cfg.AckWait), false
 	case b != nil && seq == b.head:
 		w.unblock(it.key, b)
 	}
@@ -596,6 +630,10 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 			w.gaps[seq] = g
 		}
 		g.deferrals++
+		if w.waitForMissing(it, res) {
+			c.met.processed(outcomeDeferred)
+			return 0, false
+		}
 		waited := time.Since(g.since)
 		if res.blockedBy == 0 && waited < c.cfg.GapWait {
 			delay := min(c.cfg.GapRecheck, c.cfg.GapWait-waited)
@@ -633,6 +671,40 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 		return w.deadLetter(ctx, it, res.class, fmt.Errorf("%w (gave up after %d %s attempts, %d in all)", unclassed(res.err), n, res.class, f.attempts), f)
 	}
 	return w.retry(it, res.class, res.err, f.attempts, w.msgLog(it))
+}
+
+// waitForMissing puts a message back behind a version its gap misses when
+// this worker has that version: its aggregate's retried message (the block's
+// head; the message is held behind it as a later one in the stream would
+// be, for as long as its retries take), or a message further back in the
+// queue (a reset's deliveries, or held messages released in stream order
+// where the versions ran otherwise). Such a gap is late, not lost: GapWait,
+// the wait for versions that have not arrived, would dead-letter the
+// message when the retries outlast it, under load or with a long backoff
+// (TestGapBehindARetriedVersion). Applied, the missing version lets it go
+// next; dead-lettered, it makes the gap one that names its record. It
+// reports whether it put the message back.
+func (w *worker) waitForMissing(it *item, res result) bool {
+	if res.blockedBy != 0 {
+		return false
+	}
+	missing := func(q *item) bool {
+		return q.key == it.key && q.err == nil && q.m.AggregateVersion > res.current && q.m.AggregateVersion < res.received
+	}
+	if b := w.blocked[it.key]; b != nil && b.version > res.current && b.version < res.received {
+		b.hold(it)
+		return true
+	}
+	for i := len(w.queue) - 1; i >= 0; i-- {
+		if missing(w.queue[i]) {
+			if i+1 < w.solo {
+				w.solo++ // it joins the messages taken one at a time
+			}
+			w.queue = slices.Insert(w.queue, i+1, it)
+			return true
+		}
+	}
+	return false
 }
 
 // msgLog is the logger for one message's trouble; built only when needed,
