@@ -66,10 +66,10 @@ type block struct {
 	head    uint64    // stream sequence of the failed message
 	id      string    // its event id and content hash: its dedup row tells
 	hash    []byte    // whether another process applied it (worker.gone)
-	version int64     // its aggregate version: a gap it would fill waits for it (settle)
+	version int64     // its aggregate version: a gap it would fill waits for its retries (settle)
 	retryAt time.Time // when the broker redelivers head (its nak delay ends)
 	until   time.Time // ask JetStream whether head is gone after this
-	held    []*item   // the aggregate's messages waiting for head, in stream order
+	held    []*item   // later messages of the aggregate, in arrival order
 	waiting bool      // the overdue head was reported once
 }
 
@@ -211,7 +211,7 @@ func (w *worker) take() []*item {
 // a batch did not attempt go back to the front of the queue, where next
 // holds them behind a failed message of their aggregate, as if they had
 // arrived after it. Version gaps are settled last, once the others are
-// settled and back (waitForMissing looks for the missing version there),
+// settled and back (settle looks for the missing version there),
 // and one that a later message of the batch filled goes back too.
 func (w *worker) finishAll(ctx context.Context, its []*item, out batchOutcome) {
 	w.adapt(len(its), out)
@@ -246,11 +246,12 @@ func (w *worker) finishAll(ctx context.Context, its []*item, out batchOutcome) {
 }
 
 // gapFilled reports whether a missing version of its[i]'s gap was applied
-// in the same transaction, after its check: a batch [9, 8] at version 7.
+// (or its rejection recorded: either moves the aggregate's version) in the
+// same transaction, after its check: a batch [9, 8] at version 7.
 func gapFilled(its []*item, res []result, i int) bool {
 	g := res[i]
 	for j, it := range its {
-		if res[j].kind == resApplied && it.key == its[i].key && it.m.AggregateVersion > g.current && it.m.AggregateVersion < g.received {
+		if (res[j].kind == resApplied || res[j].kind == resRejected) && it.key == its[i].key && it.m.AggregateVersion > g.current && it.m.AggregateVersion < g.received {
 			return true
 		}
 	}
@@ -538,8 +539,7 @@ func (w *worker) release() {
 	w.queue, w.blocked = nil, map[string]*block{}
 }
 
-// hold adds a message to those held behind the block's head: a later one
-// of its aggregate, or one whose version gap head fills. A delivery of
+// hold adds a message to those held behind the block's head. A delivery of
 // a message already held (repeated by a reset of its feed, feed.go) takes
 // the earlier delivery's place, so that resets while a message is retried
 // do not pile up copies.
@@ -554,13 +554,7 @@ func (b *block) hold(it *item) {
 			return
 		}
 	}
-	// In stream order: a reset's repetition, or a version gap's message
-	// from before the head (settle), goes in before those after it.
-	at := len(b.held)
-	for at > 0 && b.held[at-1].m.StreamSeq > it.m.StreamSeq {
-		at--
-	}
-	b.held = slices.Insert(b.held, at, it)
+	b.held = append(b.held, it)
 }
 
 func (w *worker) unblock(key string, b *block) {
@@ -630,13 +624,30 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 			w.gaps[seq] = g
 		}
 		g.deferrals++
-		if w.waitForMissing(it, res) {
+		if w.behindMissing(it, res) {
 			c.met.processed(outcomeDeferred)
 			return 0, false
 		}
 		waited := time.Since(g.since)
-		if res.blockedBy == 0 && waited < c.cfg.GapWait {
+		b := w.blocked[it.key]
+		retrying := b != nil && b.version > res.current && b.version < res.received
+		if res.blockedBy == 0 && (retrying || waited < c.cfg.GapWait) {
 			delay := min(c.cfg.GapRecheck, c.cfg.GapWait-waited)
+			if retrying {
+				// A missing version is this worker's message waiting for
+				// its retry: the gap is late, not lost, and waits for
+				// those retries however long they take, not GapWait (under
+				// load, or with a backoff longer than GapWait, it was
+				// dead-lettered meanwhile: TestGapBehindARetriedVersion).
+				// Back a GapRecheck after the retry is due: applied, the
+				// missing version lets it go; dead-lettered, here or by
+				// another process, it makes this gap one that names its
+				// record. Not held here: held below the block's head, it
+				// would keep the durable's ack floor under it, and the
+				// heartbeat's look-up could never see a head another
+				// process settled as gone.
+				delay = max(time.Until(b.retryAt), 0) + c.cfg.GapRecheck
+			}
 			if err := it.msg.NakWithDelay(delay); err != nil {
 				w.msgLog(it).Warn("defer message", zap.Error(err))
 			}
@@ -673,32 +684,26 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 	return w.retry(it, res.class, res.err, f.attempts, w.msgLog(it))
 }
 
-// waitForMissing puts a message back behind a version its gap misses when
-// this worker has that version: its aggregate's retried message (the block's
-// head; the message is held behind it as a later one in the stream would
-// be, for as long as its retries take), or a message further back in the
-// queue (a reset's deliveries, or held messages released in stream order
-// where the versions ran otherwise). Such a gap is late, not lost: GapWait,
-// the wait for versions that have not arrived, would dead-letter the
-// message when the retries outlast it, under load or with a long backoff
-// (TestGapBehindARetriedVersion). Applied, the missing version lets it go
-// next; dead-lettered, it makes the gap one that names its record. It
-// reports whether it put the message back.
-func (w *worker) waitForMissing(it *item, res result) bool {
+// behindMissing puts a message back in the queue right behind a version
+// its gap misses, when that version waits there: a reset's deliveries, or
+// a batch's messages put back unattempted, in another order than their
+// versions. It is taken again once that version was tried, without a
+// redelivery after GapRecheck. It reports whether it put the message back.
+func (w *worker) behindMissing(it *item, res result) bool {
 	if res.blockedBy != 0 {
 		return false
 	}
-	missing := func(q *item) bool {
-		return q.key == it.key && q.err == nil && q.m.AggregateVersion > res.current && q.m.AggregateVersion < res.received
-	}
-	if b := w.blocked[it.key]; b != nil && b.version > res.current && b.version < res.received {
-		b.hold(it)
-		return true
-	}
 	for i := len(w.queue) - 1; i >= 0; i-- {
-		if missing(w.queue[i]) {
-			if i+1 < w.solo {
-				w.solo++ // it joins the messages taken one at a time
+		q := w.queue[i]
+		if q.key == it.key && q.err == nil && q.m.AggregateVersion > res.current && q.m.AggregateVersion < res.received {
+			switch {
+			case i < w.solo:
+				w.solo++ // behind one of a fallen-back batch's messages: taken alone too
+			case w.tookSolo:
+				// Taken alone after its batch fell back, it must stay
+				// alone (BatchHandler's contract); behind the fallen-back
+				// messages it would go in a batch.
+				return false
 			}
 			w.queue = slices.Insert(w.queue, i+1, it)
 			return true
