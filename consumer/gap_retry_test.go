@@ -90,19 +90,8 @@ func checkGapOutcome(t *testing.T, f *fixture, consumer, want string) {
 // TestGapWaitsInTheWorker drives a worker by hand, without servers, where a
 // version gap meets a batch and a block.
 func TestGapWaitsInTheWorker(t *testing.T) {
-	met, err := newMetrics(prometheus.NewRegistry(), "gapw", "team-rewards")
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := &Consumer{cfg: Config{BatchSize: 4, HandlerTimeout: 10 * time.Second, GapWait: time.Minute, GapRecheck: time.Second,
-		RetryBase: 20 * time.Second, RetryMax: 20 * time.Second}, met: met, log: zap.NewNop()}
-	naks := map[uint64]time.Duration{}
-	version := func(seq uint64, v int64) *item {
-		it := queuedItem("agg", seq)
-		it.msg = settleMsg{seq: seq, naks: naks}
-		it.m.AggregateVersion = v
-		return it
-	}
+	c, naks, versionOf := handConsumer(t)
+	version := func(seq uint64, v int64) *item { return versionOf("agg", seq, v) }
 	gap := func(current, received int64) result {
 		return result{kind: resGap, current: current, received: received}
 	}
@@ -148,6 +137,27 @@ func TestGapWaitsInTheWorker(t *testing.T) {
 	if _, ok := naks[20]; !ok {
 		t.Errorf("9 not naked past GapWait while 8 is retried")
 	}
+}
+
+// handConsumer is a consumer for a worker driven by hand: no servers,
+// GapRecheck 1 s, retries after 10–20 s. Its items' deliveries record each
+// nak's delay in naks by stream sequence.
+func handConsumer(t *testing.T) (c *Consumer, naks map[uint64]time.Duration, version func(key string, seq uint64, v int64) *item) {
+	t.Helper()
+	met, err := newMetrics(prometheus.NewRegistry(), "hand", "team-rewards")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c = &Consumer{cfg: Config{BatchSize: 4, HandlerTimeout: 10 * time.Second, GapWait: time.Minute, GapRecheck: time.Second,
+		RetryBase: 20 * time.Second, RetryMax: 20 * time.Second}, met: met, log: zap.NewNop()}
+	naks = map[uint64]time.Duration{}
+	version = func(key string, seq uint64, v int64) *item {
+		it := queuedItem(key, seq)
+		it.msg = settleMsg{seq: seq, naks: naks}
+		it.m.AggregateVersion = v
+		return it
+	}
+	return c, naks, version
 }
 
 // settleMsg is a delivery the worker can acknowledge and nak; it records
