@@ -163,9 +163,8 @@ func TestAttackGapBelowAHeadDeadLetteredElsewhere(t *testing.T) {
 		}
 		drive(there, newWorker(there, nil, 0), again)
 	}
-	var id7 int64
-	testenv.Must(t, f.pool.QueryRow(ctx, `SELECT id FROM consumer_dead_letter WHERE consumer = 'dlelse' AND event_id = $1`, uuidN(7)).Scan(&id7), "7's record")
-	if reason := queryString(t, f, `SELECT coalesce(max(reason), '') FROM consumer_dead_letter WHERE consumer = 'dlelse' AND event_id = $1`, uuidN(8)); !strings.Contains(reason, fmt.Sprintf("record %d", id7)) {
+	id7 := queryInt(t, f.pool, `SELECT id FROM consumer_dead_letter WHERE consumer = 'dlelse' AND event_id = $1`, uuidN(7))
+	if reason := queryStrings(t, f.pool, `SELECT reason FROM consumer_dead_letter WHERE consumer = 'dlelse' AND event_id = $1`, uuidN(8)); !strings.Contains(reason, fmt.Sprintf("record %d", id7)) {
 		t.Fatalf("8's dead letter reason %q: want it to name 7's record %d", reason, id7)
 	}
 	if !f.acked(jc, 3) {
@@ -258,13 +257,4 @@ func gapsCounted(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	m, err := newMetrics(reg, "probe", "")
 	testenv.Must(t, err, "metrics")
 	return metricValue(t, m.vecs.gaps.WithLabelValues(name))
-}
-
-func queryString(t *testing.T, f *fixture, sql string, args ...any) string {
-	t.Helper()
-	var v string
-	if err := f.pool.QueryRow(context.Background(), sql, args...).Scan(&v); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-	return v
 }

@@ -36,6 +36,10 @@ type result struct {
 	reject            *RejectError // resRejectRedo
 }
 
+// misses reports whether version v of the aggregate is one a gap result
+// lacks: above its current version, below the received one.
+func (r result) misses(v int64) bool { return v > r.current && v < r.received }
+
 func failed(err error, what string) result {
 	return result{kind: resFailed, class: ClassOf(err), err: fmt.Errorf("%s: %w", what, err)}
 }

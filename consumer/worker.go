@@ -251,7 +251,7 @@ func (w *worker) finishAll(ctx context.Context, its []*item, out batchOutcome) {
 func gapFilled(its []*item, res []result, i int) bool {
 	g := res[i]
 	for j, it := range its {
-		if (res[j].kind == resApplied || res[j].kind == resRejected) && it.key == its[i].key && it.m.AggregateVersion > g.current && it.m.AggregateVersion < g.received {
+		if (res[j].kind == resApplied || res[j].kind == resRejected) && it.key == its[i].key && g.misses(it.m.AggregateVersion) {
 			return true
 		}
 	}
@@ -630,7 +630,7 @@ func (w *worker) settle(ctx context.Context, it *item, res result) (time.Duratio
 		}
 		waited := time.Since(g.since)
 		b := w.blocked[it.key]
-		retrying := b != nil && b.version > res.current && b.version < res.received
+		retrying := b != nil && res.misses(b.version)
 		if res.blockedBy == 0 && (retrying || waited < c.cfg.GapWait) {
 			delay := min(c.cfg.GapRecheck, c.cfg.GapWait-waited)
 			if retrying {
@@ -695,7 +695,7 @@ func (w *worker) behindMissing(it *item, res result) bool {
 	}
 	for i := len(w.queue) - 1; i >= 0; i-- {
 		q := w.queue[i]
-		if q.key == it.key && q.err == nil && q.m.AggregateVersion > res.current && q.m.AggregateVersion < res.received {
+		if q.key == it.key && q.err == nil && res.misses(q.m.AggregateVersion) {
 			switch {
 			case i < w.solo:
 				w.solo++ // behind one of a fallen-back batch's messages: taken alone too
