@@ -2,10 +2,13 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/outbox-relay/outbox-relay/internal/provision"
 )
 
 // StreamProblem returns what the last check of the event and dead-letter
@@ -24,7 +27,10 @@ func (r *Relay) StreamProblem() error {
 // creating or changing anything): someone may edit a stream under the
 // running relay. A refusal makes the relay not ready and is logged once
 // per change; warnings new since the last check (a duplicate window
-// shortened, acks no longer durable) are logged once.
+// shortened, acks no longer durable) are logged once. A check that could
+// not read a stream (provision.ErrNotRead: a loaded server's answer later
+// than the check's deadline, a broker away) learnt nothing: the last
+// verdict, and so readiness, stands, and the outage is logged once.
 func (r *Relay) watchStreams(ctx context.Context) {
 	t := time.NewTicker(r.cfg.PublicationCheck)
 	defer t.Stop()
@@ -32,6 +38,7 @@ func (r *Relay) watchStreams(ctx context.Context) {
 	cfg.CreateStreams = false
 	cfg.Stream.UpdatePartitions, cfg.DeadLetterStream.UpdatePartitions = false, false
 	var warned []string
+	unread := false // the last check could not read a stream
 	for {
 		select {
 		case <-ctx.Done():
@@ -43,6 +50,17 @@ func (r *Relay) watchStreams(ctx context.Context) {
 		cancel()
 		if ctx.Err() != nil {
 			return
+		}
+		if errors.Is(err, provision.ErrNotRead) {
+			if !unread {
+				unread = true
+				r.log.Warn("could not check the streams; the last check's verdict stands until one can read them", zap.Error(err))
+			}
+			continue
+		}
+		if unread {
+			unread = false
+			r.log.Info("stream checks read the streams again")
 		}
 		r.recordStreams(err)
 		if err != nil {

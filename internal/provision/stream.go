@@ -49,6 +49,12 @@ type StreamSpec struct {
 	SubjectsKey string
 }
 
+// ErrNotRead means the stream could not be read (JetStream did not answer
+// in time, or answered with a failure of its own): nothing is known about
+// it, right or wrong. A caller that checks streams while running keeps its
+// last verdict and tries again; at start it is an error like any other.
+var ErrNotRead = errors.New("could not read the stream")
+
 // ErrNotDurable means the stream's acknowledgements do not survive a
 // server crash and durable acks were required.
 var ErrNotDurable = errors.New("stream acks are not durable")
@@ -87,6 +93,9 @@ type StreamReport struct {
 func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, create bool) (*StreamReport, error) {
 	rep := &StreamReport{}
 	s, err := js.Stream(ctx, spec.Name)
+	if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil, fmt.Errorf("%w %s: %w", ErrNotRead, spec.Name, err)
+	}
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		if !create {
 			return nil, fmt.Errorf("stream %s does not exist: run `outbox-relay setup` or set nats.create_streams", spec.Name)
@@ -124,7 +133,7 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, spec StreamSpec, 
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("stream %s info: %w", spec.Name, err)
+		return nil, fmt.Errorf("%w %s: %w", ErrNotRead, spec.Name, err)
 	}
 	for _, want := range spec.Subjects {
 		if !coveredByAny(info.Config.Subjects, want) {
