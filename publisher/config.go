@@ -36,8 +36,10 @@ type Config struct {
 	// DefaultMaxInFlightBytes, at least MinMaxInFlightBytes. A single
 	// message larger than this is still sent, alone.
 	MaxInFlightBytes int
-	// AckTimeout is how long to wait for an ack before retrying. Default
-	// DefaultAckTimeout, at least MinAckTimeout.
+	// AckTimeout is how long to wait for an ack before retrying while the
+	// broker answers in time; while its answers take longer, the wait
+	// follows their round trips (ackWait). Default DefaultAckTimeout, at
+	// least MinAckTimeout.
 	AckTimeout time.Duration
 	// RetryMin and RetryMax bound the exponential retry backoff. Defaults
 	// DefaultRetryMin and DefaultRetryMax.

@@ -117,11 +117,12 @@ type pending struct {
 	cur    *Message // m, or its dead-letter record
 	reason error    // set once dead-lettering
 	size   int
-	seq    uint64 // the current attempt's reply token
-	// late holds the reply tokens of this message's attempts that timed
-	// out (the latest maxLateTokens): a stored-answer to one of them still
-	// settles the message (answerLate).
-	late     []uint64
+	seq    uint64    // the current attempt's reply token
+	sent   time.Time // when the current attempt was sent
+	// late holds this message's attempts that timed out (the first and
+	// the latest ones, maxLateTokens in all): a stored-answer to one of
+	// them still settles the message (answerLate).
+	late     []attemptRef
 	retryAt  time.Time
 	attempts int
 	noResp   int // consecutive no-responders answers
@@ -131,12 +132,12 @@ type pending struct {
 	ack jetstream.PubAck
 }
 
-// attemptRef is an attempt in send order. With one AckTimeout for all,
-// deadlines grow in send order, so the expired attempts are a prefix and the
-// ack-timeout scan never looks at the whole window.
+// attemptRef is an attempt: its reply token and when it was sent. Every
+// attempt waits the same ackWait, so in send order the expired attempts
+// are a prefix and the ack-timeout scan never looks at the whole window.
 type attemptRef struct {
-	seq      uint64
-	deadline time.Time
+	seq  uint64
+	sent time.Time
 }
 
 type keyState struct {
@@ -193,6 +194,8 @@ type Publisher struct {
 	inflight map[uint64]*pending // by reply token
 	late     map[uint64]*pending // timed-out attempts' reply tokens (pending.late)
 	attempts []attemptRef        // in send order, from attHead
+	ackWait  ackWait             // how long an attempt waits for its answer
+	slowLog  bool                // ackWait is logged as above AckTimeout
 	attHead  int
 	keys     map[string]*keyState
 	freeKeys []*keyState // recycled, so a key's first message allocates none
@@ -235,6 +238,7 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 		late:     map[uint64]*pending{},
 		keys:     map[string]*keyState{},
 		checking: map[*pending]bool{},
+		ackWait:  newAckWait(cfg.AckTimeout),
 	}
 	if p.lookup == nil {
 		js, err := jetstream.New(nc)
@@ -367,7 +371,7 @@ func (p *Publisher) Run(ctx context.Context) error {
 func (p *Publisher) nextCheck() time.Time {
 	var at time.Time
 	if p.attHead < len(p.attempts) {
-		at = p.attempts[p.attHead].deadline
+		at = p.attempts[p.attHead].sent.Add(p.ackWait.wait())
 	}
 	for _, pd := range p.retries {
 		if !p.checking[pd] && (at.IsZero() || pd.retryAt.Before(at)) {
@@ -433,11 +437,11 @@ func (p *Publisher) newPending() *pending {
 func (p *Publisher) send(pd *pending) {
 	p.seq++
 	seq := p.seq
-	pd.seq = seq
+	pd.seq, pd.sent = seq, time.Now()
 	pd.attempts++
 	pd.retryAt = time.Time{}
 	p.inflight[seq] = pd
-	p.attempts = append(p.attempts, attemptRef{seq: seq, deadline: time.Now().Add(p.cfg.AckTimeout)})
+	p.attempts = append(p.attempts, attemptRef{seq: seq, sent: pd.sent})
 
 	m := pd.cur
 	var buf [96]byte
@@ -526,6 +530,7 @@ func (p *Publisher) answer(r ackReply) {
 		p.fail(pd, classifyAPIError(subject, r.api))
 		return
 	}
+	p.answered(pd.sent)
 	pd.ack = r.ack
 	if want, ok := p.expectedStream(subject, pd.ack.Stream); !ok {
 		p.log.Warn("bad ack: the answer names another stream than the one meant to store the message; retrying (is something other than JetStream answering on the subject?)",
@@ -557,25 +562,48 @@ func (p *Publisher) stored(pd *pending) {
 // for, so the late map holds at most MaxInFlight × maxLateTokens tokens.
 const maxLateTokens = 4
 
-// timedOut keeps listening for the answer to pd's attempt seq, whose ack
-// timed out: when every answer takes longer than AckTimeout (a loaded
+// timedOut keeps listening for the answer to pd's attempt a, whose ack
+// timed out: when every answer takes longer than the wait (a loaded
 // broker, a slow link), only a late answer can ever settle the message,
-// and ignoring them would retry it for ever.
-func (p *Publisher) timedOut(pd *pending, seq uint64) {
+// and ignoring them would retry it for ever. The first timed-out attempt
+// is kept for as long as the message is unsettled, and the latest ones
+// beside it: a broker answering from a backlog answers in arrival order,
+// so the first attempt is answered first. Dropping it for later attempts
+// (as before) lost every answer once the backlog took longer than a few
+// attempts, and the message was re-sent for ever.
+func (p *Publisher) timedOut(pd *pending, a attemptRef) {
 	if len(pd.late) == maxLateTokens {
-		delete(p.late, pd.late[0])
-		pd.late = append(pd.late[:0], pd.late[1:]...)
+		delete(p.late, pd.late[1].seq)
+		pd.late = append(pd.late[:1], pd.late[2:]...)
 	}
-	pd.late = append(pd.late, seq)
-	p.late[seq] = pd
+	pd.late = append(pd.late, a)
+	p.late[a.seq] = pd
 }
 
 // forgetLate stops listening for pd's timed-out attempts.
 func (p *Publisher) forgetLate(pd *pending) {
-	for _, seq := range pd.late {
-		delete(p.late, seq)
+	for _, a := range pd.late {
+		delete(p.late, a.seq)
 	}
 	pd.late = pd.late[:0]
+}
+
+// answered takes the round trip of an attempt sent at sent into the wait
+// for answers (ackWait), and logs when that wait moves away from
+// AckTimeout and back.
+func (p *Publisher) answered(sent time.Time) {
+	p.ackWait.sample(time.Since(sent))
+	wait := p.ackWait.wait()
+	switch slow := wait >= 2*p.cfg.AckTimeout; {
+	case slow && !p.slowLog:
+		p.log.Warn("JetStream answers later than ack_timeout: waiting longer for each answer before re-sending, so that re-sends do not add to the server's backlog",
+			zap.Duration("ack_timeout", p.cfg.AckTimeout), zap.Duration("wait", wait))
+	case !slow && p.slowLog && wait == p.cfg.AckTimeout:
+		p.log.Info("JetStream answers within ack_timeout again", zap.Duration("ack_timeout", p.cfg.AckTimeout))
+	default:
+		return
+	}
+	p.slowLog = !p.slowLog
 }
 
 // answerLate settles a message on a late answer to one of its timed-out
@@ -587,7 +615,15 @@ func (p *Publisher) forgetLate(pd *pending) {
 // no-stream look-up waits for it.
 func (p *Publisher) answerLate(r ackReply) {
 	pd, ok := p.late[r.seq]
-	if !ok || r.noResponders || r.bad != nil || r.api != nil || p.checking[pd] {
+	if !ok {
+		return
+	}
+	for _, a := range pd.late {
+		if a.seq == r.seq {
+			p.answered(a.sent)
+		}
+	}
+	if r.noResponders || r.bad != nil || r.api != nil || p.checking[pd] {
 		return
 	}
 	if _, ok := p.expectedStream(pd.cur.Subject, r.ack.Stream); !ok {
@@ -698,17 +734,18 @@ const noStreamCheckAfter = 3
 // that are due.
 func (p *Publisher) tick(ctx context.Context) {
 	now := time.Now()
+	wait := p.ackWait.wait()
 	// Attempts answered since the last look are dropped from the front;
 	// the first unanswered one that has not expired ends the scan.
 	for p.attHead < len(p.attempts) {
 		a := p.attempts[p.attHead]
 		if pd, ok := p.inflight[a.seq]; ok {
-			if !now.After(a.deadline) {
+			if now.Sub(a.sent) <= wait {
 				break
 			}
 			delete(p.inflight, a.seq)
-			p.timedOut(pd, a.seq)
-			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: ClassTimeout, Err: fmt.Errorf("%w: no ack within %s", ErrTransient, p.cfg.AckTimeout)})
+			p.timedOut(pd, a)
+			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: ClassTimeout, Err: fmt.Errorf("%w: no ack within %s", ErrTransient, wait)})
 		}
 		p.attHead++
 	}

@@ -311,8 +311,11 @@ func TestLateAckSettles(t *testing.T) {
 	for i := range 2 {
 		select {
 		case r := <-results:
-			if r.Ack.Stream != "S" || r.Attempts < 2 {
-				t.Fatalf("message %d: result %+v, want an ack of stream S after a timed-out attempt", i, r)
+			// The first message's attempts time out, and a late answer
+			// settles it. That answer's round trip teaches the publisher
+			// to wait longer (ackWait): the second may be answered in time.
+			if r.Ack.Stream != "S" || i == 0 && r.Attempts < 2 {
+				t.Fatalf("message %d: result %+v, want an ack of stream S (after a timed-out attempt for the first)", i, r)
 			}
 		case <-time.After(10 * time.Second):
 			t.Fatalf("message %d not settled in 10 s although every attempt is answered %s after it is sent", i, 3*ackTimeout)
