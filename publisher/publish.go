@@ -195,7 +195,8 @@ type Publisher struct {
 	late     map[uint64]*pending // timed-out attempts' reply tokens (pending.late)
 	attempts []attemptRef        // in send order, from attHead
 	ackWait  ackWait             // how long an attempt waits for its answer
-	slowLog  bool                // ackWait is logged as above AckTimeout
+	slowLog  bool                // a slow spell of ackWait is logged and not over
+	slowSeen time.Time           // when ackWait was last twice AckTimeout or more
 	attHead  int
 	keys     map[string]*keyState
 	freeKeys []*keyState // recycled, so a key's first message allocates none
@@ -589,22 +590,32 @@ func (p *Publisher) forgetLate(pd *pending) {
 }
 
 // answered takes the round trip of an attempt sent at sent into the wait
-// for answers (ackWait), and logs when that wait moves away from
-// AckTimeout and back.
+// for answers (ackWait). A slow spell is logged once when the wait first
+// reaches twice AckTimeout, and its end once the wait has stayed below
+// that for slowQuiet: a broker at the edge would otherwise log both every
+// few seconds.
 func (p *Publisher) answered(sent time.Time) {
-	p.ackWait.sample(time.Since(sent))
+	now := time.Now()
+	p.ackWait.sample(now.Sub(sent))
 	wait := p.ackWait.wait()
-	switch slow := wait >= 2*p.cfg.AckTimeout; {
-	case slow && !p.slowLog:
-		p.log.Warn("JetStream answers later than ack_timeout: waiting longer for each answer before re-sending, so that re-sends do not add to the server's backlog",
-			zap.Duration("ack_timeout", p.cfg.AckTimeout), zap.Duration("wait", wait))
-	case !slow && p.slowLog && wait == p.cfg.AckTimeout:
-		p.log.Info("JetStream answers within ack_timeout again", zap.Duration("ack_timeout", p.cfg.AckTimeout))
-	default:
+	if wait >= 2*p.cfg.AckTimeout {
+		p.slowSeen = now
+		if !p.slowLog {
+			p.slowLog = true
+			p.log.Warn("JetStream answers later than ack_timeout: waiting longer for each answer before re-sending, so that re-sends do not add to the server's backlog",
+				zap.Duration("ack_timeout", p.cfg.AckTimeout), zap.Duration("wait", wait))
+		}
 		return
 	}
-	p.slowLog = !p.slowLog
+	if p.slowLog && now.Sub(p.slowSeen) >= slowQuiet {
+		p.slowLog = false
+		p.log.Info("JetStream answers in time again", zap.Duration("ack_timeout", p.cfg.AckTimeout), zap.Duration("wait", wait), zap.Duration("quiet_for", slowQuiet))
+	}
 }
+
+// slowQuiet is how long the wait for answers stays below twice AckTimeout
+// before the end of a slow spell is logged.
+const slowQuiet = time.Minute
 
 // answerLate settles a message on a late answer to one of its timed-out
 // attempts, when that answer says the message is stored: every attempt
