@@ -197,14 +197,18 @@ type Publisher struct {
 	ackWait  ackWait             // how long an attempt waits for its answer
 	slowLog  bool                // a slow spell of ackWait is logged and not over
 	slowSeen time.Time           // when ackWait was last twice AckTimeout or more
-	attHead  int
-	keys     map[string]*keyState
-	freeKeys []*keyState // recycled, so a key's first message allocates none
-	free     []*pending  // settled, for reuse: a pending is the size of a row
-	retries  []*pending
-	checking map[*pending]bool // no-stream look-ups in progress
-	wire     wireHeader        // every attempt's nats.Header
-	lookups  sync.WaitGroup
+	// reconnects is the connection's reconnect count when Run last looked;
+	// attempts sent before connSince went out on an earlier connection.
+	reconnects uint64
+	connSince  time.Time
+	attHead    int
+	keys       map[string]*keyState
+	freeKeys   []*keyState // recycled, so a key's first message allocates none
+	free       []*pending  // settled, for reuse: a pending is the size of a row
+	retries    []*pending
+	checking   map[*pending]bool // no-stream look-ups in progress
+	wire       wireHeader        // every attempt's nats.Header
+	lookups    sync.WaitGroup
 
 	stream string // interned stream name of the acks, the ack subscription's alone
 }
@@ -223,23 +227,24 @@ func New(nc *nats.Conn, cfg Config, opts ...Option) (*Publisher, error) {
 		return nil, err
 	}
 	p := &Publisher{
-		cfg:      cfg,
-		nc:       nc,
-		log:      o.log,
-		obs:      o.obs,
-		lookup:   o.lookup,
-		expect:   o.expect,
-		window:   newWindow(cfg),
-		in:       make(chan admitted, cfg.MaxInFlight),
-		replies:  make(chan ackReply, replyQueue),
-		looked:   make(chan lookupResult),
-		oldestQ:  make(chan stuckQuery),
-		stopped:  make(chan struct{}),
-		inflight: map[uint64]*pending{},
-		late:     map[uint64]*pending{},
-		keys:     map[string]*keyState{},
-		checking: map[*pending]bool{},
-		ackWait:  newAckWait(cfg.AckTimeout),
+		cfg:        cfg,
+		nc:         nc,
+		log:        o.log,
+		obs:        o.obs,
+		lookup:     o.lookup,
+		expect:     o.expect,
+		window:     newWindow(cfg),
+		in:         make(chan admitted, cfg.MaxInFlight),
+		replies:    make(chan ackReply, replyQueue),
+		looked:     make(chan lookupResult),
+		oldestQ:    make(chan stuckQuery),
+		stopped:    make(chan struct{}),
+		inflight:   map[uint64]*pending{},
+		late:       map[uint64]*pending{},
+		keys:       map[string]*keyState{},
+		checking:   map[*pending]bool{},
+		ackWait:    newAckWait(cfg.AckTimeout),
+		reconnects: nc.Stats().Reconnects,
 	}
 	if p.lookup == nil {
 		js, err := jetstream.New(nc)
@@ -372,7 +377,15 @@ func (p *Publisher) Run(ctx context.Context) error {
 func (p *Publisher) nextCheck() time.Time {
 	var at time.Time
 	if p.attHead < len(p.attempts) {
-		at = p.attempts[p.attHead].sent.Add(p.ackWait.wait())
+		wait := p.ackWait.wait()
+		at = p.attempts[p.attHead].sent.Add(wait)
+		if wait > p.cfg.AckTimeout {
+			// A reconnect is looked for at least every AckTimeout: the
+			// attempts it lost are not answered, whatever the wait.
+			if soon := time.Now().Add(p.cfg.AckTimeout); soon.Before(at) {
+				at = soon
+			}
+		}
 	}
 	for _, pd := range p.retries {
 		if !p.checking[pd] && (at.IsZero() || pd.retryAt.Before(at)) {
@@ -595,6 +608,9 @@ func (p *Publisher) forgetLate(pd *pending) {
 // that for slowQuiet: a broker at the edge would otherwise log both every
 // few seconds.
 func (p *Publisher) answered(sent time.Time) {
+	if sent.Before(p.connSince) {
+		return // its round trip holds the reconnect's outage, not the broker's
+	}
 	now := time.Now()
 	p.ackWait.sample(now.Sub(sent))
 	wait := p.ackWait.wait()
@@ -746,6 +762,15 @@ const noStreamCheckAfter = 3
 func (p *Publisher) tick(ctx context.Context) {
 	now := time.Now()
 	wait := p.ackWait.wait()
+	if n := p.nc.Stats().Reconnects; n != p.reconnects {
+		// The attempts unanswered now went out on a connection that is
+		// gone: those still in its buffer or on their way are lost, and
+		// the round trips learnt there say nothing about the new one.
+		p.reconnects, p.connSince = n, now
+		p.ackWait = newAckWait(p.cfg.AckTimeout)
+		wait = -1
+	}
+	var why error // made for the first attempt that expires
 	// Attempts answered since the last look are dropped from the front;
 	// the first unanswered one that has not expired ends the scan.
 	for p.attHead < len(p.attempts) {
@@ -756,7 +781,13 @@ func (p *Publisher) tick(ctx context.Context) {
 			}
 			delete(p.inflight, a.seq)
 			p.timedOut(pd, a)
-			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: ClassTimeout, Err: fmt.Errorf("%w: no ack within %s", ErrTransient, wait)})
+			if why == nil {
+				why = fmt.Errorf("%w: no ack within %s", ErrTransient, wait)
+				if wait < 0 {
+					why = fmt.Errorf("%w: sent before the connection to the broker was re-established", ErrTransient)
+				}
+			}
+			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: ClassTimeout, Err: why})
 		}
 		p.attHead++
 	}

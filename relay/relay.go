@@ -122,6 +122,9 @@ type Relay struct {
 	// streamProblem is what the last check of the streams while running
 	// found wrong (streams.go); nil when none.
 	streamProblem atomic.Pointer[error]
+	// streamsUnread says the stream checks could not read the streams
+	// for streamsUnreadChecks checks in a row (streams.go); nil when read.
+	streamsUnread atomic.Pointer[error]
 	readyMu       sync.Mutex
 	// guard holds what the publication checks let the stream confirm;
 	// gapLock is the slot's backfill lock while a publication gap waits to

@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"time"
 
@@ -30,7 +31,10 @@ func (r *Relay) StreamProblem() error {
 // shortened, acks no longer durable) are logged once. A check that could
 // not read a stream (provision.ErrNotRead: a loaded server's answer later
 // than the check's deadline, a broker away) learnt nothing: the last
-// verdict, and so readiness, stands, and the outage is logged once.
+// verdict, and so readiness, stands, and the outage is logged once. After
+// streamsUnreadChecks such checks in a row the relay is not ready until
+// one reads them (StreamsUnread): a server without JetStream, or a user
+// no longer allowed its API, looks the same as a slow answer, and lasts.
 func (r *Relay) watchStreams(ctx context.Context) {
 	t := time.NewTicker(r.cfg.PublicationCheck)
 	defer t.Stop()
@@ -38,7 +42,7 @@ func (r *Relay) watchStreams(ctx context.Context) {
 	cfg.CreateStreams = false
 	cfg.Stream.UpdatePartitions, cfg.DeadLetterStream.UpdatePartitions = false, false
 	var warned []string
-	unread := false // the last check could not read a stream
+	unread := 0 // checks in a row that could not read a stream
 	for {
 		select {
 		case <-ctx.Done():
@@ -52,15 +56,24 @@ func (r *Relay) watchStreams(ctx context.Context) {
 			return
 		}
 		if errors.Is(err, provision.ErrNotRead) {
-			if !unread {
-				unread = true
-				r.log.Warn("could not check the streams; the last check's verdict stands until one can read them", zap.Error(err))
+			unread++
+			switch unread {
+			case 1:
+				r.log.Warn("could not check the streams; the last check's verdict stands until one can read them", zap.Error(err), zap.Int("not_ready_after_checks", streamsUnreadChecks))
+			case streamsUnreadChecks:
+				e := fmt.Errorf("the streams could not be read in %d checks in a row (is JetStream enabled for the relay's account, and may its user use the JetStream API?): %w", unread, err)
+				r.streamsUnread.Store(&e)
+				r.log.Error("stream checks cannot read the streams: not ready until one can", zap.Error(e))
+				r.setReady()
 			}
 			continue
 		}
-		if unread {
-			unread = false
+		if unread > 0 {
+			unread = 0
 			r.log.Info("stream checks read the streams again")
+			if r.streamsUnread.Swap(nil) != nil {
+				r.setReady()
+			}
 		}
 		r.recordStreams(err)
 		if err != nil {
@@ -77,6 +90,21 @@ func (r *Relay) watchStreams(ctx context.Context) {
 		}
 		warned = now
 	}
+}
+
+// streamsUnreadChecks is how many stream checks in a row may fail to read
+// the streams before the relay is not ready: one or two are a loaded
+// server answering late (internal/grouptest beside six busy loops saw
+// single ones a minute apart); more is a broker that will not answer.
+const streamsUnreadChecks = 3
+
+// StreamsUnread returns why the stream checks have not read the streams
+// for streamsUnreadChecks checks in a row, or nil.
+func (r *Relay) StreamsUnread() error {
+	if p := r.streamsUnread.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
 
 // recordStreams records a check's verdict for readiness and logs when it

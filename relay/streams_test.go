@@ -65,7 +65,9 @@ func TestRelayNoticesStreamEdits(t *testing.T) {
 // found by internal/grouptest beside six busy loops. Here the server's
 // answers are held back until a check has run into its deadline: the
 // relay stays ready, names no stream problem, and says the check could not
-// read the streams.
+// read the streams. Held back for three checks in a row (a server that
+// will not answer, as one without JetStream), the relay is not ready,
+// saying why, and ready again once a check reads the streams.
 func TestRelayStreamCheckWithoutAnswerKeepsVerdict(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -101,5 +103,19 @@ func TestRelayStreamCheckWithoutAnswerKeepsVerdict(t *testing.T) {
 	}
 	if dropped.Load() || !ready.Load() {
 		t.Fatalf("not ready after the stream checks read the streams again: %q", rl.NotReadyReason())
+	}
+
+	proxy.Stall(testenv.Downstream)
+	ok = testenv.WaitFor(2*time.Minute, func() bool { return !ready.Load() })
+	reason, unreadErr := rl.NotReadyReason(), rl.StreamsUnread()
+	proxy.Heal()
+	if !ok {
+		t.Fatal("still ready after two minutes of stream checks that cannot read the streams")
+	}
+	if unreadErr == nil || !strings.Contains(reason, "could not be read in 3 checks in a row") || rl.StreamProblem() != nil {
+		t.Fatalf("not ready for %q (unread: %v, stream problem: %v), want the streams unread", reason, unreadErr, rl.StreamProblem())
+	}
+	if !testenv.WaitFor(30*time.Second, ready.Load) || rl.StreamsUnread() != nil {
+		t.Fatalf("not ready after the server answered again: %q", rl.NotReadyReason())
 	}
 }
