@@ -648,6 +648,7 @@ func (p *Publisher) answerLate(r ackReply) {
 	for _, a := range pd.late {
 		if a.seq == r.seq {
 			p.answered(a.sent)
+			break
 		}
 	}
 	if r.noResponders || r.bad != nil || r.api != nil || p.checking[pd] {
@@ -762,13 +763,13 @@ const noStreamCheckAfter = 3
 func (p *Publisher) tick(ctx context.Context) {
 	now := time.Now()
 	wait := p.ackWait.wait()
+	reconnected := false
 	if n := p.nc.Stats().Reconnects; n != p.reconnects {
 		// The attempts unanswered now went out on a connection that is
 		// gone: those still in its buffer or on their way are lost, and
 		// the round trips learnt there say nothing about the new one.
-		p.reconnects, p.connSince = n, now
+		p.reconnects, p.connSince, reconnected = n, now, true
 		p.ackWait = newAckWait(p.cfg.AckTimeout)
-		wait = -1
 	}
 	var why error // made for the first attempt that expires
 	// Attempts answered since the last look are dropped from the front;
@@ -776,16 +777,17 @@ func (p *Publisher) tick(ctx context.Context) {
 	for p.attHead < len(p.attempts) {
 		a := p.attempts[p.attHead]
 		if pd, ok := p.inflight[a.seq]; ok {
-			if now.Sub(a.sent) <= wait {
+			if !reconnected && now.Sub(a.sent) <= wait {
 				break
 			}
 			delete(p.inflight, a.seq)
 			p.timedOut(pd, a)
-			if why == nil {
+			switch {
+			case why != nil:
+			case reconnected:
+				why = fmt.Errorf("%w: sent before the connection to the broker was re-established", ErrTransient)
+			default:
 				why = fmt.Errorf("%w: no ack within %s", ErrTransient, wait)
-				if wait < 0 {
-					why = fmt.Errorf("%w: sent before the connection to the broker was re-established", ErrTransient)
-				}
 			}
 			p.fail(pd, &PublishError{Subject: pd.cur.Subject, Class: ClassTimeout, Err: why})
 		}

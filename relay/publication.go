@@ -368,7 +368,7 @@ func (r *Relay) PublicationCheckFailure() error {
 
 // NotReadyReason says why the relay is not ready, "" when it is.
 func (r *Relay) NotReadyReason() string {
-	for _, p := range []*error{r.pubProblem.Load(), r.checkFailure.Load(), r.streamProblem.Load(), r.streamsUnread.Load()} {
+	for _, p := range r.problems() {
 		if p != nil {
 			return (*p).Error()
 		}
@@ -458,5 +458,16 @@ func (r *Relay) watchPublication(ctx context.Context) {
 func (r *Relay) setReady() {
 	r.readyMu.Lock()
 	defer r.readyMu.Unlock()
-	r.ready(r.streaming.Load() && r.pubProblem.Load() == nil && r.checkFailure.Load() == nil && r.streamProblem.Load() == nil && r.streamsUnread.Load() == nil)
+	ready := r.streaming.Load()
+	for _, p := range r.problems() {
+		ready = ready && p == nil
+	}
+	r.ready(ready)
+}
+
+// problems are the readiness inputs that hold why the relay is not ready,
+// in the order NotReadyReason names them; the relay is ready when it
+// streams and every one is nil.
+func (r *Relay) problems() [4]*error {
+	return [...]*error{r.pubProblem.Load(), r.checkFailure.Load(), r.streamProblem.Load(), r.streamsUnread.Load()}
 }
