@@ -394,3 +394,59 @@ func TestGroupStraysLookInSmallConsumers(t *testing.T) {
 		t.Errorf("the look for strays put %d filters in one consumer, want at most 128", n)
 	}
 }
+
+// TestGroupJoinBesideMemberOnOldCount: after a 4 → 8 change, a member of
+// the group still heartbeats 4 for longer than the member TTL (its steps
+// come late on a starved machine: 12 s late against a TTL of 3 s in
+// internal/grouptest at nice 10 beside six busy loops). A member started
+// with 8 must join beside it, not exit with ErrGroupMismatch: the group
+// has 4-partition durables on this stream, so 4 is this group's count, not
+// another group's. Before the fix the new member gave the other one a
+// member TTL and then refused ("member lag of group grp runs with 4
+// partitions, this one with Group.Partitions 8"). Once the late member
+// leaves, every event is applied once and in order.
+func TestGroupJoinBesideMemberOnOldCount(t *testing.T) {
+	f, cfg, rec := newUnversionedGroup(t, 4)
+	const aggs = 10
+	f.changeWhileStopped(cfg, rec, aggs, 4, 8) // version 2 under 4, undelivered
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	kv, err := f.js.KeyValue(ctx, GroupBucket("grp"))
+	testenv.Must(t, err, "group bucket")
+	beatCtx, stopBeat := context.WithCancel(ctx)
+	beating := make(chan struct{})
+	go func() { // the late member: alive, still on 4
+		defer close(beating)
+		for beatCtx.Err() == nil {
+			_, _ = kv.Put(beatCtx, "lag", []byte("4"))
+			select {
+			case <-beatCtx.Done():
+			case <-time.After(300 * time.Millisecond):
+			}
+		}
+	}()
+	defer func() { stopBeat(); <-beating }()
+	f.waitMembers("grp", 1)
+
+	c, err := New(f.pool, f.js, memberConfig(cfg, "new", 8), rec, WithLogger(zaptest.NewLogger(t).Named("new")))
+	testenv.Must(t, err, "new member")
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(runCtx) }()
+	// Three member TTLs: the old join gave up after one.
+	select {
+	case err := <-done:
+		t.Fatalf("the new member beside a member still on 4 partitions: Run returned %v, want it to join and run", err)
+	case <-time.After(3 * cfg.Group.MemberTTL):
+	}
+	stopBeat()
+	<-beating
+	testenv.Must(t, kv.Delete(ctx, "lag"), "the late member leaves")
+	f.waitApplied(aggs * 3)
+	stop()
+	if err := <-done; err != nil {
+		t.Fatalf("new member: Run: %v", err)
+	}
+	f.checkApplied("grp", aggs, 3)
+}

@@ -56,7 +56,7 @@ func (g *Member) retryTimeouts(ctx context.Context, what string, f func() error)
 	var failing observe.LoopHealth
 	for {
 		err := f()
-		if err == nil || ctx.Err() != nil || !(errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout)) {
+		if err == nil || ctx.Err() != nil || !timedOut(err) {
 			if err == nil {
 				failing.Report(g.log, what, nil)
 			}
@@ -69,6 +69,12 @@ func (g *Member) retryTimeouts(ctx context.Context, what string, f func() error)
 		case <-time.After(time.Second):
 		}
 	}
+}
+
+// timedOut reports whether err is a JetStream request that got no answer
+// in time.
+func timedOut(err error) bool {
+	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout)
 }
 
 // strays refuses (ErrMismatch) when the stream holds events of the group's

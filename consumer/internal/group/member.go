@@ -219,17 +219,33 @@ func (g *Member) bucket() jetstream.KeyValue {
 
 // join checks that the live members agree on the partition count, then
 // heartbeats once.
+//
+// A member of this group heartbeats the count its last step read, so
+// after a partition-count change it reports the old count until its next
+// step, and on a starved machine a step comes many seconds late (seen: 12 s
+// against a TTL of 3 s). Only a count this group has no claim to on this
+// stream is a mismatch (agree), and even that is waited for one member TTL:
+// a member may have read a change whose durables it has not created yet.
+// A roster not read yet or a request that timed out decides nothing: join
+// waits for them as long as ctx lasts, as the member's steps would.
 func (g *Member) join(ctx context.Context) error {
-	// Members that read the stream before a partition-count change still
-	// report the old count for up to one step: give them the member TTL.
 	deadline := time.Now().Add(g.ttl)
+	var failing observe.LoopHealth
 	for {
 		err := g.agree(ctx)
-		if err == nil || time.Now().After(deadline) {
-			if err != nil {
+		if err == nil {
+			failing.Report(g.log, "join the group", nil)
+			break
+		}
+		if ctx.Err() != nil {
+			return err
+		}
+		if !transient(err) {
+			if time.Now().After(deadline) {
 				return err
 			}
-			break
+		} else {
+			failing.Report(g.log, "join the group", err)
 		}
 		select {
 		case <-ctx.Done():
@@ -240,26 +256,74 @@ func (g *Member) join(ctx context.Context) error {
 	return g.heartbeat(ctx)
 }
 
-// agree checks that the live members use this member's partition count.
+// transient reports whether err says only that an answer has not come
+// yet: a JetStream request timed out, or the roster's watch has not read
+// the bucket.
+func transient(err error) bool {
+	return timedOut(err) || errors.Is(err, errRosterNotReady)
+}
+
+// agree checks that every live member uses a partition count of this
+// group on this stream: the stream's count, or one this group has partition
+// durables of (a member that has not read a change yet, or has read one
+// this member has not). Another count is another group's: two groups share
+// the name, or a member is not set up for this stream. A second group
+// whose count happens to be one of those is not told apart (its members
+// look like this group's).
 func (g *Member) agree(ctx context.Context) error {
 	cfg := &g.cfg
 	members, err := g.members(ctx)
 	if err != nil {
 		return err
 	}
+	var ours map[int]bool // read only when a member disagrees
 	for _, m := range members {
-		if m.partitions != cfg.Partitions {
-			return fmt.Errorf("%w: member %s of group %s runs with %d partitions, this one with Group.Partitions %d: two groups cannot share the name %s; give one another Name, or make them agree with the stream",
-				ErrMismatch, m.id, cfg.Name, m.partitions, cfg.Partitions, cfg.Name)
-		}
 		if m.id == cfg.Member {
 			// Most likely this member's previous process, crashed within
 			// the TTL. Were it alive, the pins still keep each partition
 			// with one of the two.
 			g.log.Warn("a member with this id is still registered: taking its place (give each process its own Group.Member)")
 		}
+		if m.partitions == cfg.Partitions {
+			continue
+		}
+		if ours == nil {
+			if ours, err = g.groupCounts(ctx); err != nil {
+				return err
+			}
+		}
+		if ours[m.partitions] {
+			g.log.Info("a member still uses another partition count of this group: it moves on at its next step",
+				zap.String("other", m.id), zap.Int("its_partitions", m.partitions), zap.Int("partitions", cfg.Partitions))
+			continue
+		}
+		return fmt.Errorf("%w: member %s of group %s runs with %d partitions, this one with Group.Partitions %d, and stream %s has no partition durables of group %s for %d: two groups cannot share the name %s; give one another Name, or make them agree with the stream",
+			ErrMismatch, m.id, cfg.Name, m.partitions, cfg.Partitions, cfg.Stream, cfg.Name, m.partitions, cfg.Name)
 	}
 	return nil
+}
+
+// groupCounts is the partition counts this group has a claim to on its
+// stream: the stream's count as read now, and those of the group's
+// partition durables.
+func (g *Member) groupCounts(ctx context.Context) (map[int]bool, error) {
+	info, err := g.strm.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("stream %s info: %w", g.cfg.Stream, err)
+	}
+	_, current, err := StreamPartitions(info.Config)
+	if err != nil {
+		return nil, err
+	}
+	gens, err := g.generations(ctx)
+	if err != nil {
+		return nil, err
+	}
+	ours := map[int]bool{current: true}
+	for n := range gens {
+		ours[n] = true
+	}
+	return ours, nil
 }
 
 func (g *Member) heartbeat(ctx context.Context) error {
