@@ -231,8 +231,9 @@ func (g *Member) bucket() jetstream.KeyValue {
 func (g *Member) join(ctx context.Context) error {
 	deadline := time.Now().Add(g.ttl)
 	var failing observe.LoopHealth
+	logged := &joinLog{others: map[memberInfo]bool{}}
 	for {
-		err := g.agree(ctx)
+		err := g.agree(ctx, logged)
 		if err == nil {
 			failing.Report(g.log, "join the group", nil)
 			break
@@ -269,8 +270,8 @@ func transient(err error) bool {
 // this member has not). Another count is another group's: two groups share
 // the name, or a member is not set up for this stream. A second group
 // whose count happens to be one of those is not told apart (its members
-// look like this group's).
-func (g *Member) agree(ctx context.Context) error {
+// look like this group's). What it logs, it logs once in a join.
+func (g *Member) agree(ctx context.Context, logged *joinLog) error {
 	cfg := &g.cfg
 	members, err := g.members(ctx)
 	if err != nil {
@@ -278,7 +279,8 @@ func (g *Member) agree(ctx context.Context) error {
 	}
 	var ours map[int]bool // read only when a member disagrees
 	for _, m := range members {
-		if m.id == cfg.Member {
+		if m.id == cfg.Member && !logged.sameID {
+			logged.sameID = true
 			// Most likely this member's previous process, crashed within
 			// the TTL. Were it alive, the pins still keep each partition
 			// with one of the two.
@@ -293,6 +295,10 @@ func (g *Member) agree(ctx context.Context) error {
 			}
 		}
 		if ours[m.partitions] {
+			if logged.others[m] {
+				continue
+			}
+			logged.others[m] = true
 			g.log.Info("a member still uses another partition count of this group: it moves on at its next step",
 				zap.String("other", m.id), zap.Int("its_partitions", m.partitions), zap.Int("partitions", cfg.Partitions))
 			continue
@@ -301,6 +307,12 @@ func (g *Member) agree(ctx context.Context) error {
 			ErrMismatch, m.id, cfg.Name, m.partitions, cfg.Partitions, cfg.Stream, cfg.Name, m.partitions, cfg.Name)
 	}
 	return nil
+}
+
+// joinLog is what agree has logged in one join.
+type joinLog struct {
+	sameID bool                // a member with this member's id
+	others map[memberInfo]bool // members on another count of this group
 }
 
 // groupCounts is the partition counts this group has a claim to on its
