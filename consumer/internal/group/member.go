@@ -224,12 +224,19 @@ func (g *Member) bucket() jetstream.KeyValue {
 // after a partition-count change it reports the old count until its next
 // step, and on a starved machine a step comes many seconds late (seen: 12 s
 // against a TTL of 3 s). Only a count this group has no claim to on this
-// stream is a mismatch (agree), and even that is waited for one member TTL:
-// a member may have read a change whose durables it has not created yet.
-// A roster not read yet or a request that timed out decides nothing: join
-// waits for them as long as ctx lasts, as the member's steps would.
+// stream is a mismatch (agree), and even that is waited for one member TTL
+// from when a mismatch is first seen: a member may have read a change
+// whose durables it has not created yet. Answers that have not come yet (a
+// request timed out, the roster's watch is still starting or timed out)
+// decide nothing: join waits for them as long as ctx lasts, as the
+// member's steps would. Any other failure, such as a watch the server
+// refuses, ends join one member TTL after it is first met.
 func (g *Member) join(ctx context.Context) error {
-	deadline := time.Now().Add(g.ttl)
+	// A failure that decides ends join one TTL after the first of its
+	// kind (a mismatch, or another): a watch refused for a while must not
+	// use up the time a member on another count has to move on.
+	var since time.Time
+	var sinceMismatch bool
 	var failing observe.LoopHealth
 	logged := &joinLog{others: map[memberInfo]bool{}}
 	for {
@@ -241,12 +248,12 @@ func (g *Member) join(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return err
 		}
-		if !transient(err) {
-			if time.Now().After(deadline) {
-				return err
-			}
-		} else {
+		if unanswered(err) {
 			failing.Report(g.log, "join the group", err)
+		} else if mismatch := errors.Is(err, ErrMismatch); since.IsZero() || mismatch != sinceMismatch {
+			since, sinceMismatch = time.Now(), mismatch
+		} else if time.Since(since) > g.ttl {
+			return err
 		}
 		select {
 		case <-ctx.Done():
@@ -257,27 +264,34 @@ func (g *Member) join(ctx context.Context) error {
 	return g.heartbeat(ctx)
 }
 
-// transient reports whether err says only that an answer has not come
+// unanswered reports whether err says only that an answer has not come
 // yet: a JetStream request timed out, or the roster's watch has not read
-// the bucket.
-func transient(err error) bool {
-	return timedOut(err) || errors.Is(err, errRosterNotReady)
+// the bucket and has not been refused (it is starting, or it timed out).
+func unanswered(err error) bool {
+	if timedOut(err) {
+		return true
+	}
+	// members returns errRosterNotReady itself while no watch has ended,
+	// and wraps why the last one did otherwise (roster.notRead).
+	return err == errRosterNotReady ||
+		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened))
 }
 
-// agree checks that every live member uses a partition count of this
-// group on this stream: the stream's count, or one this group has partition
-// durables of (a member that has not read a change yet, or has read one
-// this member has not). Another count is another group's: two groups share
-// the name, or a member is not set up for this stream. A second group
-// whose count happens to be one of those is not told apart (its members
-// look like this group's). What it logs, it logs once in a join.
+// agree checks that every live member uses a partition count this group
+// has had on this stream: the stream's count, one this group has
+// partition durables of, or one the stream holds events under (a member
+// that has not read a change yet, or has read one this member has not).
+// Another count is another group's: two groups share the name, or a
+// member is not set up for this stream. A second group whose count
+// happens to be one of those is not told apart (its members look like
+// this group's). What it logs, it logs once in a join.
 func (g *Member) agree(ctx context.Context, logged *joinLog) error {
 	cfg := &g.cfg
 	members, err := g.members(ctx)
 	if err != nil {
 		return err
 	}
-	var ours map[int]bool // read only when a member disagrees
+	counts := groupCounts{g: g} // read only when a member disagrees
 	for _, m := range members {
 		if m.id == cfg.Member && !logged.sameID {
 			logged.sameID = true
@@ -289,21 +303,19 @@ func (g *Member) agree(ctx context.Context, logged *joinLog) error {
 		if m.partitions == cfg.Partitions {
 			continue
 		}
-		if ours == nil {
-			if ours, err = g.groupCounts(ctx); err != nil {
-				return err
-			}
+		ours, err := counts.had(ctx, m.partitions)
+		if err != nil {
+			return err
 		}
-		if ours[m.partitions] {
-			if logged.others[m] {
-				continue
+		if ours {
+			if !logged.others[m] {
+				logged.others[m] = true
+				g.log.Info("a member still uses another partition count of this group: it moves on at its next step",
+					zap.String("other", m.id), zap.Int("its_partitions", m.partitions), zap.Int("partitions", cfg.Partitions))
 			}
-			logged.others[m] = true
-			g.log.Info("a member still uses another partition count of this group: it moves on at its next step",
-				zap.String("other", m.id), zap.Int("its_partitions", m.partitions), zap.Int("partitions", cfg.Partitions))
 			continue
 		}
-		return fmt.Errorf("%w: member %s of group %s runs with %d partitions, this one with Group.Partitions %d, and stream %s has no partition durables of group %s for %d: two groups cannot share the name %s; give one another Name, or make them agree with the stream",
+		return fmt.Errorf("%w: member %s of group %s runs with %d partitions, this one with Group.Partitions %d, and stream %s has neither partition durables of group %s nor events for %d: two groups cannot share the name %s; give one another Name, or make them agree with the stream",
 			ErrMismatch, m.id, cfg.Name, m.partitions, cfg.Partitions, cfg.Stream, cfg.Name, m.partitions, cfg.Name)
 	}
 	return nil
@@ -315,27 +327,58 @@ type joinLog struct {
 	others map[memberInfo]bool // members on another count of this group
 }
 
-// groupCounts is the partition counts this group has a claim to on its
-// stream: the stream's count as read now, and those of the group's
-// partition durables.
-func (g *Member) groupCounts(ctx context.Context) (map[int]bool, error) {
-	info, err := g.strm.Info(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("stream %s info: %w", g.cfg.Stream, err)
+// groupCounts tells which partition counts the group has had on its
+// stream, for one agree: it reads the stream and the group's durables at
+// the first question, and looks for a count's events at most once.
+type groupCounts struct {
+	g        *Member
+	firstSeq uint64       // the stream's, when read
+	known    map[int]bool // the stream's count and its durables', once read
+}
+
+// had reports whether the stream has, or had, partitions as its count:
+// its count now, the count of partition durables of the group, or a count
+// it holds events under. The last one covers a member whose step is later
+// than the group's drain and removal of that count's durables.
+func (c *groupCounts) had(ctx context.Context, partitions int) (bool, error) {
+	g := c.g
+	if c.known == nil {
+		info, err := g.strm.Info(ctx)
+		if err != nil {
+			return false, fmt.Errorf("stream %s info: %w", g.cfg.Stream, err)
+		}
+		_, current, err := StreamPartitions(info.Config)
+		if err != nil {
+			return false, err
+		}
+		gens, err := g.generations(ctx)
+		if err != nil {
+			return false, err
+		}
+		c.firstSeq = max(info.State.FirstSeq, 1)
+		c.known = map[int]bool{current: true}
+		for n := range gens {
+			c.known[n] = true
+		}
 	}
-	_, current, err := StreamPartitions(info.Config)
-	if err != nil {
-		return nil, err
+	if had, ok := c.known[partitions]; ok {
+		return had, nil
 	}
-	gens, err := g.generations(ctx)
-	if err != nil {
-		return nil, err
+	if partitions < 1 || partitions > contract.MaxPartitions {
+		return false, nil // not a count (a heartbeat of another kind)
 	}
-	ours := map[int]bool{current: true}
-	for n := range gens {
-		ours[n] = true
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	_, err := g.strm.GetMsg(ctx, c.firstSeq, jetstream.WithGetMsgSubject(generationFilter(g.source, partitions)))
+	switch {
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		c.known[partitions] = false
+	case err != nil:
+		return false, fmt.Errorf("look for %d-partition events in stream %s: %w", partitions, g.cfg.Stream, err)
+	default:
+		c.known[partitions] = true
 	}
-	return ours, nil
+	return c.known[partitions], nil
 }
 
 func (g *Member) heartbeat(ctx context.Context) error {
@@ -343,9 +386,12 @@ func (g *Member) heartbeat(ctx context.Context) error {
 	// change, members started with the new count must not be refused.
 	value := []byte(strconv.FormatInt(g.beatCount.Load(), 10))
 	_, err := g.bucket().Put(ctx, g.cfg.Member, value)
-	if err != nil && ctx.Err() == nil {
+	if err != nil && ctx.Err() == nil && !timedOut(err) {
 		// The bucket may be gone (a NATS restart lost a memory bucket, or
 		// an operator deleted it): open it again, creating it, and rejoin.
+		// Not on a timeout, which says nothing of the bucket: reopening
+		// restarts every watch of it, and on a starved server that added
+		// a consumer's creation to every late heartbeat.
 		if oerr := g.openBucket(ctx); oerr == nil {
 			_, err = g.bucket().Put(ctx, g.cfg.Member, value)
 		}

@@ -3,11 +3,13 @@ package group
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sort"
 	"strconv"
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/consumer/internal/observe"
@@ -37,6 +39,26 @@ type roster struct {
 	// rather than at its next tick: a voluntary hand-off in well under a
 	// heartbeat interval.
 	changed chan struct{}
+	// failed is why the last watch ended, nil once a watch has read the
+	// bucket: members names it while the roster is not read.
+	failed error
+}
+
+// setFailed records why a watch ended.
+func (r *roster) setFailed(err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.failed = err
+}
+
+// notRead is members' error while the watch has not read the bucket.
+func (r *roster) notRead() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.failed == nil {
+		return errRosterNotReady
+	}
+	return fmt.Errorf("%w: %w", errRosterNotReady, r.failed)
 }
 
 type rosterEntry struct {
@@ -114,6 +136,7 @@ func (g *Member) watchRoster(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
+		g.roster.setFailed(err)
 		failing.Report(g.log, "watch group members", err)
 		select {
 		case <-ctx.Done():
@@ -124,7 +147,26 @@ func (g *Member) watchRoster(ctx context.Context) {
 }
 
 func (g *Member) watchOnce(ctx context.Context) error {
+	select {
+	case <-g.rewatch: // the bucket read below is the reopened one
+	default:
+	}
 	w, err := g.bucket().WatchAll(ctx)
+	// The watch subscribes through nats.go's older JetStream API, whose
+	// errors are its own.
+	if errors.Is(err, jetstream.ErrBucketNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) || errors.Is(err, nats.ErrStreamNotFound) {
+		// Lost (an operator deleted it, a restart lost a memory bucket)
+		// before anything heartbeats: a member that has not joined yet
+		// would otherwise wait for it for ever.
+		if oerr := g.openBucket(ctx); oerr != nil {
+			return errors.Join(err, oerr)
+		}
+		select {
+		case <-g.rewatch: // the reopening signalled this watch
+		default:
+		}
+		w, err = g.bucket().WatchAll(ctx)
+	}
 	if err != nil {
 		return err
 	}
@@ -136,6 +178,7 @@ func (g *Member) watchOnce(ctx context.Context) error {
 				return errWatchEnded
 			}
 			if e == nil {
+				g.roster.setFailed(nil)
 				g.roster.once.Do(func() { close(g.roster.ready) })
 				continue
 			}
@@ -157,7 +200,7 @@ func (g *Member) members(ctx context.Context) ([]memberInfo, error) {
 	select {
 	case <-g.roster.ready:
 	case <-t.C:
-		return nil, errRosterNotReady
+		return nil, g.roster.notRead()
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
