@@ -41,8 +41,7 @@ func hogs(t *testing.T, n int) {
 func chaos(t *testing.T, partitions int, ids []string, startMembers func(s *scenario), fault func(s *scenario)) {
 	s := newScenario(t, partitions)
 	s.noVersion = true
-	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
-	defer cancel()
+	ctx := runCtx(t)
 	_, stopRelay := s.f.Start(ctx)
 	defer func() { _ = stopRelay() }()
 	startMembers(s)

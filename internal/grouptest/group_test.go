@@ -353,8 +353,7 @@ func testKillAndJoin(t *testing.T, noVersion bool) {
 	const partitions = 8
 	s := newScenario(t, partitions)
 	s.noVersion = noVersion
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := runCtx(t)
 	_, stopRelay := s.f.Start(ctx)
 	defer func() { _ = stopRelay() }()
 	ids := []string{"m1", "m2", "m3"}
@@ -447,8 +446,7 @@ func (s *scenario) ackFloors(partitions int) []uint64 {
 func TestGroupPartitionCountChangeDuringLoad(t *testing.T) {
 	s := newScenario(t, 4)
 	s.noVersion = true
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := runCtx(t)
 	_, stopRelay := s.f.Start(ctx)
 	defer func() { _ = stopRelay() }()
 	for _, id := range []string{"m1", "m2", "m3"} {
@@ -497,8 +495,7 @@ func TestGroupMemberDatabaseUnreachable(t *testing.T) {
 	// The stalled member keeps its partitions for the outage: PinnedTTL
 	// above it (a member stalled longer than PinnedTTL loses them).
 	s.pinnedTTL = "30s"
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := runCtx(t)
 	_, stopRelay := s.f.Start(ctx)
 	defer func() { _ = stopRelay() }()
 	env := testenv.Get(t)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"testing"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/contract"
@@ -119,6 +120,15 @@ func (s *scenario) reassignedAt(gone string, t time.Time) time.Time {
 // that a relay (or a group) that moves slowly on a loaded box is given the
 // time it needs and one that stops is still caught. The test's context
 // bounds the whole.
+// runCtx is what a long scenario's relay and its looks at the stream run
+// on: the test's own lifetime, not a budget of minutes. At nice 10 beside
+// six busy loops such a test ran past its ten minutes, and every look made
+// with the expired ctx failed at once ("the 4-partition durables were not
+// removed after draining", with the removal logged a minute before). The
+// progress waits are the assertions, and go test's -timeout the guard
+// against a hang.
+func runCtx(t *testing.T) context.Context { return t.Context() }
+
 func (s *scenario) waitProgress(what string, want int64, stall time.Duration, read func() int64) {
 	s.t.Helper()
 	last, since := int64(-1), time.Now()
