@@ -102,10 +102,11 @@ func observedLogger(t *testing.T, name string) (*zap.Logger, *observer.ObservedL
 }
 
 // runJoiner runs member (partitions) of cfg's group on js until the
-// returned cancel; done receives Run's error.
-func (f *fixture) runJoiner(js jetstream.JetStream, cfg Config, member string, partitions int, log *zap.Logger) (done chan error, cancel context.CancelFunc) {
+// returned cancel, with opts after its own; done receives Run's error.
+func (f *fixture) runJoiner(js jetstream.JetStream, cfg Config, member string, partitions int, log *zap.Logger, opts ...Option) (done chan error, cancel context.CancelFunc) {
 	f.t.Helper()
-	c, err := New(f.pool, js, memberConfig(cfg, member, partitions), newRecorder("grp"), WithLogger(log), WithRegisterer(prometheus.NewRegistry()))
+	opts = append([]Option{WithLogger(log), WithRegisterer(prometheus.NewRegistry())}, opts...)
+	c, err := New(f.pool, js, memberConfig(cfg, member, partitions), newRecorder("grp"), opts...)
 	testenv.Must(f.t, err, "new member")
 	ctx, cancel := context.WithCancel(context.Background())
 	done = make(chan error, 1)
@@ -120,6 +121,23 @@ func (f *fixture) runJoiner(js jetstream.JetStream, cfg Config, member string, p
 		}
 	})
 	return done, cancel
+}
+
+// whileRunning waits up to d for cond while no member's Run (dones)
+// returns. exited is the error of a Run that returned, if one did.
+func whileRunning(d time.Duration, cond func() bool, dones ...<-chan error) (ok bool, exited error) {
+	ok = testenv.WaitFor(d, func() bool {
+		for _, done := range dones {
+			select {
+			case err := <-done:
+				exited = fmt.Errorf("Run returned: %w", err)
+				return true
+			default:
+			}
+		}
+		return cond()
+	})
+	return ok && exited == nil, exited
 }
 
 // beatAs heartbeats member with value in the group bucket (created with
@@ -279,20 +297,10 @@ func TestGroupJoinRecreatesBucketLostBeforeWatch(t *testing.T) {
 	applied := func() int64 {
 		return queryInt(t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`)
 	}
-	var runErr error
-	exited := false
-	ok := testenv.WaitFor(10*ttl, func() bool {
-		select {
-		case runErr = <-done:
-			exited = true
-			return true
-		default:
-		}
-		return applied() == aggs
-	})
+	ok, exited := whileRunning(10*ttl, func() bool { return applied() == aggs }, done)
 	switch {
-	case exited:
-		t.Errorf("the member exited after its bucket was lost before the roster read it: %v", runErr)
+	case exited != nil:
+		t.Errorf("the member exited after its bucket was lost before the roster read it: %v", exited)
 	case !ok:
 		warn := logs.FilterMessageSnippet("failed; retrying quietly")
 		var lines []string

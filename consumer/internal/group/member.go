@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -41,6 +42,7 @@ type Member struct {
 	kvMu    sync.Mutex
 	kv      jetstream.KeyValue
 	rewatch chan struct{}
+	restale chan struct{} // the heartbeat tells the watch it is stale
 
 	source  string // the stream subject the partition transform applies to
 	current int    // the stream's partition count, as last read
@@ -159,8 +161,9 @@ func (g *Member) setUp(ctx context.Context, host Host) error {
 	g.parts = map[string]*partition{}
 	g.errs = make(chan error, 1)
 	g.lastOwner = map[string]time.Time{}
-	g.roster = newRoster()
+	g.roster = newRoster(cfg.Member)
 	g.rewatch = make(chan struct{}, 1)
+	g.restale = make(chan struct{}, 1)
 	g.replicas = max(info.Config.Replicas, 1)
 	g.beatCount.Store(int64(g.current))
 	return g.openBucket(ctx)
@@ -226,11 +229,12 @@ func (g *Member) bucket() jetstream.KeyValue {
 // against a TTL of 3 s). Only a count this group has no claim to on this
 // stream is a mismatch (agree), and even that is waited for one member TTL
 // from when a mismatch is first seen: a member may have read a change
-// whose durables it has not created yet. Answers that have not come yet (a
-// request timed out, the roster's watch is still starting or timed out)
-// decide nothing: join waits for them as long as ctx lasts, as the
-// member's steps would. Any other failure, such as a watch the server
-// refuses, ends join one member TTL after it is first met.
+// whose durables it has not created yet. Answers that have not come yet
+// (unanswered: a request timed out, JetStream is unavailable for now, the
+// roster's watch is still starting) decide nothing: join waits for them as
+// long as ctx lasts, as the member's steps would. Any other failure, such
+// as a watch the server refuses, ends join one member TTL after it is
+// first met (members itself waits up to a TTL for the roster first).
 func (g *Member) join(ctx context.Context) error {
 	// A failure that decides ends join one TTL after the first of its
 	// kind (a mismatch, or another): a watch refused for a while must not
@@ -265,16 +269,38 @@ func (g *Member) join(ctx context.Context) error {
 }
 
 // unanswered reports whether err says only that an answer has not come
-// yet: a JetStream request timed out, or the roster's watch has not read
-// the bucket and has not been refused (it is starting, or it timed out).
+// yet: a JetStream request timed out or JetStream is unavailable for now,
+// or the roster's watch has not read the bucket and has not been refused
+// (it is starting, or it timed out, ended or was started anew).
 func unanswered(err error) bool {
-	if timedOut(err) {
+	if timedOut(err) || unavailable(err) {
 		return true
 	}
 	// members returns errRosterNotReady itself while no watch has ended,
 	// and wraps why the last one did otherwise (roster.notRead).
 	return err == errRosterNotReady ||
-		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened))
+		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened) || errors.Is(err, errWatchStale))
+}
+
+// unavailable reports whether err says JetStream cannot answer for now:
+// a server restarting or electing a leader answers so, and nats.go's own
+// ordered consumer retries these. The roster's watch goes through nats.go's
+// older API, the member's other requests through package jetstream.
+func unavailable(err error) bool {
+	code := nats.ErrorCode(0)
+	var old *nats.APIError
+	var api *jetstream.APIError
+	switch {
+	case errors.As(err, &old):
+		code = old.ErrorCode
+	case errors.As(err, &api):
+		code = nats.ErrorCode(api.ErrorCode)
+	}
+	switch code {
+	case nats.JSErrCodeJetStreamNotEnabled, nats.JSErrCodeJetStreamNotAvailable, nats.JSErrCodeInsufficientResourcesErr:
+		return true
+	}
+	return false
 }
 
 // agree checks that every live member uses a partition count this group
@@ -385,7 +411,7 @@ func (g *Member) heartbeat(ctx context.Context) error {
 	// The stream's count, not the configured one: after a partition-count
 	// change, members started with the new count must not be refused.
 	value := []byte(strconv.FormatInt(g.beatCount.Load(), 10))
-	_, err := g.bucket().Put(ctx, g.cfg.Member, value)
+	rev, err := g.bucket().Put(ctx, g.cfg.Member, value)
 	if err != nil && ctx.Err() == nil && !timedOut(err) {
 		// The bucket may be gone (a NATS restart lost a memory bucket, or
 		// an operator deleted it): open it again, creating it, and rejoin.
@@ -393,7 +419,7 @@ func (g *Member) heartbeat(ctx context.Context) error {
 		// restarts every watch of it, and on a starved server that added
 		// a consumer's creation to every late heartbeat.
 		if oerr := g.openBucket(ctx); oerr == nil {
-			_, err = g.bucket().Put(ctx, g.cfg.Member, value)
+			rev, err = g.bucket().Put(ctx, g.cfg.Member, value)
 		}
 	}
 	if err != nil {
@@ -402,7 +428,14 @@ func (g *Member) heartbeat(ctx context.Context) error {
 		return err
 	}
 	g.beatErr.Store(nil)
-	g.lastBeat.Store(time.Now().UnixNano())
+	now := time.Now()
+	g.lastBeat.Store(now.UnixNano())
+	if g.roster.ownHeard(rev, now, g.ttl) {
+		select {
+		case g.restale <- struct{}{}:
+		default:
+		}
+	}
 	return nil
 }
 

@@ -42,6 +42,33 @@ type roster struct {
 	// failed is why the last watch ended, nil once a watch has read the
 	// bucket: members names it while the roster is not read.
 	failed error
+	// own is this member's id. ownWant is the revision of a heartbeat of
+	// its own, stored at ownSince, that the watch has not delivered yet
+	// (0: none): a watch that delivers none for a member TTL is watching a
+	// bucket that is gone (ownHeard).
+	own      string
+	ownWant  uint64
+	ownSince time.Time
+}
+
+// ownHeard notes this member's heartbeat stored at revision rev, and
+// reports whether the watch has missed an earlier one for ttl. It misses
+// them when the bucket was deleted and created again by another member:
+// this member's puts go to the new bucket and succeed, so nothing else
+// tells it, while the watch (nats.go's ordered consumer) follows the new
+// bucket only from the old one's last sequence on, or not at all, and the
+// roster empties, this member included.
+func (r *roster) ownHeard(rev uint64, now time.Time, ttl time.Duration) (missed bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.ownWant != 0 && now.Sub(r.ownSince) > ttl {
+		r.ownWant = 0
+		return true
+	}
+	if r.ownWant == 0 {
+		r.ownWant, r.ownSince = rev, now
+	}
+	return false
 }
 
 // setFailed records why a watch ended.
@@ -66,8 +93,8 @@ type rosterEntry struct {
 	until      time.Time
 }
 
-func newRoster() *roster {
-	return &roster{seen: map[string]rosterEntry{}, ready: make(chan struct{}), changed: make(chan struct{}, 1)}
+func newRoster(own string) *roster {
+	return &roster{seen: map[string]rosterEntry{}, ready: make(chan struct{}), changed: make(chan struct{}, 1), own: own}
 }
 
 // live returns the members seen alive, sorted by id.
@@ -108,6 +135,9 @@ func (r *roster) update(e jetstream.KeyValueEntry, ttl time.Duration, now time.T
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	_, known := r.seen[e.Key()]
+	if e.Key() == r.own && e.Revision() >= r.ownWant {
+		r.ownWant = 0 // the watch delivers this member's heartbeats
+	}
 	if e.Operation() != jetstream.KeyValuePut {
 		delete(r.seen, e.Key()) // the member left
 		r.notify(known)
@@ -185,6 +215,8 @@ func (g *Member) watchOnce(ctx context.Context) error {
 			g.roster.update(e, g.ttl, time.Now())
 		case <-g.rewatch:
 			return errBucketReopened
+		case <-g.restale:
+			return errWatchStale
 		case <-ctx.Done():
 			return nil
 		}
@@ -212,3 +244,5 @@ var errRosterNotReady = errors.New("the group bucket's members are not read yet 
 var errWatchEnded = errors.New("the group bucket's watch ended")
 
 var errBucketReopened = errors.New("the group bucket was opened again (created anew after it was lost)")
+
+var errWatchStale = errors.New("the watch of the group bucket delivered none of this member's heartbeats for a member TTL (was the bucket deleted and created again?): watching it anew")

@@ -27,7 +27,7 @@ func TestRosterKeepsMembersThatHeartbeat(t *testing.T) {
 	kv, err := f.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: bucket, TTL: 6 * time.Second, History: 1, Storage: jetstream.MemoryStorage})
 	testenv.Must(t, err, "bucket")
 	t.Cleanup(func() { _ = f.js.DeleteKeyValue(context.Background(), bucket) })
-	g := &Member{kv: kv, ttl: 6 * time.Second, log: zap.NewNop(), roster: newRoster()}
+	g := &Member{kv: kv, ttl: 6 * time.Second, log: zap.NewNop(), roster: newRoster("")}
 	ids := []string{"a", "b", "c"}
 	for _, id := range ids {
 		_, err := kv.Put(ctx, id, []byte("4"))
@@ -60,7 +60,7 @@ func TestRosterKeepsMembersThatHeartbeat(t *testing.T) {
 
 	// A member that leaves (deletes its entry) is gone at once; one that
 	// stops heartbeating, once the TTL has passed.
-	r := newRoster()
+	r := newRoster("")
 	now := time.Now()
 	r.update(entry{key: "a", value: "4", op: jetstream.KeyValuePut}, time.Second, now)
 	r.update(entry{key: "b", value: "4", op: jetstream.KeyValuePut}, time.Second, now)
@@ -113,7 +113,7 @@ func (e entry) Operation() jetstream.KeyValueOp { return e.op }
 // While the bucket cannot be watched, members gives up after the member
 // TTL instead of holding the coordinator loop.
 func TestMembersWaitsAtMostTheTTL(t *testing.T) {
-	g := &Member{ttl: 50 * time.Millisecond, roster: newRoster()}
+	g := &Member{ttl: 50 * time.Millisecond, roster: newRoster("")}
 	start := time.Now()
 	if _, err := g.members(context.Background()); err != errRosterNotReady {
 		t.Fatalf("members = %v, want errRosterNotReady", err)
@@ -140,7 +140,7 @@ func TestRosterNextExpiry(t *testing.T) {
 		{"all past", map[string]rosterEntry{"a": at(-time.Second)}, time.Time{}},
 	}
 	for _, tc := range cases {
-		r := newRoster()
+		r := newRoster("")
 		for id, e := range tc.seen {
 			r.seen[id] = e
 		}
