@@ -177,9 +177,11 @@ func (g *Member) watchRoster(ctx context.Context) {
 }
 
 func (g *Member) watchOnce(ctx context.Context) error {
-	select {
-	case <-g.rewatch: // the bucket read below is the reopened one
-	default:
+	for _, c := range []chan struct{}{g.rewatch, g.restale} {
+		select {
+		case <-c: // this watch is a new one, of the bucket as now opened
+		default:
+		}
 	}
 	w, err := g.bucket().WatchAll(ctx)
 	// The watch subscribes through nats.go's older JetStream API, whose
