@@ -115,11 +115,6 @@ func (s *scenario) reassignedAt(gone string, t time.Time) time.Time {
 	return first
 }
 
-// waitProgress waits until read reaches want, failing the test only when
-// it stops growing for stall: a liveness bound computed from progress, so
-// that a relay (or a group) that moves slowly on a loaded box is given the
-// time it needs and one that stops is still caught. The test's context
-// bounds the whole.
 // runCtx is what a long scenario's relay and its looks at the stream run
 // on: the test's own lifetime, not a budget of minutes. At nice 10 beside
 // six busy loops such a test ran past its ten minutes, and every look made
@@ -129,6 +124,11 @@ func (s *scenario) reassignedAt(gone string, t time.Time) time.Time {
 // against a hang.
 func runCtx(t *testing.T) context.Context { return t.Context() }
 
+// waitProgress waits until read reaches want, failing the test only when
+// it stops growing for stall: a liveness bound computed from progress, so
+// that a relay (or a group) that moves slowly on a loaded box is given the
+// time it needs and one that stops is still caught. The test's context
+// bounds the whole.
 func (s *scenario) waitProgress(what string, want int64, stall time.Duration, read func() int64) {
 	s.t.Helper()
 	last, since := int64(-1), time.Now()
