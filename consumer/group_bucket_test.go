@@ -58,6 +58,39 @@ func (f *fixture) runMemberWith(js jetstream.JetStream, cfg Config, member strin
 	return reg, done
 }
 
+// consumingGroup starts members ids of group grp on js over a new
+// 4-partition stream (its bucket in use for a while when used), publishes
+// version 1 of aggs aggregates, and waits until it is applied and every
+// member owns its share of the partitions.
+func (f *fixture) consumingGroup(js jetstream.JetStream, used bool, aggs int, ids ...string) (Config, []prometheus.Gatherer, []chan error) {
+	f.t.Helper()
+	f.partitionedStream(4)
+	cfg := groupConfig(f, 4)
+	if used {
+		f.usedBucket(cfg.Group.MemberTTL, usedBucketPuts)
+	}
+	var regs []prometheus.Gatherer
+	var dones []chan error
+	for _, id := range ids {
+		reg, done := f.runMemberWith(js, cfg, id, 4)
+		regs, dones = append(regs, reg), append(dones, done)
+	}
+	f.publishVersions(aggs, 1, 1)
+	f.waitApplied(aggs)
+	for _, reg := range regs {
+		f.waitOwns(reg, func(n float64) bool { return n == float64(4/len(ids)) })
+	}
+	return cfg, regs, dones
+}
+
+// deleteBucket deletes group grp's member bucket under its members.
+func (f *fixture) deleteBucket() {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	testenv.Must(f.t, f.js.DeleteKeyValue(ctx, GroupBucket("grp")), "delete the bucket")
+}
+
 func (f *fixture) appliedCount() int64 {
 	return queryInt(f.t, f.pool, `SELECT count(*) FROM applied WHERE consumer = 'grp'`)
 }
@@ -78,19 +111,14 @@ func (f *fixture) appliedCount() int64 {
 // may be short of members for about that long.
 func TestGroupBucketRecreatedByAnotherWhileRunning(t *testing.T) {
 	f := newFixture(t)
-	f.partitionedStream(4)
-	cfg := groupConfig(f, 4)
-	ttl := cfg.Group.MemberTTL
-	f.usedBucket(ttl, usedBucketPuts)
 	const aggs = 8
-	reg, done := f.runMemberWith(f.js, cfg, "m", 4)
-	f.publishVersions(aggs, 1, 1)
-	f.waitApplied(aggs)
-	f.waitOwns(reg, func(n float64) bool { return n == 4 })
+	cfg, regs, dones := f.consumingGroup(f.js, true, aggs, "m")
+	reg, done := regs[0], dones[0]
+	ttl := cfg.Group.MemberTTL
 
 	// Deleted, and created again at once by "the other member".
+	f.deleteBucket()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	testenv.Must(t, f.js.DeleteKeyValue(ctx, GroupBucket("grp")), "delete the bucket")
 	_, err := f.js.CreateKeyValue(ctx, bucketConfig(ttl))
 	cancel()
 	testenv.Must(t, err, "create the bucket again")
@@ -121,22 +149,12 @@ func TestGroupBucketRecreatedByAnotherWhileRunning(t *testing.T) {
 // unconsumed (24 of 32 applied after a minute).
 func TestGroupBucketDeletedTwoMembers(t *testing.T) {
 	f := newFixture(t)
-	f.partitionedStream(4)
-	cfg := groupConfig(f, 4)
-	ttl := cfg.Group.MemberTTL
-	f.usedBucket(ttl, 2000)
 	const aggs = 16
-	regA, doneA := f.runMemberWith(f.js, cfg, "a", 4)
-	regB, doneB := f.runMemberWith(f.js, cfg, "b", 4)
-	f.publishVersions(aggs, 1, 1)
-	f.waitApplied(aggs)
-	for _, reg := range []prometheus.Gatherer{regA, regB} {
-		f.waitOwns(reg, func(n float64) bool { return n == 2 })
-	}
+	cfg, regs, dones := f.consumingGroup(f.js, true, aggs, "a", "b")
+	regA, regB, doneA, doneB := regs[0], regs[1], dones[0], dones[1]
+	ttl := cfg.Group.MemberTTL
 
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	testenv.Must(t, f.js.DeleteKeyValue(ctx, GroupBucket("grp")), "delete the bucket")
-	cancel()
+	f.deleteBucket()
 	f.rosterShrinks(5*ttl, regA, regB)
 	f.publishVersions(aggs, 2, 2)
 	deadline := 60 * time.Second
@@ -169,8 +187,6 @@ func TestGroupBucketDeletedTwoMembers(t *testing.T) {
 // watch re-creates it, and the member goes on consuming.
 func TestGroupLostBucketPutTimesOut(t *testing.T) {
 	f := newFixture(t)
-	f.partitionedStream(4)
-	cfg := groupConfig(f, 4)
 	const aggs = 8
 	js := &faultJS{JetStream: f.js}
 	js.put = func(kv jetstream.KeyValue, ctx context.Context, key string, value []byte) (uint64, error) {
@@ -180,15 +196,11 @@ func TestGroupLostBucketPutTimesOut(t *testing.T) {
 		}
 		return rev, err
 	}
-	reg, done := f.runMemberWith(js, cfg, "m", 4)
-	f.publishVersions(aggs, 1, 1)
-	f.waitApplied(aggs)
-	f.waitOwns(reg, func(n float64) bool { return n == 4 })
+	_, _, dones := f.consumingGroup(js, false, aggs, "m")
+	done := dones[0]
 	opened := js.opened.Load()
 	t0 := time.Now()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	testenv.Must(t, f.js.DeleteKeyValue(ctx, GroupBucket("grp")), "delete the bucket")
-	cancel()
+	f.deleteBucket()
 	f.publishVersions(aggs, 2, 2)
 	deadline := 60 * time.Second
 	ok, exited := whileRunning(deadline, func() bool {
@@ -233,20 +245,12 @@ func (f *fixture) rosterShrinks(d time.Duration, regs ...prometheus.Gatherer) {
 // goes on consuming, and counts itself again.
 func TestGroupBucketDeletedAlone(t *testing.T) {
 	f := newFixture(t)
-	f.partitionedStream(4)
-	cfg := groupConfig(f, 4)
-	ttl := cfg.Group.MemberTTL
-	f.usedBucket(ttl, 2000)
 	const aggs = 8
 	js := &faultJS{JetStream: f.js}
-	reg, done := f.runMemberWith(js, cfg, "m", 4)
-	f.publishVersions(aggs, 1, 1)
-	f.waitApplied(aggs)
-	f.waitOwns(reg, func(n float64) bool { return n == 4 })
+	_, regs, dones := f.consumingGroup(js, true, aggs, "m")
+	reg, done := regs[0], dones[0]
 	opened := js.opened.Load()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	testenv.Must(t, f.js.DeleteKeyValue(ctx, GroupBucket("grp")), "delete the bucket")
-	cancel()
+	f.deleteBucket()
 	f.publishVersions(aggs, 2, 2)
 	deadline := 60 * time.Second
 	ok, exited := whileRunning(deadline, func() bool {

@@ -232,16 +232,29 @@ func (g *Member) generationFrom(ctx context.Context, partitions int, lastSeq uin
 	if !known || since >= lastSeq {
 		return lastSeq, nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	msg, err := g.strm.GetMsg(ctx, since+1, jetstream.WithGetMsgSubject(generationFilter(g.source, partitions)))
+	seq, err := g.firstEventOf(ctx, partitions, since+1)
 	switch {
-	case errors.Is(err, jetstream.ErrMsgNotFound):
-		return lastSeq, nil
 	case err != nil:
 		return 0, fmt.Errorf("look for %d-partition events stored before its durables: %w", partitions, err)
+	case seq == 0:
+		return lastSeq, nil
 	}
-	return min(lastSeq, msg.Sequence-1), nil
+	return min(lastSeq, seq-1), nil
+}
+
+// firstEventOf is the stream sequence of the first event stored under the
+// partition count partitions at or after from, 0 when there is none.
+func (g *Member) firstEventOf(ctx context.Context, partitions int, from uint64) (uint64, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	msg, err := g.strm.GetMsg(ctx, from, jetstream.WithGetMsgSubject(generationFilter(g.source, partitions)))
+	switch {
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return 0, nil
+	case err != nil:
+		return 0, err
+	}
+	return msg.Sequence, nil
 }
 
 // errCountChanged ends a step that found the stream's partition count

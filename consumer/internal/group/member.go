@@ -393,17 +393,11 @@ func (c *groupCounts) had(ctx context.Context, partitions int) (bool, error) {
 	if partitions < 1 || partitions > contract.MaxPartitions {
 		return false, nil // not a count (a heartbeat of another kind)
 	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	_, err := g.strm.GetMsg(ctx, c.firstSeq, jetstream.WithGetMsgSubject(generationFilter(g.source, partitions)))
-	switch {
-	case errors.Is(err, jetstream.ErrMsgNotFound):
-		c.known[partitions] = false
-	case err != nil:
+	seq, err := g.firstEventOf(ctx, partitions, c.firstSeq)
+	if err != nil {
 		return false, fmt.Errorf("look for %d-partition events in stream %s: %w", partitions, g.cfg.Stream, err)
-	default:
-		c.known[partitions] = true
 	}
+	c.known[partitions] = seq != 0
 	return c.known[partitions], nil
 }
 

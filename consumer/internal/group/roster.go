@@ -177,12 +177,7 @@ func (g *Member) watchRoster(ctx context.Context) {
 }
 
 func (g *Member) watchOnce(ctx context.Context) error {
-	for _, c := range []chan struct{}{g.rewatch, g.restale} {
-		select {
-		case <-c: // this watch is a new one, of the bucket as now opened
-		default:
-		}
-	}
+	g.dropRestarts()
 	w, err := g.bucket().WatchAll(ctx)
 	// The watch subscribes through nats.go's older JetStream API, whose
 	// errors are its own.
@@ -193,10 +188,7 @@ func (g *Member) watchOnce(ctx context.Context) error {
 		if oerr := g.openBucket(ctx); oerr != nil {
 			return errors.Join(err, oerr)
 		}
-		select {
-		case <-g.rewatch: // the reopening signalled this watch
-		default:
-		}
+		g.dropRestarts() // the reopening signalled this watch
 		w, err = g.bucket().WatchAll(ctx)
 	}
 	if err != nil {
@@ -221,6 +213,18 @@ func (g *Member) watchOnce(ctx context.Context) error {
 			return errWatchStale
 		case <-ctx.Done():
 			return nil
+		}
+	}
+}
+
+// dropRestarts drops the signals to start the watch anew (a reopened
+// bucket, a stale watch) that the watch about to start makes moot: it
+// watches the bucket as now opened.
+func (g *Member) dropRestarts() {
+	for _, c := range []chan struct{}{g.rewatch, g.restale} {
+		select {
+		case <-c:
+		default:
 		}
 	}
 }
