@@ -8,6 +8,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -106,9 +108,9 @@ func (f *fixture) appliedCount() int64 {
 // and so missed every entry of the new bucket until its sequence passed
 // the old one. The member's roster emptied (not even itself was live), it
 // handed off every partition and consumed nothing (8 of 16 applied after
-// a minute). The watch now starts anew when it has delivered none of the
-// member's own heartbeats for a member TTL (roster.ownHeard); the roster
-// may be short of members for about that long.
+// a minute). The watch now starts anew at the member's first heartbeat
+// stored in the new bucket, whose revision is below its previous one
+// (roster.ownHeard).
 func TestGroupBucketRecreatedByAnotherWhileRunning(t *testing.T) {
 	f := newFixture(t)
 	const aggs = 8
@@ -196,15 +198,16 @@ func TestGroupLostBucketPutTimesOut(t *testing.T) {
 		}
 		return rev, err
 	}
-	_, _, dones := f.consumingGroup(js, false, aggs, "m")
-	done := dones[0]
+	cfg, regs, dones := f.consumingGroup(js, false, aggs, "m")
+	reg, done := regs[0], dones[0]
 	opened := js.opened.Load()
 	t0 := time.Now()
 	f.deleteBucket()
 	f.publishVersions(aggs, 2, 2)
 	deadline := 60 * time.Second
+	recovered := f.recovered(reg, cfg.Group.MemberTTL)
 	ok, exited := whileRunning(deadline, func() bool {
-		return f.appliedCount() == 2*aggs
+		return recovered() && f.appliedCount() == 2*aggs
 	}, done)
 	switch {
 	case exited != nil:
@@ -214,6 +217,23 @@ func TestGroupLostBucketPutTimesOut(t *testing.T) {
 			deadline, f.appliedCount(), 2*aggs, f.bucketExists(), js.opened.Load()-opened)
 	default:
 		t.Logf("recovered %s after the loss (bucket openings since: %d)", time.Since(t0).Round(time.Millisecond), js.opened.Load()-opened)
+	}
+}
+
+// recovered returns a condition: group grp's member bucket exists again
+// and the member of reg has counted itself live in it for two member
+// TTLs, which a roster still on the lost bucket would not have.
+func (f *fixture) recovered(reg prometheus.Gatherer, ttl time.Duration) func() bool {
+	var since time.Time
+	return func() bool {
+		if members, _ := f.metricOf(reg, "outbox_consumer_group_members"); members != 1 || !f.bucketExists() {
+			since = time.Time{}
+			return false
+		}
+		if since.IsZero() {
+			since = time.Now()
+		}
+		return time.Since(since) > 2*ttl
 	}
 }
 
@@ -247,15 +267,15 @@ func TestGroupBucketDeletedAlone(t *testing.T) {
 	f := newFixture(t)
 	const aggs = 8
 	js := &faultJS{JetStream: f.js}
-	_, regs, dones := f.consumingGroup(js, true, aggs, "m")
+	cfg, regs, dones := f.consumingGroup(js, true, aggs, "m")
 	reg, done := regs[0], dones[0]
 	opened := js.opened.Load()
 	f.deleteBucket()
 	f.publishVersions(aggs, 2, 2)
 	deadline := 60 * time.Second
+	recovered := f.recovered(reg, cfg.Group.MemberTTL)
 	ok, exited := whileRunning(deadline, func() bool {
-		members, _ := f.metricOf(reg, "outbox_consumer_group_members")
-		return f.appliedCount() == 2*aggs && members == 1
+		return recovered() && f.appliedCount() == 2*aggs
 	}, done)
 	switch {
 	case exited != nil:
@@ -285,4 +305,154 @@ func (f *fixture) bucketWatches() string {
 		out += fmt.Sprintf(" [deliver %s, start sequence %d, delivered up to stream sequence %d]", ci.Config.DeliverPolicy, ci.Config.OptStartSeq, ci.Delivered.Stream)
 	}
 	return out
+}
+
+// lagWatch hands on the entries of the roster's watch w lag() after they
+// arrive (a starved machine's watch), and none at all while stalled()
+// reports true (a watch that stopped delivering).
+func lagWatch(w jetstream.KeyWatcher, lag func() time.Duration, stalled func() bool) jetstream.KeyWatcher {
+	l := &laggingWatcher{KeyWatcher: w, out: make(chan jetstream.KeyValueEntry), stop: make(chan struct{})}
+	type due struct {
+		e  jetstream.KeyValueEntry
+		at time.Time
+	}
+	q := make(chan due, 4096)
+	go func() {
+		defer close(q)
+		for {
+			select {
+			case e, ok := <-w.Updates():
+				if !ok {
+					return
+				}
+				select {
+				case q <- due{e, time.Now().Add(lag())}:
+				case <-l.stop:
+					return
+				}
+			case <-l.stop:
+				return
+			}
+		}
+	}()
+	go func() {
+		defer close(l.out)
+		for d := range q {
+			if d.e != nil && stalled() {
+				continue
+			}
+			select {
+			case <-time.After(time.Until(d.at)):
+			case <-l.stop:
+				return
+			}
+			select {
+			case l.out <- d.e:
+			case <-l.stop:
+				return
+			}
+		}
+	}()
+	return l
+}
+
+type laggingWatcher struct {
+	jetstream.KeyWatcher
+	out  chan jetstream.KeyValueEntry
+	stop chan struct{}
+	once sync.Once
+}
+
+func (l *laggingWatcher) Updates() <-chan jetstream.KeyValueEntry { return l.out }
+
+func (l *laggingWatcher) Stop() error {
+	l.once.Do(func() { close(l.stop) })
+	return l.KeyWatcher.Stop()
+}
+
+// watchFaults are what the roster watches of laggingGroup's member do:
+// hand entries on lag after they arrive, and none at all from the first
+// watch while stallFirst is set. watches counts the watches started.
+type watchFaults struct {
+	lag        atomic.Int64 // time.Duration
+	stallFirst atomic.Bool
+	watches    atomic.Int32
+}
+
+// laggingGroup starts member "m" of group grp, its roster watches made
+// faulty by wf, consuming version 1 of aggs aggregates, and returns its
+// member TTL.
+func (f *fixture) laggingGroup(aggs int, wf *watchFaults) (ttl time.Duration, reg prometheus.Gatherer, done chan error) {
+	f.t.Helper()
+	js := &faultJS{JetStream: f.js}
+	js.watch = func(kv jetstream.KeyValue, ctx context.Context, opts ...jetstream.WatchOpt) (jetstream.KeyWatcher, error) {
+		w, err := kv.WatchAll(ctx, opts...)
+		if err != nil {
+			return w, err
+		}
+		first := wf.watches.Add(1) == 1
+		return lagWatch(w,
+			func() time.Duration { return time.Duration(wf.lag.Load()) },
+			func() bool { return first && wf.stallFirst.Load() }), nil
+	}
+	cfg, regs, dones := f.consumingGroup(js, false, aggs, "m")
+	return cfg.Group.MemberTTL, regs[0], dones[0]
+}
+
+// TestGroupLaggingWatchKeepsGoing: on a starved machine the roster watch
+// delivers the member's own heartbeats more than a member TTL after they
+// are stored (the group tests at nice 10 beside six busy loops). The watch
+// was started anew whenever none came for a TTL: in those runs several
+// times per test, each time a consumer's creation more for a starved
+// server, and a warning that asked whether the bucket had been deleted.
+// A watch that delivers is now kept for three TTLs; a bucket created
+// again is told apart by its revisions (TestRosterOwnHeard).
+func TestGroupLaggingWatchKeepsGoing(t *testing.T) {
+	f := newFixture(t)
+	const aggs = 8
+	var wf watchFaults
+	ttl, reg, done := f.laggingGroup(aggs, &wf)
+	wf.lag.Store(int64(3 * ttl / 2))
+	f.publishVersions(aggs, 2, 2)
+	// Long enough for a watch started anew after one TTL to show, and for
+	// version 2 to go through the lagging roster.
+	restarted, exited := whileRunning(6*ttl, func() bool { return wf.watches.Load() > 1 }, done)
+	members, _ := f.metricOf(reg, "outbox_consumer_group_members")
+	switch {
+	case exited != nil:
+		t.Errorf("the member exited: %v", exited)
+	case restarted:
+		t.Errorf("the roster watch, delivering %s late, was started anew (%d watches)", 3*ttl/2, wf.watches.Load())
+	case f.appliedCount() != 2*aggs || members != 1:
+		t.Errorf("%s with a watch %s late: applied %d of %d, roster %v members", 6*ttl, 3*ttl/2, f.appliedCount(), 2*aggs, members)
+	}
+}
+
+// TestGroupStalledWatchStartsAnew: a roster watch that stops delivering
+// while the bucket stays (the one case besides a bucket created again
+// while young that only the missing heartbeats tell) is started anew after
+// three member TTLs; the member, its roster emptied meanwhile, goes on
+// consuming.
+func TestGroupStalledWatchStartsAnew(t *testing.T) {
+	f := newFixture(t)
+	const aggs = 8
+	var wf watchFaults
+	ttl, reg, done := f.laggingGroup(aggs, &wf)
+	wf.stallFirst.Store(true)
+	t0 := time.Now()
+	f.publishVersions(aggs, 2, 2)
+	deadline := 60 * time.Second
+	ok, exited := whileRunning(deadline, func() bool {
+		members, _ := f.metricOf(reg, "outbox_consumer_group_members")
+		return wf.watches.Load() > 1 && f.appliedCount() == 2*aggs && members == 1
+	}, done)
+	members, _ := f.metricOf(reg, "outbox_consumer_group_members")
+	switch {
+	case exited != nil:
+		t.Errorf("the member exited: %v", exited)
+	case !ok:
+		t.Errorf("%s after its roster watch stalled: %d watches, applied %d of %d, roster %v members", deadline, wf.watches.Load(), f.appliedCount(), 2*aggs, members)
+	default:
+		t.Logf("recovered %s after the stall (member TTL %s)", time.Since(t0).Round(time.Millisecond), ttl)
+	}
 }

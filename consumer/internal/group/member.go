@@ -41,8 +41,9 @@ type Member struct {
 	// tells the watch to start over on the new one.
 	kvMu    sync.Mutex
 	kv      jetstream.KeyValue
+	kvOpens uint64 // openings of the bucket: a reopening restarts the watch
 	rewatch chan struct{}
-	restale chan struct{} // the heartbeat tells the watch it is stale
+	restale chan error // the heartbeat tells the watch why it is stale
 
 	source  string // the stream subject the partition transform applies to
 	current int    // the stream's partition count, as last read
@@ -163,7 +164,7 @@ func (g *Member) setUp(ctx context.Context, host Host) error {
 	g.lastOwner = map[string]time.Time{}
 	g.roster = newRoster(cfg.Member)
 	g.rewatch = make(chan struct{}, 1)
-	g.restale = make(chan struct{}, 1)
+	g.restale = make(chan error, 1)
 	g.replicas = max(info.Config.Replicas, 1)
 	g.beatCount.Store(int64(g.current))
 	return g.openBucket(ctx)
@@ -200,6 +201,7 @@ func (g *Member) openBucket(ctx context.Context) error {
 	g.kvMu.Lock()
 	reopened := g.kv != nil
 	g.kv = kv
+	g.kvOpens++
 	if !reopened {
 		g.ttl = st.TTL()
 	}
@@ -218,6 +220,13 @@ func (g *Member) bucket() jetstream.KeyValue {
 	g.kvMu.Lock()
 	defer g.kvMu.Unlock()
 	return g.kv
+}
+
+// bucketOpens is how many times the bucket was opened so far.
+func (g *Member) bucketOpens() uint64 {
+	g.kvMu.Lock()
+	defer g.kvMu.Unlock()
+	return g.kvOpens
 }
 
 // join checks that the live members agree on the partition count, then
@@ -279,7 +288,7 @@ func unanswered(err error) bool {
 	// members returns errRosterNotReady itself while no watch has ended,
 	// and wraps why the last one did otherwise (roster.notRead).
 	return err == errRosterNotReady ||
-		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened) || errors.Is(err, errWatchStale))
+		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened) || errors.Is(err, errWatchStale) || errors.Is(err, errBucketCreatedAgain))
 }
 
 // unavailable reports whether err says JetStream cannot answer for now:
@@ -424,9 +433,10 @@ func (g *Member) heartbeat(ctx context.Context) error {
 	g.beatErr.Store(nil)
 	now := time.Now()
 	g.lastBeat.Store(now.UnixNano())
-	if g.roster.ownHeard(rev, now, g.ttl) {
+	// Read after the put: an opening up to here restarts the watch anyway.
+	if why := g.roster.ownHeard(rev, g.bucketOpens(), now, staleWatchTTLs*g.ttl); why != nil {
 		select {
-		case g.restale <- struct{}{}:
+		case g.restale <- why:
 		default:
 		}
 	}

@@ -44,31 +44,59 @@ type roster struct {
 	failed error
 	// own is this member's id. ownWant is the revision of a heartbeat of
 	// its own, stored at ownSince, that the watch has not delivered yet
-	// (0: none): a watch that delivers none for a member TTL is watching a
-	// bucket that is gone (ownHeard).
+	// (0: none). ownLast is the revision of its last heartbeat, stored
+	// while the bucket was opened for the ownOpens-th time (ownHeard).
 	own      string
 	ownWant  uint64
 	ownSince time.Time
+	ownLast  uint64
+	ownOpens uint64
 }
 
-// ownHeard notes this member's heartbeat stored at revision rev, and
-// reports whether the watch has missed an earlier one for ttl. It misses
-// them when the bucket was deleted and created again by another member:
-// this member's puts go to the new bucket and succeed, so nothing else
-// tells it, while the watch (nats.go's ordered consumer) follows the new
-// bucket only from the old one's last sequence on, or not at all, and the
-// roster empties, this member included.
-func (r *roster) ownHeard(rev uint64, now time.Time, ttl time.Duration) (missed bool) {
+// staleWatchTTLs is how many member TTLs the watch may go without
+// delivering one of this member's heartbeats before it is started anew.
+// More than one: on a starved machine (the group tests at nice 10 beside
+// six busy loops) a watch that works delivers them more than a TTL late,
+// and starting it anew then only adds a consumer's creation to the
+// server's load.
+const staleWatchTTLs = 3
+
+// ownHeard notes this member's heartbeat, stored at revision rev while the
+// bucket was opened for the opens-th time, and returns why the watch must
+// start anew, or nil. It must when it watches a bucket that is gone: one
+// deleted and created again by someone else (by the other member whose
+// heartbeat failed first, say). This member's puts then go to the new
+// bucket and succeed, so nothing else tells it, while the watch (nats.go's
+// ordered consumer) follows the new bucket only from the old one's last
+// sequence on, or not at all, and the roster empties, this member
+// included. Two signs tell it:
+//   - the put's revision is not above the previous one stored since the
+//     same opening: a stream's sequence never goes back, so the bucket's
+//     stream is a new one. This tells at the first heartbeat after, unless
+//     the old bucket was younger than the new one.
+//   - the watch has delivered none of this member's heartbeats for
+//     staleAfter: a young bucket created again, a watch that stopped.
+//
+// An opening of the bucket (opens changed) restarts the watch anyway: the
+// count starts again from the first heartbeat after it.
+func (r *roster) ownHeard(rev, opens uint64, now time.Time, staleAfter time.Duration) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.ownWant != 0 && now.Sub(r.ownSince) > ttl {
-		r.ownWant = 0
-		return true
+	last, sameOpening := r.ownLast, opens == r.ownOpens
+	r.ownLast, r.ownOpens = rev, opens
+	var why error
+	switch {
+	case !sameOpening:
+	case rev <= last:
+		why = fmt.Errorf("%w: this member's heartbeat was stored at revision %d after %d", errBucketCreatedAgain, rev, last)
+	case r.ownWant != 0 && now.Sub(r.ownSince) > staleAfter:
+		why = fmt.Errorf("%w for %s", errWatchStale, staleAfter)
+	case r.ownWant != 0:
+		return nil // the watch has yet to deliver an earlier one
 	}
-	if r.ownWant == 0 {
-		r.ownWant, r.ownSince = rev, now
-	}
-	return false
+	// The watch (the one started anew, if any) is to deliver this one.
+	r.ownWant, r.ownSince = rev, now
+	return why
 }
 
 // setFailed records why a watch ended.
@@ -209,8 +237,8 @@ func (g *Member) watchOnce(ctx context.Context) error {
 			g.roster.update(e, g.ttl, time.Now())
 		case <-g.rewatch:
 			return errBucketReopened
-		case <-g.restale:
-			return errWatchStale
+		case why := <-g.restale:
+			return why
 		case <-ctx.Done():
 			return nil
 		}
@@ -221,11 +249,13 @@ func (g *Member) watchOnce(ctx context.Context) error {
 // bucket, a stale watch) that the watch about to start makes moot: it
 // watches the bucket as now opened.
 func (g *Member) dropRestarts() {
-	for _, c := range []chan struct{}{g.rewatch, g.restale} {
-		select {
-		case <-c:
-		default:
-		}
+	select {
+	case <-g.rewatch:
+	default:
+	}
+	select {
+	case <-g.restale:
+	default:
 	}
 }
 
@@ -251,4 +281,6 @@ var errWatchEnded = errors.New("the group bucket's watch ended")
 
 var errBucketReopened = errors.New("the group bucket was opened again (created anew after it was lost)")
 
-var errWatchStale = errors.New("the watch of the group bucket delivered none of this member's heartbeats for a member TTL (was the bucket deleted and created again?): watching it anew")
+var errWatchStale = errors.New("the watch of the group bucket, watched anew, had delivered none of this member's heartbeats")
+
+var errBucketCreatedAgain = errors.New("the group bucket, watched anew, was deleted and created again by someone else")

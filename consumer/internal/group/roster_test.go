@@ -2,6 +2,7 @@ package group
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -147,5 +148,78 @@ func TestRosterNextExpiry(t *testing.T) {
 		if got := r.nextExpiry(now); !got.Equal(tc.want) {
 			t.Errorf("%s: nextExpiry %v, want %v", tc.name, got, tc.want)
 		}
+	}
+}
+
+// heard is a bucket entry as the roster's watch delivers it.
+type heard struct {
+	jetstream.KeyValueEntry
+	key string
+	rev uint64
+}
+
+func (h heard) Key() string                     { return h.key }
+func (h heard) Value() []byte                   { return []byte("4") }
+func (h heard) Revision() uint64                { return h.rev }
+func (h heard) Operation() jetstream.KeyValueOp { return jetstream.KeyValuePut }
+
+// TestRosterOwnHeard: when a member's heartbeats say its watch must start
+// anew. A put's revision that goes back means a bucket created again by
+// someone else, at once; a watch that delivers none of the member's own
+// heartbeats is started anew only after staleAfter (several member TTLs):
+// on a starved machine a watch that works lags a TTL behind the puts, and
+// was started anew for it before.
+func TestRosterOwnHeard(t *testing.T) {
+	const ttl = time.Second
+	stale := staleWatchTTLs * ttl
+	type beat struct {
+		rev, opens uint64
+		at         time.Duration // since the first beat
+		delivered  bool          // the watch has delivered it before the next beat
+		want       error         // of ownHeard
+	}
+	cases := []struct {
+		name  string
+		beats []beat
+	}{
+		{"watch delivers every beat", []beat{
+			{rev: 10, opens: 1, delivered: true}, {rev: 12, opens: 1, at: ttl / 3, delivered: true},
+			{rev: 15, opens: 1, at: 20 * ttl, delivered: true}, {rev: 16, opens: 1, at: 21 * ttl},
+		}},
+		{"watch a TTL and more behind, within staleAfter", []beat{
+			{rev: 10, opens: 1}, {rev: 11, opens: 1, at: ttl}, {rev: 12, opens: 1, at: 2 * ttl},
+			{rev: 13, opens: 1, at: stale, delivered: true}, {rev: 14, opens: 1, at: stale + ttl},
+		}},
+		{"watch delivers none for longer than staleAfter", []beat{
+			{rev: 10, opens: 1}, {rev: 11, opens: 1, at: ttl}, {rev: 12, opens: 1, at: stale + ttl, want: errWatchStale},
+			{rev: 13, opens: 1, at: stale + 2*ttl, delivered: true}, {rev: 14, opens: 1, at: stale + 3*ttl},
+		}},
+		{"bucket created again by someone else", []beat{
+			{rev: 2004, opens: 1, delivered: true}, {rev: 2007, opens: 1, at: ttl / 3, delivered: true},
+			{rev: 2, opens: 1, at: 2 * ttl / 3, want: errBucketCreatedAgain},
+			{rev: 5, opens: 1, at: ttl, delivered: true}, {rev: 8, opens: 1, at: 4 * ttl / 3},
+		}},
+		{"the same revision again", []beat{
+			{rev: 3, opens: 1, delivered: true}, {rev: 3, opens: 1, at: ttl / 3, want: errBucketCreatedAgain},
+		}},
+		{"bucket opened again by this member", []beat{
+			{rev: 2004, opens: 1, delivered: true}, {rev: 1, opens: 2, at: ttl / 3},
+			{rev: 3, opens: 2, at: 2 * ttl / 3, delivered: true}, {rev: 6, opens: 2, at: ttl},
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r := newRoster("m")
+			t0 := time.Now()
+			for i, b := range c.beats {
+				got := r.ownHeard(b.rev, b.opens, t0.Add(b.at), stale)
+				if !errors.Is(got, b.want) || (b.want == nil) != (got == nil) {
+					t.Fatalf("beat %d (revision %d at %s): ownHeard = %v, want %v", i, b.rev, b.at, got, b.want)
+				}
+				if b.delivered {
+					r.update(heard{key: "m", rev: b.rev}, ttl, t0.Add(b.at))
+				}
+			}
+		})
 	}
 }
