@@ -370,21 +370,17 @@ func (l *laggingWatcher) Stop() error {
 	return l.KeyWatcher.Stop()
 }
 
-// watchFaults are what the roster watches of laggingGroup's member do:
-// hand entries on lag after they arrive, and none at all from the first
-// watch while stallFirst is set. watches counts the watches started.
+// watchFaults are what the roster watches made through js do: hand
+// entries on lag after they arrive, and none at all from the first watch
+// while stallFirst is set. watches counts the watches started.
 type watchFaults struct {
 	lag        atomic.Int64 // time.Duration
 	stallFirst atomic.Bool
 	watches    atomic.Int32
 }
 
-// laggingGroup starts member "m" of group grp, its roster watches made
-// faulty by wf, consuming version 1 of aggs aggregates, and returns its
-// member TTL.
-func (f *fixture) laggingGroup(aggs int, wf *watchFaults) (ttl time.Duration, reg prometheus.Gatherer, done chan error) {
-	f.t.Helper()
-	js := &faultJS{JetStream: f.js}
+func (wf *watchFaults) js(base jetstream.JetStream) *faultJS {
+	js := &faultJS{JetStream: base}
 	js.watch = func(kv jetstream.KeyValue, ctx context.Context, opts ...jetstream.WatchOpt) (jetstream.KeyWatcher, error) {
 		w, err := kv.WatchAll(ctx, opts...)
 		if err != nil {
@@ -395,8 +391,7 @@ func (f *fixture) laggingGroup(aggs int, wf *watchFaults) (ttl time.Duration, re
 			func() time.Duration { return time.Duration(wf.lag.Load()) },
 			func() bool { return first && wf.stallFirst.Load() }), nil
 	}
-	cfg, regs, dones := f.consumingGroup(js, false, aggs, "m")
-	return cfg.Group.MemberTTL, regs[0], dones[0]
+	return js
 }
 
 // TestGroupLaggingWatchKeepsGoing: on a starved machine the roster watch
@@ -405,39 +400,50 @@ func (f *fixture) laggingGroup(aggs int, wf *watchFaults) (ttl time.Duration, re
 // was started anew whenever none came for a TTL: in those runs several
 // times per test, each time a consumer's creation more for a starved
 // server, and a warning that asked whether the bucket had been deleted.
-// A watch that delivers is now kept for three TTLs; a bucket created
-// again is told apart by its revisions (TestRosterOwnHeard).
+// A watch that delivers entries is now kept for three TTLs; one that
+// delivers nothing at all is started anew after one (TestRosterOwnHeard).
+// Here member m's watch hands every entry on 1.5 TTLs late from its
+// start, while member n's heartbeats keep it delivering.
 func TestGroupLaggingWatchKeepsGoing(t *testing.T) {
 	f := newFixture(t)
 	const aggs = 8
+	f.partitionedStream(4)
+	cfg := groupConfig(f, 4)
+	ttl := cfg.Group.MemberTTL
 	var wf watchFaults
-	ttl, reg, done := f.laggingGroup(aggs, &wf)
 	wf.lag.Store(int64(3 * ttl / 2))
+	regM, doneM := f.runMemberWith(wf.js(f.js), cfg, "m", 4)
+	regN, doneN := f.runMemberWith(f.js, cfg, "n", 4)
+	f.publishVersions(aggs, 1, 1)
+	f.waitApplied(aggs)
+	for _, reg := range []prometheus.Gatherer{regM, regN} {
+		f.waitOwns(reg, func(n float64) bool { return n == 2 })
+	}
 	f.publishVersions(aggs, 2, 2)
-	// Long enough for a watch started anew after one TTL to show, and for
-	// version 2 to go through the lagging roster.
-	restarted, exited := whileRunning(6*ttl, func() bool { return wf.watches.Load() > 1 }, done)
-	members, _ := f.metricOf(reg, "outbox_consumer_group_members")
+	// Long enough for a watch started anew after one TTL to show.
+	restarted, exited := whileRunning(6*ttl, func() bool { return wf.watches.Load() > 1 }, doneM, doneN)
+	members, _ := f.metricOf(regM, "outbox_consumer_group_members")
 	switch {
 	case exited != nil:
-		t.Errorf("the member exited: %v", exited)
+		t.Errorf("a member exited: %v", exited)
 	case restarted:
 		t.Errorf("the roster watch, delivering %s late, was started anew (%d watches)", 3*ttl/2, wf.watches.Load())
-	case f.appliedCount() != 2*aggs || members != 1:
-		t.Errorf("%s with a watch %s late: applied %d of %d, roster %v members", 6*ttl, 3*ttl/2, f.appliedCount(), 2*aggs, members)
+	case f.appliedCount() != 2*aggs || members != 2:
+		t.Errorf("%s with m's watch %s late: applied %d of %d, m's roster %v members", 6*ttl, 3*ttl/2, f.appliedCount(), 2*aggs, members)
 	}
 }
 
 // TestGroupStalledWatchStartsAnew: a roster watch that stops delivering
-// while the bucket stays (the one case besides a bucket created again
-// while young that only the missing heartbeats tell) is started anew after
-// three member TTLs; the member, its roster emptied meanwhile, goes on
-// consuming.
+// while the bucket stays (as when a NATS restart lost its consumer, before
+// nats.go's ordered consumer notices) is started anew a member TTL after
+// the member's heartbeat; the member, its roster emptied meanwhile, goes
+// on consuming.
 func TestGroupStalledWatchStartsAnew(t *testing.T) {
 	f := newFixture(t)
 	const aggs = 8
 	var wf watchFaults
-	ttl, reg, done := f.laggingGroup(aggs, &wf)
+	cfg, regs, dones := f.consumingGroup(wf.js(f.js), false, aggs, "m")
+	reg, done, ttl := regs[0], dones[0], cfg.Group.MemberTTL
 	wf.stallFirst.Store(true)
 	t0 := time.Now()
 	f.publishVersions(aggs, 2, 2)

@@ -20,8 +20,14 @@ import (
 )
 
 // partitionedStream replaces the fixture's stream with one partitioned
-// into n the way `outbox-relay setup` makes it.
+// into n the way `outbox-relay setup` makes it, in memory.
 func (f *fixture) partitionedStream(n int) {
+	f.t.Helper()
+	f.partitionedStreamOn(n, jetstream.MemoryStorage)
+}
+
+// partitionedStreamOn is partitionedStream on storage.
+func (f *fixture) partitionedStreamOn(n int, storage jetstream.StorageType) {
 	f.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -29,7 +35,7 @@ func (f *fixture) partitionedStream(n int) {
 	src := name + ".*.*"
 	dst, err := contract.PartitionTransform(src, n)
 	testenv.Must(f.t, err, "partition transform")
-	_, err = f.js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{src}, Storage: jetstream.MemoryStorage,
+	_, err = f.js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{src}, Storage: storage,
 		SubjectTransform: &jetstream.SubjectTransformConfig{Source: src, Destination: dst}})
 	testenv.Must(f.t, err, "create partitioned stream")
 	f.t.Cleanup(func() {

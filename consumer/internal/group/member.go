@@ -44,6 +44,9 @@ type Member struct {
 	kvOpens uint64 // openings of the bucket: a reopening restarts the watch
 	rewatch chan struct{}
 	restale chan error // the heartbeat tells the watch why it is stale
+	// reconnects is the connection's reconnect count at the last
+	// heartbeat (owned by the heartbeat: the join's, then beat's).
+	reconnects uint64
 
 	source  string // the stream subject the partition transform applies to
 	current int    // the stream's partition count, as last read
@@ -167,7 +170,17 @@ func (g *Member) setUp(ctx context.Context, host Host) error {
 	g.restale = make(chan error, 1)
 	g.replicas = max(info.Config.Replicas, 1)
 	g.beatCount.Store(int64(g.current))
+	g.reconnects = g.connReconnects()
 	return g.openBucket(ctx)
+}
+
+// connReconnects is how many times the member's NATS connection has
+// reconnected.
+func (g *Member) connReconnects() uint64 {
+	if nc := g.js.Conn(); nc != nil {
+		return nc.Stats().Reconnects
+	}
+	return 0
 }
 
 // openBucket opens (creating it if needed) the group's member bucket. It
@@ -288,7 +301,7 @@ func unanswered(err error) bool {
 	// members returns errRosterNotReady itself while no watch has ended,
 	// and wraps why the last one did otherwise (roster.notRead).
 	return err == errRosterNotReady ||
-		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened) || errors.Is(err, errWatchStale) || errors.Is(err, errBucketCreatedAgain))
+		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened) || errors.Is(err, errWatchStale) || errors.Is(err, errBucketCreatedAgain) || errors.Is(err, errReconnected))
 }
 
 // unavailable reports whether err says JetStream cannot answer for now:
@@ -434,7 +447,19 @@ func (g *Member) heartbeat(ctx context.Context) error {
 	now := time.Now()
 	g.lastBeat.Store(now.UnixNano())
 	// Read after the put: an opening up to here restarts the watch anyway.
-	if why := g.roster.ownHeard(rev, g.bucketOpens(), now, staleWatchTTLs*g.ttl); why != nil {
+	why := g.roster.ownHeard(rev, g.bucketOpens(), now, g.ttl)
+	// A reconnect may be to a restarted server, which lost the watch's
+	// consumer (an ordered consumer lives in memory). nats.go's ordered
+	// consumer notices only after two missed idle heartbeats (10 s); the
+	// roster, this member included, expires after one member TTL, and the
+	// member hands every partition off meanwhile.
+	if n := g.connReconnects(); n != g.reconnects {
+		g.reconnects = n
+		if why == nil {
+			why = errReconnected
+		}
+	}
+	if why != nil {
 		select {
 		case g.restale <- why:
 		default:

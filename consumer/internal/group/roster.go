@@ -45,52 +45,61 @@ type roster struct {
 	// own is this member's id. ownWant is the revision of a heartbeat of
 	// its own, stored at ownSince, that the watch has not delivered yet
 	// (0: none). ownLast is the revision of its last heartbeat, stored
-	// while the bucket was opened for the ownOpens-th time (ownHeard).
+	// while the bucket was opened for the ownOpens-th time. heard is when
+	// the watch last delivered an entry (ownHeard).
 	own      string
 	ownWant  uint64
 	ownSince time.Time
 	ownLast  uint64
 	ownOpens uint64
+	heard    time.Time
 }
 
-// staleWatchTTLs is how many member TTLs the watch may go without
-// delivering one of this member's heartbeats before it is started anew.
-// More than one: on a starved machine (the group tests at nice 10 beside
-// six busy loops) a watch that works delivers them more than a TTL late,
-// and starting it anew then only adds a consumer's creation to the
-// server's load.
+// staleWatchTTLs is how many member TTLs a watch that delivers entries
+// may go without delivering one of this member's heartbeats before it is
+// started anew. More than one: on a starved machine (the group tests at
+// nice 10 beside six busy loops) a watch that works delivers them more
+// than a TTL late, and starting it anew then only added a consumer's
+// creation to the server's load. A watch that has delivered nothing at
+// all for the last TTL is started anew after one, as before.
 const staleWatchTTLs = 3
 
 // ownHeard notes this member's heartbeat, stored at revision rev while the
 // bucket was opened for the opens-th time, and returns why the watch must
 // start anew, or nil. It must when it watches a bucket that is gone: one
 // deleted and created again by someone else (by the other member whose
-// heartbeat failed first, say). This member's puts then go to the new
-// bucket and succeed, so nothing else tells it, while the watch (nats.go's
-// ordered consumer) follows the new bucket only from the old one's last
-// sequence on, or not at all, and the roster empties, this member
-// included. Two signs tell it:
+// heartbeat failed first, say), or a watch that stopped (its consumer
+// lost in a NATS restart, until nats.go's ordered consumer notices). This
+// member's puts then succeed, so nothing else tells it, while the watch
+// delivers nothing: nats.go's ordered consumer follows a new bucket only
+// from the old one's last sequence on, or not at all, and the roster
+// empties, this member included. Three signs tell it:
 //   - the put's revision is not above the previous one stored since the
 //     same opening: a stream's sequence never goes back, so the bucket's
 //     stream is a new one. This tells at the first heartbeat after, unless
 //     the old bucket was younger than the new one.
-//   - the watch has delivered none of this member's heartbeats for
-//     staleAfter: a young bucket created again, a watch that stopped.
+//   - the watch has delivered none of this member's heartbeats for a
+//     member TTL, and nothing at all for the last TTL;
+//   - it has delivered entries, but none of this member's heartbeats, for
+//     staleWatchTTLs member TTLs.
 //
 // An opening of the bucket (opens changed) restarts the watch anyway: the
 // count starts again from the first heartbeat after it.
-func (r *roster) ownHeard(rev, opens uint64, now time.Time, staleAfter time.Duration) error {
+func (r *roster) ownHeard(rev, opens uint64, now time.Time, ttl time.Duration) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	last, sameOpening := r.ownLast, opens == r.ownOpens
 	r.ownLast, r.ownOpens = rev, opens
+	waited := now.Sub(r.ownSince)
 	var why error
 	switch {
 	case !sameOpening:
 	case rev <= last:
 		why = fmt.Errorf("%w: this member's heartbeat was stored at revision %d after %d", errBucketCreatedAgain, rev, last)
-	case r.ownWant != 0 && now.Sub(r.ownSince) > staleAfter:
-		why = fmt.Errorf("%w for %s", errWatchStale, staleAfter)
+	case r.ownWant != 0 && waited > ttl && (r.heard.IsZero() || now.Sub(r.heard) > ttl):
+		why = fmt.Errorf("%w for %s, nor anything at all for a member TTL", errWatchStale, waited.Round(time.Millisecond))
+	case r.ownWant != 0 && waited > staleWatchTTLs*ttl:
+		why = fmt.Errorf("%w for %s", errWatchStale, waited.Round(time.Millisecond))
 	case r.ownWant != 0:
 		return nil // the watch has yet to deliver an earlier one
 	}
@@ -163,6 +172,7 @@ func (r *roster) update(e jetstream.KeyValueEntry, ttl time.Duration, now time.T
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	_, known := r.seen[e.Key()]
+	r.heard = now
 	if e.Key() == r.own && e.Revision() >= r.ownWant {
 		r.ownWant = 0 // the watch delivers this member's heartbeats
 	}
@@ -281,6 +291,8 @@ var errWatchEnded = errors.New("the group bucket's watch ended")
 
 var errBucketReopened = errors.New("the group bucket was opened again (created anew after it was lost)")
 
-var errWatchStale = errors.New("the watch of the group bucket, watched anew, had delivered none of this member's heartbeats")
+var errWatchStale = errors.New("watching the group bucket anew: its watch had delivered none of this member's heartbeats")
 
-var errBucketCreatedAgain = errors.New("the group bucket, watched anew, was deleted and created again by someone else")
+var errBucketCreatedAgain = errors.New("watching the group bucket anew: it was deleted and created again by someone else")
+
+var errReconnected = errors.New("watching the group bucket anew: the connection to NATS reconnected, maybe to a restarted server that lost the watch's consumer")

@@ -165,46 +165,63 @@ func (h heard) Operation() jetstream.KeyValueOp { return jetstream.KeyValuePut }
 
 // TestRosterOwnHeard: when a member's heartbeats say its watch must start
 // anew. A put's revision that goes back means a bucket created again by
-// someone else, at once; a watch that delivers none of the member's own
-// heartbeats is started anew only after staleAfter (several member TTLs):
-// on a starved machine a watch that works lags a TTL behind the puts, and
-// was started anew for it before.
+// someone else, at once; a watch that has delivered none of the member's
+// heartbeats for a member TTL and nothing at all for the last TTL, then
+// (a NATS restart lost its consumer); a watch that delivers entries but
+// none of the member's own, only after staleWatchTTLs member TTLs: on a starved
+// machine a watch that works lags a TTL behind the puts, and was started
+// anew for it before.
 func TestRosterOwnHeard(t *testing.T) {
 	const ttl = time.Second
 	stale := staleWatchTTLs * ttl
 	type beat struct {
 		rev, opens uint64
 		at         time.Duration // since the first beat
-		delivered  bool          // the watch has delivered it before the next beat
-		want       error         // of ownHeard
+		// Before the next beat the watch delivers this heartbeat (own),
+		// or an entry stored earlier (older).
+		own, older bool
+		want       error // of ownHeard
 	}
 	cases := []struct {
 		name  string
 		beats []beat
 	}{
 		{"watch delivers every beat", []beat{
-			{rev: 10, opens: 1, delivered: true}, {rev: 12, opens: 1, at: ttl / 3, delivered: true},
-			{rev: 15, opens: 1, at: 20 * ttl, delivered: true}, {rev: 16, opens: 1, at: 21 * ttl},
+			{rev: 10, opens: 1, own: true}, {rev: 12, opens: 1, at: ttl / 3, own: true},
+			{rev: 15, opens: 1, at: 20 * ttl, own: true}, {rev: 16, opens: 1, at: 21 * ttl},
 		}},
-		{"watch a TTL and more behind, within staleAfter", []beat{
-			{rev: 10, opens: 1}, {rev: 11, opens: 1, at: ttl}, {rev: 12, opens: 1, at: 2 * ttl},
-			{rev: 13, opens: 1, at: stale, delivered: true}, {rev: 14, opens: 1, at: stale + ttl},
+		{"watch more than a TTL behind, delivering older entries", []beat{
+			{rev: 10, opens: 1, older: true}, {rev: 11, opens: 1, at: ttl / 2, older: true},
+			{rev: 12, opens: 1, at: ttl, older: true}, {rev: 13, opens: 1, at: 3 * ttl / 2, older: true},
+			{rev: 14, opens: 1, at: 2 * ttl, older: true}, {rev: 15, opens: 1, at: 5 * ttl / 2, older: true},
+			{rev: 16, opens: 1, at: stale, own: true}, {rev: 17, opens: 1, at: stale + ttl},
 		}},
-		{"watch delivers none for longer than staleAfter", []beat{
-			{rev: 10, opens: 1}, {rev: 11, opens: 1, at: ttl}, {rev: 12, opens: 1, at: stale + ttl, want: errWatchStale},
-			{rev: 13, opens: 1, at: stale + 2*ttl, delivered: true}, {rev: 14, opens: 1, at: stale + 3*ttl},
+		{"watch delivers nothing for a TTL", []beat{
+			{rev: 10, opens: 1}, {rev: 11, opens: 1, at: ttl / 2}, {rev: 12, opens: 1, at: ttl + ttl/2, want: errWatchStale},
+			{rev: 13, opens: 1, at: 2 * ttl, own: true}, {rev: 14, opens: 1, at: 3 * ttl},
+		}},
+		{"watch delivers a few entries, then nothing for a TTL", []beat{
+			{rev: 10, opens: 1}, {rev: 11, opens: 1, at: ttl / 3, older: true}, {rev: 12, opens: 1, at: 2 * ttl / 3},
+			{rev: 13, opens: 1, at: ttl}, {rev: 14, opens: 1, at: 3 * ttl / 2, want: errWatchStale},
+		}},
+		{"watch delivers older entries, none of the member's, past staleAfter", []beat{
+			{rev: 10, opens: 1, older: true}, {rev: 11, opens: 1, at: ttl / 2, older: true},
+			{rev: 12, opens: 1, at: ttl, older: true}, {rev: 13, opens: 1, at: 3 * ttl / 2, older: true},
+			{rev: 14, opens: 1, at: 2 * ttl, older: true}, {rev: 15, opens: 1, at: 5 * ttl / 2, older: true},
+			{rev: 16, opens: 1, at: stale, older: true}, {rev: 17, opens: 1, at: stale + ttl/2, want: errWatchStale},
+			{rev: 18, opens: 1, at: stale + ttl, own: true}, {rev: 19, opens: 1, at: stale + 2*ttl},
 		}},
 		{"bucket created again by someone else", []beat{
-			{rev: 2004, opens: 1, delivered: true}, {rev: 2007, opens: 1, at: ttl / 3, delivered: true},
+			{rev: 2004, opens: 1, own: true}, {rev: 2007, opens: 1, at: ttl / 3, own: true},
 			{rev: 2, opens: 1, at: 2 * ttl / 3, want: errBucketCreatedAgain},
-			{rev: 5, opens: 1, at: ttl, delivered: true}, {rev: 8, opens: 1, at: 4 * ttl / 3},
+			{rev: 5, opens: 1, at: ttl, own: true}, {rev: 8, opens: 1, at: 4 * ttl / 3},
 		}},
 		{"the same revision again", []beat{
-			{rev: 3, opens: 1, delivered: true}, {rev: 3, opens: 1, at: ttl / 3, want: errBucketCreatedAgain},
+			{rev: 3, opens: 1, own: true}, {rev: 3, opens: 1, at: ttl / 3, want: errBucketCreatedAgain},
 		}},
 		{"bucket opened again by this member", []beat{
-			{rev: 2004, opens: 1, delivered: true}, {rev: 1, opens: 2, at: ttl / 3},
-			{rev: 3, opens: 2, at: 2 * ttl / 3, delivered: true}, {rev: 6, opens: 2, at: ttl},
+			{rev: 2004, opens: 1, own: true}, {rev: 1, opens: 2, at: ttl / 3},
+			{rev: 3, opens: 2, at: 2 * ttl / 3, own: true}, {rev: 6, opens: 2, at: ttl},
 		}},
 	}
 	for _, c := range cases {
@@ -212,12 +229,16 @@ func TestRosterOwnHeard(t *testing.T) {
 			r := newRoster("m")
 			t0 := time.Now()
 			for i, b := range c.beats {
-				got := r.ownHeard(b.rev, b.opens, t0.Add(b.at), stale)
+				at := t0.Add(b.at)
+				got := r.ownHeard(b.rev, b.opens, at, ttl)
 				if !errors.Is(got, b.want) || (b.want == nil) != (got == nil) {
 					t.Fatalf("beat %d (revision %d at %s): ownHeard = %v, want %v", i, b.rev, b.at, got, b.want)
 				}
-				if b.delivered {
-					r.update(heard{key: "m", rev: b.rev}, ttl, t0.Add(b.at))
+				switch {
+				case b.own:
+					r.update(heard{key: "m", rev: b.rev}, ttl, at.Add(time.Millisecond))
+				case b.older:
+					r.update(heard{key: "other", rev: b.rev - 1}, ttl, at.Add(time.Millisecond))
 				}
 			}
 		})
