@@ -16,7 +16,6 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
-	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/outbox-relay/outbox-relay/internal/testenv"
 )
@@ -67,34 +66,15 @@ func (f *fixture) bothWhole(aggs int, a, b prometheus.Gatherer) func() bool {
 // watches' ordered consumers live in the server's memory and are lost;
 // nats.go notices after two missed idle heartbeats (10 s), while each
 // roster, its own member included, expires after one member TTL, and
-// the members hand every partition off. A member now watches anew at its
-// first heartbeat after its connection reconnected, before its roster
-// expires. No "created again" (the stream's sequence went on), every
+// the members hand every partition off. A member now watches anew when
+// its watch has delivered nothing since the first heartbeat after its
+// connection reconnected, before its roster expires. No "created again" (the stream's sequence went on), every
 // event applied once.
 func TestGroupNATSRestartKeepsPartitions(t *testing.T) {
 	t.Parallel() // its own NATS server and database
-	n, err := testenv.StartNATS()
-	testenv.Must(t, err, "start nats")
-	t.Cleanup(n.Close)
-	f := newFixtureOn(t, testenv.Get(t).NewDatabase(t), n.URL)
-	f.partitionedStreamOn(4, jetstream.FileStorage) // a NATS restart keeps it
-	cfg := groupConfig(f, 4)
-	ttl := cfg.Group.MemberTTL
-	var regs []prometheus.Gatherer
-	var dones []chan error
-	var logs []*observer.ObservedLogs
-	for _, id := range []string{"a", "b"} {
-		reg := prometheus.NewRegistry()
-		log, obs := observedLogger(t, id)
-		done, _ := f.runJoiner(f.js, cfg, id, 4, log, WithRegisterer(reg))
-		regs, dones, logs = append(regs, reg), append(dones, done), append(logs, obs)
-	}
 	const aggs = 16
-	f.publishVersions(aggs, 1, 1)
-	f.waitApplied(aggs)
-	for _, reg := range regs {
-		f.waitOwns(reg, func(n float64) bool { return n == 2 })
-	}
+	g := startOwnGroup(t, jetstream.FileStorage, false, aggs) // a NATS restart keeps the stream
+	f, n, ttl, regs, dones, logs := g.f, g.nats, g.ttl, g.regs, g.dones, g.logs
 
 	n.Stop()
 	time.Sleep(500 * time.Millisecond) // the server is down this long

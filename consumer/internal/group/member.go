@@ -44,9 +44,6 @@ type Member struct {
 	kvOpens uint64 // openings of the bucket: a reopening restarts the watch
 	rewatch chan struct{}
 	restale chan error // the heartbeat tells the watch why it is stale
-	// reconnects is the connection's reconnect count at the last
-	// heartbeat (owned by the heartbeat: the join's, then beat's).
-	reconnects uint64
 
 	source  string // the stream subject the partition transform applies to
 	current int    // the stream's partition count, as last read
@@ -170,7 +167,6 @@ func (g *Member) setUp(ctx context.Context, host Host) error {
 	g.restale = make(chan error, 1)
 	g.replicas = max(info.Config.Replicas, 1)
 	g.beatCount.Store(int64(g.current))
-	g.reconnects = g.connReconnects()
 	return g.openBucket(ctx)
 }
 
@@ -427,6 +423,7 @@ func (g *Member) heartbeat(ctx context.Context) error {
 	// The stream's count, not the configured one: after a partition-count
 	// change, members started with the new count must not be refused.
 	value := []byte(strconv.FormatInt(g.beatCount.Load(), 10))
+	sent := time.Now()
 	rev, err := g.bucket().Put(ctx, g.cfg.Member, value)
 	if err != nil && ctx.Err() == nil && !timedOut(err) {
 		// The bucket may be gone (a NATS restart lost a memory bucket, or
@@ -447,18 +444,7 @@ func (g *Member) heartbeat(ctx context.Context) error {
 	now := time.Now()
 	g.lastBeat.Store(now.UnixNano())
 	// Read after the put: an opening up to here restarts the watch anyway.
-	why := g.roster.ownHeard(rev, g.bucketOpens(), now, g.ttl)
-	// A reconnect may be to a restarted server, which lost the watch's
-	// consumer (an ordered consumer lives in memory). nats.go's ordered
-	// consumer notices only after two missed idle heartbeats (10 s); the
-	// roster, this member included, expires after one member TTL, and the
-	// member hands every partition off meanwhile.
-	if n := g.connReconnects(); n != g.reconnects {
-		g.reconnects = n
-		if why == nil {
-			why = errReconnected
-		}
-	}
+	why := g.roster.ownHeard(beatStored{rev: rev, opens: g.bucketOpens(), reconnects: g.connReconnects(), sent: sent, at: now}, g.ttl)
 	if why != nil {
 		select {
 		case g.restale <- why:

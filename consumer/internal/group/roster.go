@@ -53,6 +53,21 @@ type roster struct {
 	ownLast  uint64
 	ownOpens uint64
 	heard    time.Time
+	// conn is the connection's reconnect count at the last heartbeat;
+	// connSince, when a heartbeat found it changed (zero: no reconnect
+	// to check).
+	conn      uint64
+	connSet   bool
+	connSince time.Time
+}
+
+// beatStored is a heartbeat of this member, as ownHeard reads it.
+type beatStored struct {
+	rev   uint64 // its revision
+	opens uint64 // the bucket's openings when it was stored
+	// reconnects is the connection's reconnect count after the put.
+	reconnects uint64
+	sent, at   time.Time // before the put, and after it
 }
 
 // staleWatchTTLs is how many member TTLs a watch that delivers entries
@@ -64,20 +79,24 @@ type roster struct {
 // all for the last TTL is started anew after one, as before.
 const staleWatchTTLs = 3
 
-// ownHeard notes this member's heartbeat, stored at revision rev while the
-// bucket was opened for the opens-th time, and returns why the watch must
+// ownHeard notes this member's heartbeat b and returns why the watch must
 // start anew, or nil. It must when it watches a bucket that is gone: one
 // deleted and created again by someone else (by the other member whose
-// heartbeat failed first, say), or a watch that stopped (its consumer
-// lost in a NATS restart, until nats.go's ordered consumer notices). This
-// member's puts then succeed, so nothing else tells it, while the watch
-// delivers nothing: nats.go's ordered consumer follows a new bucket only
-// from the old one's last sequence on, or not at all, and the roster
-// empties, this member included. Three signs tell it:
+// heartbeat failed first, say), or a watch whose consumer a restarted NATS
+// server lost, until nats.go's ordered consumer notices (two missed idle
+// heartbeats, 10 s). This member's puts then succeed, so nothing else
+// tells it, while the watch delivers nothing: nats.go's ordered consumer
+// follows a new bucket only from the old one's last sequence on, or not at
+// all, and the roster empties, this member included. The signs:
 //   - the put's revision is not above the previous one stored since the
 //     same opening: a stream's sequence never goes back, so the bucket's
 //     stream is a new one. This tells at the first heartbeat after, unless
 //     the old bucket was younger than the new one.
+//   - the connection reconnected before the previous heartbeat, and the
+//     watch has delivered nothing since that one was sent. A reconnect to
+//     a server that kept the watch's consumer (a link that dropped) needs
+//     nothing, and the watch delivers that heartbeat at once; starting it
+//     anew at every reconnect of a flapping link left it no time to read.
 //   - the watch has delivered none of this member's heartbeats for a
 //     member TTL, and nothing at all for the last TTL;
 //   - it has delivered entries, but none of this member's heartbeats, for
@@ -85,26 +104,37 @@ const staleWatchTTLs = 3
 //
 // An opening of the bucket (opens changed) restarts the watch anyway: the
 // count starts again from the first heartbeat after it.
-func (r *roster) ownHeard(rev, opens uint64, now time.Time, ttl time.Duration) error {
+func (r *roster) ownHeard(b beatStored, ttl time.Duration) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	last, sameOpening := r.ownLast, opens == r.ownOpens
-	r.ownLast, r.ownOpens = rev, opens
-	waited := now.Sub(r.ownSince)
+	last, sameOpening := r.ownLast, b.opens == r.ownOpens
+	r.ownLast, r.ownOpens = b.rev, b.opens
+	reconnected := r.connSet && b.reconnects != r.conn
+	pending := r.connSince
+	r.conn, r.connSet, r.connSince = b.reconnects, true, time.Time{}
+	if reconnected {
+		r.connSince = b.sent
+	}
+	waited := b.at.Sub(r.ownSince)
 	var why error
 	switch {
 	case !sameOpening:
-	case rev <= last:
-		why = fmt.Errorf("%w: this member's heartbeat was stored at revision %d after %d", errBucketCreatedAgain, rev, last)
-	case r.ownWant != 0 && waited > ttl && (r.heard.IsZero() || now.Sub(r.heard) > ttl):
+	case b.rev <= last:
+		why = fmt.Errorf("%w: this member's heartbeat was stored at revision %d after %d", errBucketCreatedAgain, b.rev, last)
+	case !pending.IsZero() && !reconnected && !r.heard.After(pending):
+		why = errReconnected
+	case r.ownWant != 0 && waited > ttl && (r.heard.IsZero() || b.at.Sub(r.heard) > ttl):
 		why = fmt.Errorf("%w for %s, nor anything at all for a member TTL", errWatchStale, waited.Round(time.Millisecond))
 	case r.ownWant != 0 && waited > staleWatchTTLs*ttl:
 		why = fmt.Errorf("%w for %s", errWatchStale, waited.Round(time.Millisecond))
 	case r.ownWant != 0:
 		return nil // the watch has yet to deliver an earlier one
 	}
+	if why != nil {
+		r.connSince = time.Time{} // the watch starts anew
+	}
 	// The watch (the one started anew, if any) is to deliver this one.
-	r.ownWant, r.ownSince = rev, now
+	r.ownWant, r.ownSince = b.rev, b.at
 	return why
 }
 
@@ -128,6 +158,13 @@ func (r *roster) notRead() error {
 type rosterEntry struct {
 	partitions int
 	until      time.Time
+	// rev is the entry's revision: a watch started anew replays the
+	// bucket's entries, and a replay of one already seen says nothing of
+	// the member's life since, so it does not renew until. The entry is
+	// kept (not live) until forget, a TTL past until, so that a replay
+	// arriving just after it expired does not bring a dead member back.
+	rev    uint64
+	forget time.Time
 }
 
 func newRoster(own string) *roster {
@@ -140,9 +177,10 @@ func (r *roster) live(now time.Time) []memberInfo {
 	defer r.mu.Unlock()
 	out := make([]memberInfo, 0, len(r.seen))
 	for id, e := range r.seen {
-		if now.Before(e.until) {
+		switch {
+		case now.Before(e.until):
 			out = append(out, memberInfo{id: id, partitions: e.partitions})
-		} else {
+		case now.After(e.forget):
 			delete(r.seen, id)
 		}
 	}
@@ -171,7 +209,8 @@ func (r *roster) nextExpiry(now time.Time) time.Time {
 func (r *roster) update(e jetstream.KeyValueEntry, ttl time.Duration, now time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	_, known := r.seen[e.Key()]
+	cur, ok := r.seen[e.Key()]
+	known := ok && now.Before(cur.until)
 	r.heard = now
 	if e.Key() == r.own && e.Revision() >= r.ownWant {
 		r.ownWant = 0 // the watch delivers this member's heartbeats
@@ -182,7 +221,10 @@ func (r *roster) update(e jetstream.KeyValueEntry, ttl time.Duration, now time.T
 		return
 	}
 	n, _ := strconv.Atoi(string(e.Value()))
-	r.seen[e.Key()] = rosterEntry{partitions: n, until: now.Add(ttl)}
+	if ok && cur.rev == e.Revision() {
+		return // a replay (a watch started anew): no heartbeat since
+	}
+	r.seen[e.Key()] = rosterEntry{partitions: n, until: now.Add(ttl), rev: e.Revision(), forget: now.Add(2 * ttl)}
 	r.notify(!known)
 }
 
@@ -295,4 +337,4 @@ var errWatchStale = errors.New("watching the group bucket anew: its watch had de
 
 var errBucketCreatedAgain = errors.New("watching the group bucket anew: it was deleted and created again by someone else")
 
-var errReconnected = errors.New("watching the group bucket anew: the connection to NATS reconnected, maybe to a restarted server that lost the watch's consumer")
+var errReconnected = errors.New("watching the group bucket anew: after the connection to NATS reconnected its watch delivered nothing, as when a restarted server lost the watch's consumer")

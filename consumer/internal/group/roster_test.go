@@ -175,8 +175,8 @@ func TestRosterOwnHeard(t *testing.T) {
 	const ttl = time.Second
 	stale := staleWatchTTLs * ttl
 	type beat struct {
-		rev, opens uint64
-		at         time.Duration // since the first beat
+		rev, opens, reconnects uint64
+		at                     time.Duration // since the first beat
 		// Before the next beat the watch delivers this heartbeat (own),
 		// or an entry stored earlier (older).
 		own, older bool
@@ -219,6 +219,25 @@ func TestRosterOwnHeard(t *testing.T) {
 		{"the same revision again", []beat{
 			{rev: 3, opens: 1, own: true}, {rev: 3, opens: 1, at: ttl / 3, want: errBucketCreatedAgain},
 		}},
+		{"reconnected, and the watch delivers after", []beat{
+			{rev: 10, opens: 1, own: true}, {rev: 11, opens: 1, reconnects: 1, at: ttl / 3, own: true},
+			{rev: 12, opens: 1, reconnects: 1, at: 2 * ttl / 3, own: true}, {rev: 13, opens: 1, reconnects: 1, at: ttl},
+		}},
+		{"reconnected, and the watch delivers nothing after", []beat{
+			{rev: 10, opens: 1, own: true}, {rev: 11, opens: 1, reconnects: 1, at: ttl / 3},
+			{rev: 12, opens: 1, reconnects: 1, at: 2 * ttl / 3, want: errReconnected},
+			{rev: 13, opens: 1, reconnects: 1, at: ttl, own: true}, {rev: 14, opens: 1, reconnects: 1, at: 4 * ttl / 3},
+		}},
+		{"a link that reconnects at every beat, the watch delivering", []beat{
+			{rev: 10, opens: 1, own: true}, {rev: 11, opens: 1, reconnects: 1, at: ttl / 3, own: true},
+			{rev: 12, opens: 1, reconnects: 2, at: 2 * ttl / 3, own: true}, {rev: 13, opens: 1, reconnects: 3, at: ttl, own: true},
+			{rev: 14, opens: 1, reconnects: 4, at: 4 * ttl / 3, own: true}, {rev: 15, opens: 1, reconnects: 4, at: 5 * ttl / 3},
+		}},
+		{"a link that reconnects at every beat, the watch silent", []beat{
+			{rev: 10, opens: 1, own: true}, {rev: 11, opens: 1, reconnects: 1, at: ttl / 3},
+			{rev: 12, opens: 1, reconnects: 2, at: 2 * ttl / 3}, {rev: 13, opens: 1, reconnects: 3, at: ttl},
+			{rev: 14, opens: 1, reconnects: 4, at: 4 * ttl / 3}, {rev: 15, opens: 1, reconnects: 5, at: 3 * ttl / 2, want: errWatchStale},
+		}},
 		{"bucket opened again by this member", []beat{
 			{rev: 2004, opens: 1, own: true}, {rev: 1, opens: 2, at: ttl / 3},
 			{rev: 3, opens: 2, at: 2 * ttl / 3, own: true}, {rev: 6, opens: 2, at: ttl},
@@ -230,7 +249,7 @@ func TestRosterOwnHeard(t *testing.T) {
 			t0 := time.Now()
 			for i, b := range c.beats {
 				at := t0.Add(b.at)
-				got := r.ownHeard(b.rev, b.opens, at, ttl)
+				got := r.ownHeard(beatStored{rev: b.rev, opens: b.opens, reconnects: b.reconnects, sent: at.Add(-time.Millisecond), at: at}, ttl)
 				if !errors.Is(got, b.want) || (b.want == nil) != (got == nil) {
 					t.Fatalf("beat %d (revision %d at %s): ownHeard = %v, want %v", i, b.rev, b.at, got, b.want)
 				}
@@ -242,5 +261,41 @@ func TestRosterOwnHeard(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestRosterReplayDoesNotRenew: a watch started anew replays the bucket's
+// entries; a dead member's last heartbeat, still in the bucket until its
+// TTL, must not make it live for another TTL at every restart (a flapping
+// link restarted the watch at every reconnect, and kept a dead member's
+// partitions unowned twice as long). A new revision renews it.
+func TestRosterReplayDoesNotRenew(t *testing.T) {
+	const ttl = time.Second
+	r := newRoster("m")
+	t0 := time.Now()
+	r.update(heard{key: "dead", rev: 5}, ttl, t0)
+	r.update(heard{key: "live", rev: 6}, ttl, t0)
+	r.update(heard{key: "dead", rev: 5}, ttl, t0.Add(9*ttl/10)) // a replay
+	r.update(heard{key: "live", rev: 9}, ttl, t0.Add(9*ttl/10)) // a heartbeat
+	live := func(at time.Duration) []string {
+		var ids []string
+		for _, m := range r.live(t0.Add(at)) {
+			ids = append(ids, m.id)
+		}
+		return ids
+	}
+	if got := live(ttl / 2); len(got) != 2 {
+		t.Fatalf("live at half a TTL: %v, want both", got)
+	}
+	if got := live(11 * ttl / 10); len(got) != 1 || got[0] != "live" {
+		t.Fatalf("live a TTL after the dead member's last heartbeat, replayed since: %v, want [live]", got)
+	}
+	r.update(heard{key: "dead", rev: 5}, ttl, t0.Add(12*ttl/10)) // replayed again, just after it expired
+	if got := live(13 * ttl / 10); len(got) != 1 || got[0] != "live" {
+		t.Fatalf("after a replay of an expired entry: %v, want [live]", got)
+	}
+	r.update(heard{key: "dead", rev: 20}, ttl, t0.Add(14*ttl/10)) // back, with a new heartbeat
+	if got := live(15 * ttl / 10); len(got) != 2 {
+		t.Fatalf("after a new heartbeat: %v, want both", got)
 	}
 }
