@@ -138,7 +138,7 @@ func TestGroupFlappingLink(t *testing.T) {
 		default:
 		}
 	}
-	twice := queryInt(t, f.pool, `SELECT count(*) - count(DISTINCT (aggregate_id, version)) FROM applied WHERE consumer = 'grp'`)
+	twice := f.appliedTwice()
 	reordered := reorderedCount(t, f)
 	t.Logf("%d cuts of a's link every %s: partitions unowned for at most %s (TTL %s); a's watch started anew on reconnect %d times, stale %d times; b's %d/%d; accepted by a's proxy %d; whole after %s",
 		flaps, period, longest.Round(time.Millisecond), ttl,

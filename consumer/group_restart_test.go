@@ -9,8 +9,6 @@ package consumer
 
 import (
 	"context"
-	"fmt"
-	"strings"
 	"testing"
 	"time"
 
@@ -49,6 +47,12 @@ func (f *fixture) unowned(atLeast, d time.Duration, want float64, done func() bo
 		time.Sleep(20 * time.Millisecond)
 	}
 	return longest, false
+}
+
+// appliedTwice is how many of group grp's applications repeat an
+// (aggregate, version) already applied.
+func (f *fixture) appliedTwice() int64 {
+	return queryInt(f.t, f.pool, `SELECT count(*) - count(DISTINCT (aggregate_id, version)) FROM applied WHERE consumer = 'grp'`)
 }
 
 // bothWhole is a condition: every event of versions 1 and 2 of aggs
@@ -96,13 +100,9 @@ func TestGroupNATSRestartKeepsPartitions(t *testing.T) {
 	}
 	var createdAgain int
 	for _, obs := range logs {
-		for _, e := range obs.All() {
-			if strings.Contains(fmt.Sprint(e.Message, e.ContextMap()), errBucketCreatedAgainText) {
-				createdAgain++
-			}
-		}
+		createdAgain += logCount(obs, errBucketCreatedAgainText)
 	}
-	twice := queryInt(t, f.pool, `SELECT count(*) - count(DISTINCT (aggregate_id, version)) FROM applied WHERE consumer = 'grp'`)
+	twice := f.appliedTwice()
 	t.Logf("after the restart: partitions unowned for at most %s (member TTL %s)", longest.Round(time.Millisecond), ttl)
 	switch {
 	case !ok:

@@ -297,7 +297,7 @@ func unanswered(err error) bool {
 	// members returns errRosterNotReady itself while no watch has ended,
 	// and wraps why the last one did otherwise (roster.notRead).
 	return err == errRosterNotReady ||
-		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened) || errors.Is(err, errWatchStale) || errors.Is(err, errBucketCreatedAgain) || errors.Is(err, errReconnected))
+		errors.Is(err, errRosterNotReady) && (errors.Is(err, errWatchEnded) || errors.Is(err, errBucketReopened) || errors.Is(err, errWatchAnew))
 }
 
 // unavailable reports whether err says JetStream cannot answer for now:

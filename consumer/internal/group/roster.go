@@ -57,7 +57,6 @@ type roster struct {
 	// connSince, when a heartbeat found it changed (zero: no reconnect
 	// to check).
 	conn      uint64
-	connSet   bool
 	connSince time.Time
 }
 
@@ -109,9 +108,11 @@ func (r *roster) ownHeard(b beatStored, ttl time.Duration) error {
 	defer r.mu.Unlock()
 	last, sameOpening := r.ownLast, b.opens == r.ownOpens
 	r.ownLast, r.ownOpens = b.rev, b.opens
-	reconnected := r.connSet && b.reconnects != r.conn
+	// Not across an opening, which restarts the watch anyway (the first
+	// heartbeat is one).
+	reconnected := sameOpening && b.reconnects != r.conn
 	pending := r.connSince
-	r.conn, r.connSet, r.connSince = b.reconnects, true, time.Time{}
+	r.conn, r.connSince = b.reconnects, time.Time{}
 	if reconnected {
 		r.connSince = b.sent
 	}
@@ -123,7 +124,7 @@ func (r *roster) ownHeard(b beatStored, ttl time.Duration) error {
 		why = fmt.Errorf("%w: this member's heartbeat was stored at revision %d after %d", errBucketCreatedAgain, b.rev, last)
 	case !pending.IsZero() && !reconnected && !r.heard.After(pending):
 		why = errReconnected
-	case r.ownWant != 0 && waited > ttl && (r.heard.IsZero() || b.at.Sub(r.heard) > ttl):
+	case r.ownWant != 0 && waited > ttl && b.at.Sub(r.heard) > ttl: // a zero heard is long ago
 		why = fmt.Errorf("%w for %s, nor anything at all for a member TTL", errWatchStale, waited.Round(time.Millisecond))
 	case r.ownWant != 0 && waited > staleWatchTTLs*ttl:
 		why = fmt.Errorf("%w for %s", errWatchStale, waited.Round(time.Millisecond))
@@ -333,8 +334,12 @@ var errWatchEnded = errors.New("the group bucket's watch ended")
 
 var errBucketReopened = errors.New("the group bucket was opened again (created anew after it was lost)")
 
-var errWatchStale = errors.New("watching the group bucket anew: its watch had delivered none of this member's heartbeats")
+// errWatchAnew wraps each reason the heartbeat gives for starting the
+// watch anew.
+var errWatchAnew = errors.New("watching the group bucket anew")
 
-var errBucketCreatedAgain = errors.New("watching the group bucket anew: it was deleted and created again by someone else")
+var errWatchStale = fmt.Errorf("%w: its watch had delivered none of this member's heartbeats", errWatchAnew)
 
-var errReconnected = errors.New("watching the group bucket anew: after the connection to NATS reconnected its watch delivered nothing, as when a restarted server lost the watch's consumer")
+var errBucketCreatedAgain = fmt.Errorf("%w: it was deleted and created again by someone else", errWatchAnew)
+
+var errReconnected = fmt.Errorf("%w: after the connection to NATS reconnected its watch delivered nothing, as when a restarted server lost the watch's consumer", errWatchAnew)
